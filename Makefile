@@ -1,0 +1,40 @@
+# Two setup commands on a fresh machine: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest
+
+.PHONY: venv demo test test-unit test-integration bench lint clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: an unpinned torch resolves to a multi-GB CUDA build.
+	$(PY) -m pip install -q -c ci/constraints.txt torch
+	$(PY) -m pip install -q -c ci/constraints.txt -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m launcher.cli submit experiments/tiny_gpt.yaml --backend local
+	$(PY) -m launcher.cli submit --resume "$$(ls -d runs/tiny-gpt/* | tail -n 1)" trainer.steps=30 --backend local
+
+test: venv
+	$(PYTEST) -q tests
+
+test-unit: venv
+	$(PYTEST) -q tests/unit
+
+test-integration: venv
+	$(PYTEST) -q tests/integration
+
+bench: venv
+	$(PY) benchmarks/control_plane.py --quick
+	$(PY) benchmarks/checkpoint.py --quick
+
+lint: venv
+	$(VENV)/bin/ruff check core launcher tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Baton's job side: the controller, the workers and the values they share."""

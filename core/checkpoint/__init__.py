@@ -1,0 +1,1 @@
+"""HDF5 checkpoints: one file per writing rank, a manifest committed last by the controller."""

@@ -1,0 +1,27 @@
+"""What a rank hands the checkpoint writer: global names and the slices it owns.
+
+This module has no third-party imports: the controller, the launcher and the workers all
+use it. A tensor is identified by its global name and global shape; a rank owns the
+rectangular slice ``[offset[i] : offset[i] + shape[i]]`` in every dimension.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSlice:
+    """One rectangular slice of a global tensor."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float32"
+
+    def __post_init__(self) -> None:
+        if not (len(self.global_shape) == len(self.offset) == len(self.shape)):
+            raise ValueError(f"{self.name}: rank mismatch {self.global_shape} {self.offset} {self.shape}")
+        for g, o, s in zip(self.global_shape, self.offset, self.shape):
+            if o < 0 or s < 0 or o + s > g:
+                raise ValueError(f"{self.name}: slice {self.offset}+{self.shape} outside {self.global_shape}")

@@ -1,0 +1,346 @@
+"""The controller's view of its workers: registration, calls with deadlines, liveness.
+
+A ``WorkerGroup`` owns one ROUTER socket. Exactly one thread uses the socket at a time
+(a lock): the program's thread while it is inside ``call``, otherwise a small pump thread
+that answers heartbeats and notices lost workers between calls. Liveness: a worker is
+lost when its heartbeats stop for ``heartbeat_timeout_s`` (exit, SIGSTOP, a hung host all
+look like this from here); when it runs on this host its pid is checked to say which.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from core import protocol
+from core.config import TimeoutsConfig
+from core.dispatch import Collect, Dispatch, collect_all, one_to_all
+from core.errors import CallTimeoutError, RegistrationError, RemoteError, WorkerLostError
+from core.parallel.dims import ParallelDims
+from core.runfolder import RunFolder
+from core.transport import ControllerSocket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    rank: int
+    identity: bytes
+    host: str
+    node: str
+    pid: int
+    last_seen: float
+    rss_mb: float = 0.0
+    busy: str = ""
+    lost: str = ""  # why it was declared lost, "" while alive
+
+
+def _diagnose(peer: Peer) -> str:
+    """Say more than 'silent' when the worker runs on this host."""
+    if peer.host != socket.gethostname():
+        return "exited or hung"
+    try:
+        with open(f"/proc/{peer.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "process exited"
+    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)", "Z": "process exited"}.get(
+        state, "process alive but unresponsive (hung)"
+    )
+
+
+class WorkerGroup:
+    """N workers that execute what the controller sends."""
+
+    def __init__(
+        self,
+        sock: ControllerSocket,
+        *,
+        world_size: int,
+        epoch: int,
+        dims: ParallelDims,
+        timeouts: TimeoutsConfig,
+        run: RunFolder,
+    ) -> None:
+        if dims.world_size != world_size:
+            raise ValueError(f"dims {dims.describe()} do not cover {world_size} workers")
+        self.sock = sock
+        self.world_size = world_size
+        self.epoch = epoch
+        self.dims = dims
+        self.timeouts = timeouts
+        self.run = run
+        self.peers: dict[int, Peer] = {}
+        self._by_identity: dict[bytes, Peer] = {}
+        self._lock = threading.Lock()
+        self._next_req = 1
+        self._inflight: dict[int, dict[int, Any]] = {}
+        self._errors: dict[int, tuple[int, protocol.Error]] = {}
+        self._next_beat = 0.0
+        self._beat_seq = 0
+        self._stop = threading.Event()
+        self._pump: threading.Thread | None = None
+        self.rendezvous: tuple[str, int] = ("", 0)
+        self.heartbeats_handled = 0
+
+    # --- registration -------------------------------------------------------------------
+    def wait_for_workers(self, timeout_s: float | None = None) -> None:
+        """Block until every rank has registered, then welcome them all."""
+        timeout_s = self.timeouts.register_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        pending: dict[int, tuple[bytes, protocol.Register]] = {}
+        with self._lock:
+            while len(pending) < self.world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(self.world_size)) - set(pending))
+                    raise RegistrationError(
+                        f"{len(pending)} of {self.world_size} workers registered within {timeout_s:.0f} s; "
+                        f"missing ranks {missing}; see {self.run.logs}/worker_r*.log"
+                    )
+                item = self.sock.recv(min(remaining, 0.5))
+                if item is None:
+                    continue
+                identity, frames = item
+                env = self._decode(identity, frames)
+                if env is None:
+                    continue
+                if not isinstance(env.msg, protocol.Register):
+                    continue  # early heartbeats before the welcome
+                if not self._admit(identity, env, pending):
+                    continue
+            ranks = sorted(pending)
+            rank0 = pending[ranks[0]][1]
+            self.rendezvous = (rank0.host, rank0.rendezvous_port)
+            now = time.monotonic()
+            for rank, (identity, reg) in pending.items():
+                peer = Peer(rank=rank, identity=identity, host=reg.host, node=reg.node, pid=reg.pid, last_seen=now)
+                self.peers[rank] = peer
+                self._by_identity[identity] = peer
+                self._send(peer, protocol.Welcome(
+                    rank=rank, world_size=self.world_size,
+                    heartbeat_interval_s=self.timeouts.heartbeat_interval_s,
+                    controller_lost_s=self.timeouts.controller_lost_s,
+                    master_addr=self.rendezvous[0], master_port=self.rendezvous[1],
+                ))
+        log.info("all %d workers registered (epoch %d)", self.world_size, self.epoch)
+        self._pump = threading.Thread(target=self._pump_loop, name="baton-pump", daemon=True)
+        self._pump.start()
+
+    def _admit(self, identity: bytes, env: protocol.Envelope, pending: dict[int, tuple[bytes, protocol.Register]]) -> bool:
+        reg = env.msg
+        assert isinstance(reg, protocol.Register)
+        if env.epoch != self.epoch:
+            return self._refuse(identity, f"stale epoch {env.epoch}: this run is at epoch {self.epoch}")
+        rank = reg.rank_hint
+        if rank == -1:
+            free = sorted(set(range(self.world_size)) - set(pending))
+            rank = free[0] if free else self.world_size
+        if not 0 <= rank < self.world_size:
+            return self._refuse(identity, f"rank {reg.rank_hint} outside the group of {self.world_size}")
+        if rank in pending:
+            return self._refuse(identity, f"rank {rank} already registered by pid {pending[rank][1].pid} on {pending[rank][1].host}")
+        pending[rank] = (identity, reg)
+        log.info("rank %d registered from %s pid %d", rank, reg.host, reg.pid)
+        return True
+
+    def _refuse(self, identity: bytes, reason: str) -> bool:
+        log.warning("refused a worker (%s): %s", identity.decode(errors="replace"), reason)
+        self.sock.send(identity, protocol.encode(protocol.Refuse(reason=reason), epoch=self.epoch))
+        return False
+
+    # --- calls --------------------------------------------------------------------------
+    def call(
+        self,
+        method: str,
+        *,
+        dispatch: Dispatch = one_to_all,
+        collect: Collect = collect_all,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``method`` on the workers; wait for every rank; return what ``collect`` picks.
+
+        Raises RemoteError (a worker raised), WorkerLostError (heartbeats stopped) or
+        CallTimeoutError (the deadline passed), each naming the ranks concerned.
+        """
+        timeout_s = self.timeouts.call_s if timeout_s is None else timeout_s
+        per_rank = dispatch(kwargs, self.dims)
+        with self._lock:
+            self._raise_if_lost()
+            req = self._next_req
+            self._next_req += 1
+            results: dict[int, Any] = {}
+            self._inflight[req] = results
+            try:
+                for rank, kw in per_rank.items():
+                    if not self._send(self.peers[rank], protocol.Call(method=method, kwargs=kw), req_id=req):
+                        self._declare_lost(self.peers[rank], "disconnected")
+                self._wait(req, method, results, set(per_rank), timeout_s)
+            finally:
+                del self._inflight[req]
+                self._errors.pop(req, None)
+        return collect(results, self.dims)
+
+    def _wait(self, req: int, method: str, results: dict[int, Any], expected: set[int], timeout_s: float) -> None:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        check = min(self.timeouts.heartbeat_interval_s, 0.1)
+        while len(results) < len(expected):
+            if req in self._errors:
+                rank, err = self._errors[req]
+                raise RemoteError(
+                    f"rank {rank} raised {err.exc_type} in {method}: {err.message}\n"
+                    f"--- remote traceback (rank {rank}, log {self.run.worker_log(rank)}) ---\n{err.traceback}",
+                    rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback,
+                )
+            self._housekeeping()
+            self._raise_if_lost()
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(expected - set(results))
+                raise CallTimeoutError(
+                    f"{method}: ranks {missing} did not answer within {timeout_s:.1f} s "
+                    f"({len(results)} of {len(expected)} did); logs: "
+                    + ", ".join(str(self.run.worker_log(r)) for r in missing[:4]),
+                    missing=missing,
+                )
+            item = self.sock.recv(min(deadline - now, check, max(0.0, self._next_beat - now)))
+            while item is not None:
+                self._handle(*item)
+                item = self.sock.recv_nowait()
+
+    # --- message handling ---------------------------------------------------------------
+    def _decode(self, identity: bytes, frames: list[Any]) -> protocol.Envelope | None:
+        try:
+            return protocol.decode(frames)
+        except protocol.ProtocolError as exc:
+            peer = self._by_identity.get(identity)
+            who = f"rank {peer.rank}" if peer else identity.decode(errors="replace")
+            log.warning("dropped a malformed message from %s: %s", who, exc)
+            return None
+
+    def _handle(self, identity: bytes, frames: list[Any]) -> None:
+        env = self._decode(identity, frames)
+        if env is None:
+            return
+        peer = self._by_identity.get(identity)
+        msg = env.msg
+        if peer is None:
+            if isinstance(msg, protocol.Register):
+                reason = (f"stale epoch {env.epoch}: this run is at epoch {self.epoch}" if env.epoch != self.epoch
+                          else f"the group of {self.world_size} is complete")
+                self._refuse(identity, reason)
+            return
+        if env.epoch != self.epoch:
+            log.warning("dropped a message of epoch %d from rank %d (run is at %d)", env.epoch, peer.rank, self.epoch)
+            return
+        peer.last_seen = time.monotonic()
+        if isinstance(msg, protocol.Heartbeat):
+            peer.busy, peer.rss_mb = msg.busy, msg.rss_mb
+            self.heartbeats_handled += 1
+        elif isinstance(msg, protocol.Result):
+            results = self._inflight.get(env.req_id)
+            if results is not None:
+                results[peer.rank] = msg.value
+        elif isinstance(msg, protocol.Error):
+            if env.req_id in self._inflight:
+                self._errors.setdefault(env.req_id, (peer.rank, msg))
+        elif isinstance(msg, protocol.Log):
+            log.log(msg.level, "[rank %d] %s", peer.rank, msg.message)
+        else:
+            log.warning("ignored a %s message from rank %d", type(msg).__name__, peer.rank)
+
+    def _send(self, peer: Peer, msg: protocol.Message, req_id: int = 0) -> bool:
+        return self.sock.send(peer.identity, protocol.encode(msg, req_id=req_id, epoch=self.epoch))
+
+    def _housekeeping(self) -> None:
+        """Answer with a heartbeat of our own when due, and check everyone's heartbeats."""
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._beat_seq += 1
+            frames = protocol.encode(protocol.Heartbeat(seq=self._beat_seq), epoch=self.epoch)
+            for peer in self.peers.values():
+                if not peer.lost:
+                    self.sock.send(peer.identity, frames)
+            self._next_beat = now + self.timeouts.heartbeat_interval_s
+        limit = self.timeouts.heartbeat_timeout_s
+        for peer in self.peers.values():
+            if not peer.lost and now - peer.last_seen > limit:
+                self._declare_lost(peer, f"no heartbeat for {now - peer.last_seen:.1f} s: {_diagnose(peer)}")
+
+    def _declare_lost(self, peer: Peer, why: str) -> None:
+        peer.lost = why
+        log.error("rank %d (%s pid %d on %s) lost: %s", peer.rank, peer.host, peer.pid, peer.node, why)
+
+    def lost(self) -> list[Peer]:
+        return [p for p in self.peers.values() if p.lost]
+
+    def _raise_if_lost(self) -> None:
+        lost = self.lost()
+        if lost:
+            detail = "; ".join(
+                f"rank {p.rank} (pid {p.pid} on {p.node}): {p.lost}; log {self.run.worker_log(p.rank)}" for p in lost
+            )
+            raise WorkerLostError(f"lost {len(lost)} worker(s): {detail}", ranks=[p.rank for p in lost])
+
+    def check(self) -> None:
+        """Between calls: raise WorkerLostError if a worker was lost meanwhile."""
+        with self._lock:
+            self._raise_if_lost()
+
+    def _pump_loop(self) -> None:
+        interval = min(self.timeouts.heartbeat_interval_s, 0.1)
+        while not self._stop.wait(interval):
+            if not self._lock.acquire(blocking=False):
+                continue  # a call is running and doing this itself
+            try:
+                while (item := self.sock.recv_nowait()) is not None:
+                    self._handle(*item)
+                self._housekeeping()
+            except Exception:  # noqa: BLE001 - the pump must never die silently
+                log.exception("controller pump failed")
+            finally:
+                self._lock.release()
+
+    # --- ending -------------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """Tell every worker to stop at once (best effort)."""
+        self._broadcast(protocol.Abort(reason=reason))
+
+    def shutdown(self, reason: str = "run finished") -> None:
+        """Tell every worker to finish and exit."""
+        self._broadcast(protocol.Shutdown(reason=reason))
+
+    def _broadcast(self, msg: protocol.Message) -> None:
+        with self._lock:
+            for peer in self.peers.values():
+                if not peer.lost:
+                    self._send(peer, msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=2)
+
+
+def publish_address(run: RunFolder, sock: ControllerSocket, *, host: str, epoch: int) -> dict[str, Any]:
+    """Write controller.json so workers can find this controller."""
+    from core.runfolder import write_json
+
+    info = {
+        "address": f"tcp://{host}:{sock.port}",
+        "host": host,
+        "port": sock.port,
+        "epoch": epoch,
+        "pid": os.getpid(),
+        "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
+        "started": time.time(),
+    }
+    write_json(run.controller, info)
+    return info

@@ -1,0 +1,65 @@
+"""Baton's error hierarchy, in one place.
+
+User errors are ``ValueError`` subclasses with one-line, actionable messages: the CLI
+turns them into exit code 2 without a traceback. Runtime failures of a run (a lost
+worker, a missed deadline, a remote exception) are ``BatonRuntimeError`` subclasses.
+"""
+from __future__ import annotations
+
+
+class BatonError(Exception):
+    """Base of every error Baton raises on purpose."""
+
+
+class UserError(BatonError, ValueError):
+    """Bad input from the user: config, CLI arguments, files. One line, with the fix."""
+
+
+class ConfigError(UserError):
+    """A config value is wrong; the message names the dotted path, the value and the fix."""
+
+
+class LayoutError(ConfigError):
+    """The parallel layout does not fit the model or the worker count."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint file or folder is missing, incomplete or corrupt."""
+
+
+class ProtocolError(BatonError, ValueError):
+    """A message from the wire is malformed, of an unknown kind or of another version."""
+
+
+class BatonRuntimeError(BatonError, RuntimeError):
+    """A run failed while executing."""
+
+
+class WorkerLostError(BatonRuntimeError):
+    """One or more workers stopped heartbeating, exited or were declared hung."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class CallTimeoutError(BatonRuntimeError):
+    """A call's deadline passed before every expected rank answered."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class RemoteError(BatonRuntimeError):
+    """A worker raised while executing a call; carries the remote traceback."""
+
+    def __init__(self, message: str, rank: int, exc_type: str, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+class RegistrationError(BatonRuntimeError):
+    """Workers did not register in time, or a worker was refused."""

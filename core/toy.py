@@ -1,0 +1,82 @@
+"""A deterministic numpy task for the control plane: no torch, starts in milliseconds.
+
+Each rank fits its own linear model to batches drawn from (seed, step, rank), so a run is
+reproducible and a loss that falls shows calls arrive in order. The extra methods
+(``echo``, ``fail``, ``sleep``) exist so tests and benchmarks can drive the runtime.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from core.task import WorkerContext
+
+_DIM = 16
+
+
+class ToyTask:
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.seed = 0
+        self.lr = 0.1
+        self.w = np.zeros(_DIM)
+        self.true_w = np.zeros(_DIM)
+
+    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "setup": self.setup,
+            "train_step": self.train_step,
+            "get_state": self.get_state,
+            "set_state": self.set_state,
+            "noop": self.noop,
+            "echo": self.echo,
+            "fail": self.fail,
+            "sleep": self.sleep,
+            "pid": self.pid,
+        }
+
+    def setup(self, config: dict[str, Any], master_addr: str = "", master_port: int = 0) -> dict[str, Any]:
+        self.seed = int(config.get("seed", 0))
+        lr = config.get("optimizer", {}).get("lr", 0.1)
+        self.lr = 0.1 if lr == "auto" else min(float(lr), 0.2)
+        self.true_w = np.random.default_rng(self.seed).normal(size=_DIM)
+        self.w = np.zeros(_DIM)
+        return {"coords": {"tp": 0, "pp": 0, "dp": self.ctx.rank}, "layers": [], "num_params": _DIM, "device": "cpu"}
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        rng = np.random.default_rng([self.seed, step, self.ctx.rank])
+        x = rng.normal(size=(32, _DIM))
+        y = x @ self.true_w
+        err = x @ self.w - y
+        loss = float(np.mean(err**2))
+        grad = 2 * x.T @ err / len(x)
+        self.w = self.w - self.lr * grad
+        return {"loss": loss, "grad_norm": float(np.linalg.norm(grad)), "lr": self.lr, "tokens": 32,
+                "step_time_s": time.perf_counter() - t0}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"w": self.w}
+
+    def set_state(self, w: np.ndarray) -> None:
+        self.w = np.array(w, dtype=np.float64)
+
+    def noop(self) -> None:
+        return None
+
+    def echo(self, **kwargs: Any) -> dict[str, Any]:
+        return {"rank": self.ctx.rank, **kwargs}
+
+    def fail(self, message: str = "requested failure") -> None:
+        raise RuntimeError(message)
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)  # the behaviour under test: a slow call
+        return seconds
+
+    def pid(self) -> int:
+        return os.getpid()

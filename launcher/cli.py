@@ -1,0 +1,53 @@
+"""``baton``: the command line. Parse, dispatch to one command module, map errors to exits.
+
+Exit codes: 0 success, 1 the run or check failed, 2 bad input (config, arguments, files;
+one line on stderr, a traceback only with --debug).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from core.errors import UserError
+from launcher import cmd_logs, cmd_status, cmd_submit
+
+COMMANDS = [cmd_submit, cmd_status, cmd_logs]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: exit 2, one line + usage
+        self.print_usage(sys.stderr)
+        self.exit(2, f"baton: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="baton",
+        description="Launch Megatron-core training on Slurm: one controller, many workers.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""``baton submit``: validate, write the run folder, start the run (local or Slurm)."""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from core import config as config_mod
+from launcher import local, runprep
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "submit", help="validate a config and start a run",
+        description="Validate EXPERIMENT.yaml with key=value overrides, write the run folder and start "
+        "the run: on Slurm as one heterogeneous job (returns at once), or locally as processes "
+        "(returns when the run ends).",
+    )
+    p.add_argument("config", type=Path, nargs="?", help="experiment YAML (omit with --resume)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. parallel.tp=2")
+    p.add_argument("--backend", choices=["auto", "local", "slurm"], default="auto",
+                   help="auto (default): slurm when sbatch is on PATH, else local processes")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue an existing run folder from its latest committed checkpoint")
+    p.set_defaults(func=run)
+
+
+def pick_backend(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "slurm" if shutil.which("sbatch") else "local"
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        if args.config is not None:  # with --resume, every positional is an override
+            overrides.insert(0, str(args.config))
+        run_folder, cfg, epoch = runprep.prepare_resume(args.resume, overrides)
+    else:
+        if args.config is None:
+            raise config_mod.ConfigError("submit: give an experiment YAML, or --resume RUN_DIR")
+        cfg = config_mod.load(args.config, overrides)
+        run_folder, epoch = None, 0
+    backend = pick_backend(args.backend)
+    if backend == "slurm":
+        raise config_mod.ConfigError("--backend slurm: not available yet in this version; use --backend local")
+    if run_folder is None:
+        run_folder = runprep.prepare_run(cfg, backend=backend)
+    print(f"run folder: {run_folder.path}")
+    code = local.run_local(run_folder, cfg, epoch=epoch)
+    state = run_folder.read_state()
+    print(f"run {state.get('status', 'unknown')} at step {state.get('step', 0)}/{cfg.trainer.steps}"
+          + (f", last loss {state['last_loss']:.4f}" if isinstance(state.get("last_loss"), float) else "")
+          + (f": {state['reason']}" if state.get("reason") else ""))
+    print(f"run folder: {run_folder.path}")
+    return 0 if code == 0 else 1

@@ -1,0 +1,74 @@
+"""Fixtures for integration tests that need the local Slurm cluster (tests/cluster/)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # works under any --import-mode
+    sys.path.insert(0, _HERE)
+
+import slurm_helpers  # noqa: E402
+
+START_HINT = (
+    "start one with `bash tests/cluster/slurm-cluster.sh install && "
+    "bash tests/cluster/slurm-cluster.sh start`"
+)
+
+
+def running_in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """Ensures the local two-node Slurm cluster answers; returns its cluster name.
+
+    Skips the test without a cluster, except in CI (CI=true) where that is a failure.
+    """
+    problem = slurm_helpers.cluster_problem(("node1", "node2"))
+    if problem is not None:
+        if running_in_ci():
+            pytest.fail(f"no local Slurm cluster in CI ({problem}); {START_HINT}", pytrace=False)
+        pytest.skip(f"no local Slurm cluster: {START_HINT} ({problem})")
+    return "baton"
+
+
+@pytest.fixture
+def slurm_jobs() -> Iterator[list[int]]:
+    """A list to append submitted job ids to; every one is scancelled at teardown."""
+    jobs: list[int] = []
+    yield jobs
+    slurm_helpers.scancel(jobs)
+
+
+@pytest.fixture
+def shared_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh folder under /tmp that the jobs (root, either node) can write to.
+
+    Removed after a passing test; kept (and its path printed) after a failure.
+    """
+    path = Path(tempfile.mkdtemp(prefix="baton-slurm-test-", dir="/tmp"))
+    path.chmod(0o777)
+    yield path
+    report = getattr(request.node, "_baton_call_report", None)
+    if report is not None and report.passed:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        print(f"kept job output folder: {path}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # Lets shared_tmp know whether the test body passed (scoped to this folder's tests).
+    report = yield
+    if report.when == "call":
+        item._baton_call_report = report  # type: ignore[attr-defined]
+    return report
