@@ -180,7 +180,7 @@ class WorkerGroup:
             try:
                 for rank, kw in per_rank.items():
                     if not self._send(self.peers[rank], protocol.Call(method=method, kwargs=kw), req_id=req):
-                        self._declare_lost(self.peers[rank], "disconnected")
+                        self._declare_lost(self.peers[rank], f"connection closed: {_diagnose(self.peers[rank])}")
                 self._wait(req, method, results, set(per_rank), timeout_s)
             finally:
                 del self._inflight[req]

@@ -1,0 +1,83 @@
+"""Shared test helpers: deadline polling and local runs whose processes we own by pid."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from core import config as config_mod
+from core.runfolder import RunFolder
+from launcher import local, runprep
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Poll ``predicate`` until truthy; on timeout fail saying what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.1f} s waiting for {what} (last value: {last!r})")
+
+
+@dataclass
+class LocalRun:
+    """A run started from a test: controller and workers as our own child processes."""
+
+    run: RunFolder
+    cfg: config_mod.RunConfig
+    controller: subprocess.Popen[bytes] | None = None
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, *, epoch: int = 0, controller: bool = True, workers: bool = True) -> LocalRun:
+        if controller:
+            self.controller = local._spawn(self.run, "controller", epoch=epoch, rank=None)
+        if workers:
+            self.workers = [local._spawn(self.run, "worker", epoch=epoch, rank=r) for r in range(self.cfg.trainer.world_size)]
+        return self
+
+    def state(self) -> dict[str, Any]:
+        try:
+            return self.run.read_state()
+        except Exception:  # noqa: BLE001 - mid-replace reads are retried by the poller
+            return {}
+
+    def log(self, name: str = "controller") -> str:
+        path = self.run.controller_log if name == "controller" else self.run.worker_log(int(name))
+        return path.read_text() if path.exists() else ""
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in [self.controller, *self.workers] if p is not None]
+
+    def cleanup(self) -> None:
+        for p in self.procs():
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+            p.wait(timeout=10)
+
+
+def make_run(tmp_path: Path, experiment: str, overrides: list[str]) -> LocalRun:
+    cfg = config_mod.load(REPO / "experiments" / experiment, [f"runs_root={tmp_path}", *overrides])
+    return LocalRun(run=runprep.prepare_run(cfg, backend="local"), cfg=cfg)
+
+
+def baton(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=env, timeout=timeout)

@@ -1,0 +1,203 @@
+"""The control plane with real processes, real sockets, real signals (toy numpy task)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from core import dispatch, protocol
+from core.config import TimeoutsConfig
+from core.controller import WorkerGroup, publish_address
+from core.errors import CallTimeoutError, RemoteError, WorkerLostError
+from core.parallel.dims import ParallelDims
+from core.transport import ControllerSocket, WorkerSocket, generate_keys
+from tests.helpers import LocalRun, baton, make_run, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=1.5", "timeouts.controller_lost_s=3"]
+
+
+@pytest.fixture
+def toy(tmp_path: Path):
+    runs: list[LocalRun] = []
+
+    def start(*overrides: str, epoch: int = 0, **kw: bool) -> LocalRun:
+        r = make_run(tmp_path, "toy.yaml", [*FAST, *overrides]).start(epoch=epoch, **kw)
+        runs.append(r)
+        return r
+
+    yield start
+    for r in runs:
+        r.cleanup()
+
+
+def test_local_run_with_four_workers_completes(tmp_path: Path) -> None:
+    res = baton("submit", "experiments/toy.yaml", f"runs_root={tmp_path}", "--backend", "local", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "run completed at step 20/20" in res.stdout
+    run_dir = Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "plan.json").is_file()
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    for key in ("controller.key_secret", "worker.key_secret"):
+        assert oct((run_dir / "keys" / key).stat().st_mode & 0o777) == "0o600"
+    metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 20
+    for r in range(4):
+        assert "registered as rank" in (run_dir / "logs" / f"worker_r{r:05d}.log").read_text()
+
+
+def _wait_progress(r: LocalRun) -> None:
+    wait_for(lambda: r.state().get("step", 0) >= 5, 60, "the run to pass step 5")
+
+
+def test_kill_9_of_a_worker_is_reported_naming_its_rank(toy) -> None:
+    r = toy("trainer.steps=1000000")
+    _wait_progress(r)
+    victim = r.workers[2]
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.time()
+    state = wait_for(lambda: r.state() if r.state().get("status") == "failed" else None, 15, "the run to fail")
+    assert "rank 2" in state["reason"] and "process exited" in state["reason"]
+    failed_at = state["history"][-1]["time"]
+    assert failed_at - killed < 1.5 + 1.0, f"detected after {failed_at - killed:.2f} s"
+    assert r.controller is not None and r.controller.wait(timeout=15) == 1
+    for w in r.workers:  # the survivors were told to abort and exited
+        w.wait(timeout=15)
+
+
+def test_a_stopped_worker_is_detected_as_hung(toy) -> None:
+    r = toy("trainer.steps=1000000")
+    _wait_progress(r)
+    os.kill(r.workers[1].pid, signal.SIGSTOP)
+    state = wait_for(lambda: r.state() if r.state().get("status") == "failed" else None, 15, "the run to fail")
+    assert "rank 1" in state["reason"] and "stopped (SIGSTOP)" in state["reason"]
+
+
+def test_a_worker_whose_controller_is_killed_exits_by_itself(toy) -> None:
+    r = toy("trainer.steps=1000000")
+    _wait_progress(r)
+    assert r.controller is not None
+    os.kill(r.controller.pid, signal.SIGKILL)
+    for w in r.workers:
+        assert w.wait(timeout=3 + 10) == 3  # EXIT_CONTROLLER_LOST
+    assert "controller silent" in r.log("0")
+
+
+def _raw_dealer(address: str, *, public: bytes | None = None, secret: bytes | None = None, server: bytes | None = None):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if public is not None:
+        s.curve_publickey, s.curve_secretkey, s.curve_serverkey = public, secret, server
+    s.connect(address)
+    return ctx, s
+
+
+def test_clients_without_the_run_keys_get_nothing_and_the_run_is_unaffected(toy, tmp_path: Path) -> None:
+    r = toy("trainer.steps=400")
+    info = wait_for(lambda: r.run.controller.exists() and __import__("json").loads(r.run.controller.read_text()), 30,
+                    "controller.json")
+    register = protocol.encode(protocol.Register(rank_hint=0, host="intruder", node="x", pid=1))
+    # 1) no CURVE at all; 2) CURVE with a key pair the run did not issue.
+    other = tmp_path / "otherkeys"
+    generate_keys(other)
+    server_public, _ = zmq.auth.load_certificate(str(r.run.keys / "controller.key_secret"))
+    pub, sec = zmq.auth.load_certificate(str(other / "worker.key_secret"))
+    for kwargs in ({}, {"public": pub, "secret": sec, "server": server_public}):
+        ctx, s = _raw_dealer(info["address"], **kwargs)
+        try:
+            s.send_multipart(register)
+            s.send_multipart(protocol.encode(protocol.Call(method="fail")))
+            assert s.poll(1500) == 0, "an unauthenticated client got an answer"
+        finally:
+            ctx.destroy(linger=0)
+    assert r.controller is not None and r.controller.wait(timeout=60) == 0
+    assert r.state()["status"] == "completed" and r.state()["step"] == 400
+
+
+def test_a_worker_of_a_stale_epoch_is_refused_by_name(toy) -> None:
+    r = toy("trainer.steps=1000000", epoch=1)
+    info = wait_for(lambda: r.run.controller.exists() and __import__("json").loads(r.run.controller.read_text()), 30,
+                    "controller.json")
+    ws = WorkerSocket(info["address"], r.run.keys, identity=b"stale")
+    try:
+        WorkerSocket.send(ws.sock, protocol.encode(protocol.Register(rank_hint=0, host="h", node="n", pid=1), epoch=0))
+        assert ws.sock.poll(10000), "no answer to a stale registration"
+        env = protocol.decode(WorkerSocket.recv(ws.sock))
+    finally:
+        ws.close()
+    assert isinstance(env.msg, protocol.Refuse)
+    assert "stale epoch 0: this run is at epoch 1" in env.msg.reason
+    _wait_progress(r)  # the real workers (epoch 1) are training regardless
+
+
+# --- the WorkerGroup API, driven from this process against real worker processes --------
+
+@pytest.fixture
+def group(tmp_path: Path):
+    r = make_run(tmp_path, "toy.yaml", [*FAST, "trainer.n_gpus_per_node=4"])
+    sock = ControllerSocket(r.run.keys)
+    publish_address(r.run, sock, host="127.0.0.1", epoch=0)
+    g = WorkerGroup(sock, world_size=4, epoch=0, dims=ParallelDims(tp=1, pp=1, dp=4),
+                    timeouts=TimeoutsConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5), run=r.run)
+    r.start(controller=False)
+    g.wait_for_workers(60)
+    yield g, r
+    g.shutdown()
+    for w in r.workers:
+        w.wait(timeout=20)
+    g.close()
+    sock.close()
+    r.cleanup()
+
+
+def test_dispatch_and_collect_modes(group) -> None:
+    g, _ = group
+    assert [x["rank"] for x in g.call("echo", v=1)] == [0, 1, 2, 3]
+    assert g.call("echo", v=2, collect=dispatch.rank_zero) == {"rank": 0, "v": 2}
+    split = g.call("echo", xs=list(range(8)), k="same", dispatch=dispatch.split_by_dp)
+    assert [x["xs"] for x in split] == [[0, 1], [2, 3], [4, 5], [6, 7]] and {x["k"] for x in split} == {"same"}
+    arr = np.arange(8, dtype=np.float32)
+    back = g.call("echo", a=arr, collect=dispatch.loss_owners)
+    assert len(back) == 4 and all(np.array_equal(b["a"], arr) for b in back)
+
+
+def test_remote_errors_carry_rank_and_traceback(group) -> None:
+    g, _ = group
+    with pytest.raises(RemoteError) as info:
+        g.call("fail", message="kaboom")
+    assert "raised RuntimeError in fail: kaboom" in str(info.value)
+    assert "Traceback" in info.value.remote_traceback and "toy.py" in info.value.remote_traceback
+    with pytest.raises(RemoteError, match="no method 'nope'"):
+        g.call("nope")
+    assert g.call("noop") == [None] * 4  # the group is usable afterwards
+
+
+def test_a_missed_deadline_names_the_missing_ranks(group) -> None:
+    g, _ = group
+    with pytest.raises(CallTimeoutError) as info:
+        g.call("sleep", seconds=3.0, timeout_s=0.5)
+    assert info.value.missing == [0, 1, 2, 3] and "did not answer within 0.5 s" in str(info.value)
+
+
+def test_heartbeats_continue_during_a_long_call_and_between_calls(group) -> None:
+    g, _ = group
+    assert g.call("sleep", seconds=2.5, timeout_s=10) == [2.5] * 4  # longer than heartbeat_timeout_s
+    before = g.heartbeats_handled
+    wait_for(lambda: g.heartbeats_handled > before + 8, 5, "heartbeats handled by the idle pump")
+    g.check()
+
+
+def test_a_worker_lost_between_calls_fails_the_next_call(group) -> None:
+    g, r = group
+    pids = g.call("pid")
+    os.kill(pids[3], signal.SIGKILL)
+    wait_for(lambda: g.lost(), 5, "rank 3 declared lost")
+    with pytest.raises(WorkerLostError) as info:
+        g.call("noop")
+    assert info.value.ranks == [3]

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core import config
+from core.errors import ConfigError, LayoutError
+from core.parallel.dims import ParallelDims
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_overrides_set_dotted_paths_with_yaml_types() -> None:
+    cfg = config.from_data(config.apply_overrides({}, ["trainer.n_gpus_per_node=8", "parallel.tp=2",
+                                                        "optimizer.lr=3e-4", "checkpoint.async=true"]))
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.parallel.tp == 2
+    assert cfg.optimizer.lr == pytest.approx(3e-4)  # YAML 1.1 reads 3e-4 as a string; the schema converts
+    assert cfg.checkpoint.async_save is True
+    assert cfg.dims == ParallelDims(tp=2, pp=1, dp=4)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"paralel": {"tp": 2}}, "paralel: unknown key; did you mean 'parallel'?"),
+        ({"parallel": {"tpp": 2}}, "parallel.tpp: unknown key; did you mean 'parallel.tp'?"),
+        ({"parallel": {"tp": "two"}}, "parallel.tp: 'two' is not an integer"),
+        ({"trainer": {"steps": True}}, "trainer.steps: True is not an integer"),
+        ({"training": {"micro_batch_size": "big"}}, "training.micro_batch_size: 'big' is not an integer or 'auto'"),
+        ({"checkpoint": {"keep_last": 1}}, "checkpoint.keep_last: 1 must be ≥ 2"),
+    ],
+)
+def test_bad_values_name_the_dotted_path_and_value(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.from_data(data)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_override_path_is_rejected_with_closest_name() -> None:
+    with pytest.raises(ConfigError, match=r"override trainer.n_gpu_per_node: unknown key; did you mean 'trainer.n_gpus_per_node'"):
+        config.apply_overrides({}, ["trainer.n_gpu_per_node=2"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        config.apply_overrides({}, ["parallel.tp"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.tp=3"], "parallel.tp: 3 does not divide model.num_attention_heads = 4"),
+        (["parallel.pp=3"], "parallel.pp: 3 does not divide model.num_layers = 4"),
+        (["trainer.n_gpus_per_node=6", "parallel.tp=2", "parallel.pp=2"], "6 workers are not divisible by tp*pp = 4"),
+        (["trainer.n_gpus_per_node=2", "training.global_batch_size=6", "training.micro_batch_size=2"],
+         "training.global_batch_size: 6 is not divisible by micro_batch_size × dp = 2 × 2 = 4"),
+    ],
+)
+def test_invalid_layouts_are_rejected_with_the_numbers(overrides: list[str], message: str) -> None:
+    with pytest.raises(LayoutError) as info:
+        config.from_data(config.apply_overrides({}, overrides))
+    assert message in str(info.value)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
+    cfg = config.load(REPO / "experiments" / "toy.yaml", ["seed=7", "checkpoint.async=true"])
+    path = tmp_path / "config.yaml"
+    path.write_text(config.dump(cfg))
+    assert config.load(path) == cfg
+
+
+def test_every_shipped_experiment_validates() -> None:
+    files = sorted((REPO / "experiments").glob("*.yaml"))
+    assert files
+    for f in files:
+        if "sweep" in f.name or "grid" in f.name:
+            continue
+        config.load(f)
+
+
+def test_missing_and_malformed_files_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        config.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        config.load(listy)
+
+
+def test_lr_auto_is_the_documented_heuristic() -> None:
+    cfg = config.from_data({"optimizer": {"lr": "auto"}, "training": {"global_batch_size": 4096, "micro_batch_size": 4}})
+    assert cfg.lr == pytest.approx(3e-6 * 2)
