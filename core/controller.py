@@ -2,7 +2,9 @@
 
 A ``WorkerGroup`` owns one ROUTER socket. Exactly one thread uses the socket at a time
 (a lock): the program's thread while it is inside ``call``, otherwise a small pump thread
-that answers heartbeats and notices lost workers between calls. Liveness: a worker is
+that records heartbeats and notices lost workers between calls. Each worker connects
+twice: its call socket (identity I) and its heartbeat socket (identity I + b"/hb"); the
+controller's own heartbeats and aborts go to the latter. Liveness: a worker is
 lost when its heartbeats stop for ``heartbeat_timeout_s`` (exit, SIGSTOP, a hung host all
 look like this from here); when it runs on this host its pid is checked to say which.
 """
@@ -26,6 +28,8 @@ from core.transport import ControllerSocket
 
 log = logging.getLogger(__name__)
 
+HB_SUFFIX = b"/hb"
+
 
 @dataclass
 class Peer:
@@ -38,6 +42,10 @@ class Peer:
     rss_mb: float = 0.0
     busy: str = ""
     lost: str = ""  # why it was declared lost, "" while alive
+
+    @property
+    def hb_identity(self) -> bytes:
+        return self.identity + HB_SUFFIX
 
 
 def _diagnose(peer: Peer) -> str:
@@ -82,7 +90,11 @@ class WorkerGroup:
         self._inflight: dict[int, dict[int, Any]] = {}
         self._errors: dict[int, tuple[int, protocol.Error]] = {}
         self._next_beat = 0.0
+        self._next_check = 0.0
         self._beat_seq = 0
+        self._n_lost = 0
+        # Workers only need our heartbeat to notice a dead controller: a few per limit do.
+        self._beat_interval_s = max(timeouts.heartbeat_interval_s, timeouts.controller_lost_s / 5)
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
         self.rendezvous: tuple[str, int] = ("", 0)
@@ -122,6 +134,7 @@ class WorkerGroup:
                 peer = Peer(rank=rank, identity=identity, host=reg.host, node=reg.node, pid=reg.pid, last_seen=now)
                 self.peers[rank] = peer
                 self._by_identity[identity] = peer
+                self._by_identity[identity + HB_SUFFIX] = peer
                 self._send(peer, protocol.Welcome(
                     rank=rank, world_size=self.world_size,
                     heartbeat_interval_s=self.timeouts.heartbeat_interval_s,
@@ -178,9 +191,15 @@ class WorkerGroup:
             results: dict[int, Any] = {}
             self._inflight[req] = results
             try:
+                encoded: dict[int, list[Any]] = {}  # one_to_all hands every rank the same dict: encode once
                 for rank, kw in per_rank.items():
-                    if not self._send(self.peers[rank], protocol.Call(method=method, kwargs=kw), req_id=req):
-                        self._declare_lost(self.peers[rank], f"connection closed: {_diagnose(self.peers[rank])}")
+                    frames = encoded.get(id(kw))
+                    if frames is None:
+                        frames = encoded[id(kw)] = protocol.encode(
+                            protocol.Call(method=method, kwargs=kw), req_id=req, epoch=self.epoch)
+                    peer = self.peers[rank]
+                    if not self.sock.send(peer.identity, frames):
+                        self._declare_lost(peer, f"connection closed: {_diagnose(peer)}")
                 self._wait(req, method, results, set(per_rank), timeout_s)
             finally:
                 del self._inflight[req]
@@ -191,7 +210,8 @@ class WorkerGroup:
         start = time.monotonic()
         deadline = start + timeout_s
         check = min(self.timeouts.heartbeat_interval_s, 0.1)
-        while len(results) < len(expected):
+        n = len(expected)
+        while len(results) < n:
             if req in self._errors:
                 rank, err = self._errors[req]
                 raise RemoteError(
@@ -210,9 +230,11 @@ class WorkerGroup:
                     + ", ".join(str(self.run.worker_log(r)) for r in missing[:4]),
                     missing=missing,
                 )
-            item = self.sock.recv(min(deadline - now, check, max(0.0, self._next_beat - now)))
+            item = self.sock.recv(min(deadline - now, check))
             while item is not None:
                 self._handle(*item)
+                if len(results) >= n:
+                    break
                 item = self.sock.recv_nowait()
 
     # --- message handling ---------------------------------------------------------------
@@ -260,15 +282,18 @@ class WorkerGroup:
         return self.sock.send(peer.identity, protocol.encode(msg, req_id=req_id, epoch=self.epoch))
 
     def _housekeeping(self) -> None:
-        """Answer with a heartbeat of our own when due, and check everyone's heartbeats."""
+        """When due: send our heartbeat, and check everyone's (O(N), so rate-limited)."""
         now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + min(self.timeouts.heartbeat_interval_s, 0.1)
         if now >= self._next_beat:
             self._beat_seq += 1
             frames = protocol.encode(protocol.Heartbeat(seq=self._beat_seq), epoch=self.epoch)
             for peer in self.peers.values():
                 if not peer.lost:
-                    self.sock.send(peer.identity, frames)
-            self._next_beat = now + self.timeouts.heartbeat_interval_s
+                    self.sock.send(peer.hb_identity, frames)
+            self._next_beat = now + self._beat_interval_s
         limit = self.timeouts.heartbeat_timeout_s
         for peer in self.peers.values():
             if not peer.lost and now - peer.last_seen > limit:
@@ -276,12 +301,15 @@ class WorkerGroup:
 
     def _declare_lost(self, peer: Peer, why: str) -> None:
         peer.lost = why
+        self._n_lost += 1
         log.error("rank %d (%s pid %d on %s) lost: %s", peer.rank, peer.host, peer.pid, peer.node, why)
 
     def lost(self) -> list[Peer]:
         return [p for p in self.peers.values() if p.lost]
 
     def _raise_if_lost(self) -> None:
+        if not self._n_lost:
+            return
         lost = self.lost()
         if lost:
             detail = "; ".join(
@@ -310,18 +338,20 @@ class WorkerGroup:
 
     # --- ending -------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
-        """Tell every worker to stop at once (best effort)."""
-        self._broadcast(protocol.Abort(reason=reason))
+        """Tell every worker to stop at once (best effort; to the heartbeat socket, which
+        is read even while a step runs)."""
+        self._broadcast(protocol.Abort(reason=reason), heartbeat_socket=True)
 
     def shutdown(self, reason: str = "run finished") -> None:
-        """Tell every worker to finish and exit."""
-        self._broadcast(protocol.Shutdown(reason=reason))
+        """Tell every worker to finish and exit (after any call it is executing)."""
+        self._broadcast(protocol.Shutdown(reason=reason), heartbeat_socket=False)
 
-    def _broadcast(self, msg: protocol.Message) -> None:
+    def _broadcast(self, msg: protocol.Message, *, heartbeat_socket: bool) -> None:
+        frames = protocol.encode(msg, epoch=self.epoch)
         with self._lock:
             for peer in self.peers.values():
                 if not peer.lost:
-                    self._send(peer, msg)
+                    self.sock.send(peer.hb_identity if heartbeat_socket else peer.identity, frames)
 
     def close(self) -> None:
         self._stop.set()

@@ -210,7 +210,7 @@ def decode(frames: Sequence[Any]) -> Envelope:
 def _decode(frames: Sequence[Any]) -> Envelope:
     if not frames:
         raise ProtocolError("empty message")
-    buffers = [memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
+    buffers = [f if isinstance(f, bytes) else memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
     used: set[int] = set()
 
     def ext_hook(code: int, data: bytes) -> Any:
@@ -230,8 +230,8 @@ def _decode(frames: Sequence[Any]) -> Envelope:
         used.add(index)
         buf = buffers[index]
         expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        if buf.nbytes != expected:
-            raise ProtocolError(f"array frame {index} has {buf.nbytes} bytes, header says {expected}")
+        if len(memoryview(buf).cast("B")) != expected:
+            raise ProtocolError(f"array frame {index} has {len(memoryview(buf).cast('B'))} bytes, header says {expected}")
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
     header = msgpack.unpackb(buffers[0], ext_hook=ext_hook, raw=False, strict_map_key=True)

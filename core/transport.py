@@ -27,6 +27,30 @@ from zmq.auth.thread import ThreadAuthenticator
 
 Frames = Sequence[Any]
 
+# Frames below this size are copied: for small messages a copy is far cheaper than
+# zero-copy bookkeeping (measured: ~10 µs per zero-copy frame vs ~1 µs per copied one).
+_ZERO_COPY_MIN = 65536
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+def _send_frames(sock: Any, frames: Frames, first: bytes | None = None) -> None:
+    parts = [first, *frames] if first is not None else list(frames)
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        big = len(part) >= _ZERO_COPY_MIN if isinstance(part, bytes) else memoryview(part).nbytes >= _ZERO_COPY_MIN
+        sock.send(part, _SNDMORE if i < last else 0, copy=not big, track=False)
+
+
+def _recv_frames(sock: Any, flags: int = 0) -> list[Any]:
+    """Routing and header frames as bytes; array frames (after the header) as zero-copy
+    zmq.Frame buffers when large."""
+    parts = [sock.recv(flags, copy=True)]
+    while sock.rcvmore:
+        frame = sock.recv(0, copy=False)
+        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+    return parts
+
 
 def generate_keys(keys_dir: Path) -> None:
     """Create the run's two CURVE key pairs (mode 0600, folder 0700)."""
@@ -80,7 +104,7 @@ class ControllerSocket:
     def send(self, identity: bytes, frames: Frames) -> bool:
         """Send to one peer; False if the peer is no longer connected."""
         try:
-            self.sock.send_multipart([identity, *frames], copy=False)
+            _send_frames(self.sock, frames, identity)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
@@ -91,15 +115,15 @@ class ControllerSocket:
         """Next (identity, frames), or None after ``timeout_s``."""
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
-        parts = self.sock.recv_multipart(copy=False)
-        return parts[0].bytes, parts[1:]
+        parts = _recv_frames(self.sock)
+        return parts[0], parts[1:]
 
     def recv_nowait(self) -> tuple[bytes, list[Any]] | None:
         try:
-            parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            parts = _recv_frames(self.sock, _NOBLOCK)
         except zmq.Again:
             return None
-        return parts[0].bytes, parts[1:]
+        return parts[0], parts[1:]
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -108,11 +132,7 @@ class ControllerSocket:
 
 
 class WorkerSocket:
-    """DEALER connected to the controller as a CURVE client.
-
-    ``inbox()``/``outbox()`` give inproc PAIR ends so that exactly one thread (the I/O
-    thread) touches the DEALER while the main thread runs calls.
-    """
+    """DEALER connected to the controller as a CURVE client (one per thread)."""
 
     def __init__(self, address: str, keys_dir: Path, *, identity: bytes) -> None:
         self.ctx = zmq.Context()
@@ -129,34 +149,18 @@ class WorkerSocket:
         sock.connect(address)
         self.sock = sock
 
-    def pair(self, name: str) -> tuple[Any, Any]:
-        """Two connected inproc PAIR sockets (bound end, connected end)."""
-        a = self.ctx.socket(zmq.PAIR)
-        a.setsockopt(zmq.LINGER, 0)
-        a.bind(f"inproc://{name}")
-        b = self.ctx.socket(zmq.PAIR)
-        b.setsockopt(zmq.LINGER, 0)
-        b.connect(f"inproc://{name}")
-        return a, b
-
-    def poller(self, *socks: Any) -> Any:
-        p = zmq.Poller()
-        for s in socks:
-            p.register(s, zmq.POLLIN)
-        return p
-
     @staticmethod
     def send(sock: Any, frames: Frames) -> None:
-        sock.send_multipart(list(frames), copy=False)
+        _send_frames(sock, frames)
 
     @staticmethod
     def recv(sock: Any) -> list[Any]:
-        return sock.recv_multipart(copy=False)  # type: ignore[no-any-return]
+        return _recv_frames(sock)
 
     @staticmethod
     def recv_nowait(sock: Any) -> list[Any] | None:
         try:
-            return sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # type: ignore[no-any-return]
+            return _recv_frames(sock, _NOBLOCK)
         except zmq.Again:
             return None
 

@@ -1,16 +1,15 @@
 """The worker runtime: register with the controller, serve its calls, heartbeat, never hang.
 
-Two threads. The I/O thread owns the DEALER socket: it sends heartbeats on a timer (so a
-long step never looks dead), forwards calls to the main thread, and ends the process
-itself when the controller has been silent for ``controller_lost_s`` or orders an abort
-(the main thread may be stuck inside a collective whose peer is gone; only exiting is
-safe then). The main thread executes calls on the task, one at a time, in order.
+Two threads, each with its own socket. The main thread executes calls on the task, one
+at a time, in order. The heartbeat thread sends heartbeats on a timer (so a long step
+never looks dead) and ends the process itself when the controller has been silent for
+``controller_lost_s`` or orders an abort (the main thread may be stuck inside a
+collective whose peer is gone; only exiting is safe then).
 """
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -70,27 +69,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _IOThread(threading.Thread):
-    """Owns the DEALER: heartbeats out, messages in, and the controller-lost watchdog."""
+class _HeartbeatThread(threading.Thread):
+    """Owns the worker's second DEALER (identity + b"/hb"): heartbeats out, and the watchdog.
 
-    def __init__(self, sock: WorkerSocket, epoch: int, inbox: queue.Queue[protocol.Envelope]) -> None:
-        super().__init__(name="baton-io", daemon=True)
+    The controller sends its own heartbeats and any abort to this socket, so both are
+    acted on even while the main thread is deep inside a step.
+    """
+
+    def __init__(self, sock: WorkerSocket, epoch: int, *, interval_s: float, controller_lost_s: float) -> None:
+        super().__init__(name="baton-heartbeat", daemon=True)
         self.sock = sock
         self.epoch = epoch
-        self.inbox = inbox
-        self.out_main, self.out_io = sock.pair(f"out-{secrets.token_hex(4)}")
-        self.heartbeat_interval_s = 0.25
-        self.controller_lost_s = 10.0
+        self.interval_s = interval_s
+        self.controller_lost_s = controller_lost_s
         self.busy = ""
         self.last_heard = time.monotonic()
         self.stopping = threading.Event()
 
-    def send(self, frames: list[Any]) -> None:
-        """Called from the main thread: hand frames to the I/O thread (inproc, no copy)."""
-        WorkerSocket.send(self.out_main, frames)
-
     def run(self) -> None:
-        poller = self.sock.poller(self.sock.sock, self.out_io)
         seq = 0
         next_beat = time.monotonic()
         while not self.stopping.is_set():
@@ -99,15 +95,11 @@ class _IOThread(threading.Thread):
                 seq += 1
                 hb = protocol.Heartbeat(seq=seq, busy=self.busy, rss_mb=_rss_mb())
                 WorkerSocket.send(self.sock.sock, protocol.encode(hb, epoch=self.epoch))
-                next_beat = now + self.heartbeat_interval_s
+                next_beat = now + self.interval_s
             if now - self.last_heard > self.controller_lost_s:
                 log.error("controller silent for %.1f s (limit %.1f s); exiting", now - self.last_heard, self.controller_lost_s)
                 _hard_exit(EXIT_CONTROLLER_LOST)
-            ready = dict(poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))))
-            if self.out_io in ready:
-                while (frames := WorkerSocket.recv_nowait(self.out_io)) is not None:
-                    WorkerSocket.send(self.sock.sock, frames)
-            if self.sock.sock in ready:
+            if self.sock.sock.poll(max(1, int((next_beat - time.monotonic()) * 1000))):
                 while (frames := WorkerSocket.recv_nowait(self.sock.sock)) is not None:
                     self._incoming(frames)
 
@@ -118,13 +110,9 @@ class _IOThread(threading.Thread):
             log.warning("dropped a malformed message from the controller: %s", exc)
             return
         self.last_heard = time.monotonic()
-        msg = env.msg
-        if isinstance(msg, protocol.Heartbeat):
-            return
-        if isinstance(msg, protocol.Abort):
-            log.error("aborted by the controller: %s", msg.reason)
+        if isinstance(env.msg, protocol.Abort):
+            log.error("aborted by the controller: %s", env.msg.reason)
             _hard_exit(EXIT_ABORTED)
-        self.inbox.put(env)
 
 
 def _hard_exit(code: int) -> None:
@@ -138,7 +126,12 @@ def _hard_exit(code: int) -> None:
 
 
 class WorkerRuntime:
-    """One worker process: register, then serve calls until shutdown."""
+    """One worker process: register, then serve calls until shutdown.
+
+    Two sockets, one per thread, so a call never hops between threads: the main thread's
+    DEALER carries register/welcome, calls and results; the heartbeat thread's DEALER
+    (same identity + b"/hb") carries heartbeats both ways and aborts.
+    """
 
     def __init__(self, env: JobEnv, task_factory: Callable[[WorkerContext], Task], *, register_timeout_s: float) -> None:
         self.env = env
@@ -151,32 +144,44 @@ class WorkerRuntime:
     def run(self) -> int:
         info = wait_for_controller(self.run_folder, self.env.epoch, self.register_timeout_s)
         identity = f"{self.env.node}:{os.getpid()}:{secrets.token_hex(3)}".encode()
-        sock = WorkerSocket(info["address"], self.run_folder.keys, identity=identity)
-        inbox: queue.Queue[protocol.Envelope] = queue.Queue()
-        io = _IOThread(sock, self.env.epoch, inbox)
-        io.controller_lost_s = max(self.register_timeout_s, 10.0)  # until welcomed
-        io.start()
+        self.address = info["address"]
+        self.sock = WorkerSocket(self.address, self.run_folder.keys, identity=identity)
+        self.hb_sock = WorkerSocket(self.address, self.run_folder.keys, identity=identity + b"/hb")
+        self.heartbeat: _HeartbeatThread | None = None
         try:
-            return self._serve(io, inbox, info["address"])
+            return self._serve()
         finally:
-            io.stopping.set()
-            io.join(timeout=2)
-            sock.close()
+            if self.heartbeat is not None:
+                self.heartbeat.stopping.set()
+                self.heartbeat.join(timeout=2)
+            self.sock.close()
+            self.hb_sock.close()
 
-    def _send(self, io: _IOThread, msg: protocol.Message, req_id: int = 0) -> None:
-        io.send(protocol.encode(msg, req_id=req_id, epoch=self.env.epoch))
+    def _send(self, msg: protocol.Message, req_id: int = 0) -> None:
+        WorkerSocket.send(self.sock.sock, protocol.encode(msg, req_id=req_id, epoch=self.env.epoch))
 
-    def _serve(self, io: _IOThread, inbox: queue.Queue[protocol.Envelope], address: str) -> int:
+    def _recv(self, timeout_s: float) -> protocol.Envelope | None:
+        """Next well-formed message on the call socket, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.sock.sock.poll(max(1, int(remaining * 1000))):
+                return None
+            try:
+                return protocol.decode(WorkerSocket.recv(self.sock.sock))
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed message from the controller: %s", exc)
+
+    def _serve(self) -> int:
         port = _free_port() if self.env.rank_hint in (0, -1) else 0
-        self._send(io, protocol.Register(
+        self._send(protocol.Register(
             rank_hint=self.env.rank_hint, host=self.env.host, node=self.env.node, pid=os.getpid(), rendezvous_port=port,
         ))
-        try:
-            env = inbox.get(timeout=self.register_timeout_s)
-        except queue.Empty:
+        env = self._recv(self.register_timeout_s)
+        if env is None:
             raise RegistrationError(
-                f"controller at {address} did not answer registration within {self.register_timeout_s:.0f} s"
-            ) from None
+                f"controller at {self.address} did not answer registration within {self.register_timeout_s:.0f} s"
+            )
         if isinstance(env.msg, protocol.Refuse):
             log.error("refused by the controller: %s", env.msg.reason)
             return EXIT_REFUSED
@@ -185,17 +190,22 @@ class WorkerRuntime:
         welcome = env.msg
         self.rank = welcome.rank
         self.on_welcome(welcome.rank)
-        io.heartbeat_interval_s = welcome.heartbeat_interval_s
-        io.controller_lost_s = welcome.controller_lost_s
-        log.info("registered as rank %d of %d with %s", welcome.rank, welcome.world_size, address)
+        hb = self.heartbeat = _HeartbeatThread(
+            self.hb_sock, self.env.epoch,
+            interval_s=welcome.heartbeat_interval_s, controller_lost_s=welcome.controller_lost_s,
+        )
+        hb.start()
+        log.info("registered as rank %d of %d with %s", welcome.rank, welcome.world_size, self.address)
         ctx = WorkerContext(
             rank=welcome.rank, world_size=welcome.world_size, epoch=self.env.epoch,
             run_dir=Path(self.env.run_dir), host=self.env.host, log=logging.getLogger("baton.task"),
         )
-        task = self.task_factory(ctx)
-        table = dict(task.rpc_table())
+        table = dict(self.task_factory(ctx).rpc_table())
         while True:
-            env = inbox.get()
+            env = self._recv(1.0)
+            if env is None:
+                continue  # the heartbeat thread's watchdog ends us if the controller is gone
+            hb.last_heard = time.monotonic()
             msg = env.msg
             if isinstance(msg, protocol.Shutdown):
                 log.info("shutdown: %s", msg.reason)
@@ -209,27 +219,24 @@ class WorkerRuntime:
             if not isinstance(msg, protocol.Call):
                 log.warning("ignored a %s message from the controller", type(msg).__name__)
                 continue
-            self._execute(io, table, msg, env.req_id)
+            self._execute(hb, table, msg, env.req_id)
 
-    def _execute(self, io: _IOThread, table: dict[str, Callable[..., Any]], msg: protocol.Call, req_id: int) -> None:
+    def _execute(self, hb: _HeartbeatThread, table: dict[str, Callable[..., Any]], msg: protocol.Call, req_id: int) -> None:
         fn = table.get(msg.method)
         if fn is None:
-            err = protocol.Error(
+            self._send(protocol.Error(
                 exc_type="AttributeError",
                 message=f"no method {msg.method!r} on this worker; known: {sorted(table)}",
                 traceback="",
-            )
-            self._send(io, err, req_id)
+            ), req_id)
             return
-        io.busy = msg.method
+        hb.busy = msg.method
         try:
-            value = fn(**msg.kwargs)
-            reply: protocol.Message = protocol.Result(value=value)
-            frames = protocol.encode(reply, req_id=req_id, epoch=self.env.epoch)
+            frames = protocol.encode(protocol.Result(value=fn(**msg.kwargs)), req_id=req_id, epoch=self.env.epoch)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
             log.exception("call %s failed", msg.method)
-            reply = protocol.Error(exc_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())
-            frames = protocol.encode(reply, req_id=req_id, epoch=self.env.epoch)
+            err = protocol.Error(exc_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())
+            frames = protocol.encode(err, req_id=req_id, epoch=self.env.epoch)
         finally:
-            io.busy = ""
-        io.send(frames)
+            hb.busy = ""
+        WorkerSocket.send(self.sock.sock, frames)

@@ -1,0 +1,305 @@
+"""Rank shards in HDF5: the only module that imports h5py.
+
+One file per writing rank. Each slice a rank owns is its own contiguous dataset
+(``tensor_00000``, ...; no chunks, no filters) with attributes ``name``,
+``global_shape`` and ``offset``; the file carries ``baton_format_version``,
+``baton_attrs`` (the caller's attrs as JSON) and, for h5dump readers, ``step``,
+``rank``, ``config_hash`` and ``layout``; ``blobs`` is a uint8 dataset holding the
+rank's loop/RNG/optimizer scalars as JSON.
+
+Why the data goes in with ``pwrite`` rather than through h5py: h5py lays out the file
+(datasets allocated early, never filled) and writes all metadata at close; Baton then
+writes each buffer's bytes at its dataset's file offset. That is the raw-write fast path,
+and it lets the file checksum (xxh3-64 over the whole file, what the controller verifies
+without h5py) be computed from the in-memory buffers on a second thread while the disk
+works, instead of re-reading the file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import xxhash
+
+from core.checkpoint.manifest import CHECKSUM_ALGO, FORMAT_VERSION, Manifest, fsync_dir, read_manifest
+from core.checkpoint.spec import TensorSlice
+from core.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+_BLOBS = "blobs"
+_RANK_RE = re.compile(r"^rank_(\d+)\.h5$")
+_WRITE_BLOCK = 256 << 20  # below Linux's 2 GiB per-call write limit
+
+
+def _dataset_name(index: int) -> str:
+    return f"tensor_{index:05d}"
+
+
+def _native(item: TensorSlice, array: np.ndarray) -> np.ndarray:
+    """The array as C-contiguous native bytes of the slice's dtype, or a CheckpointError."""
+    dtype = np.dtype(item.dtype)
+    if tuple(array.shape) != tuple(item.shape):
+        raise CheckpointError(f"{item.name}: array shape {tuple(array.shape)} is not the slice shape {item.shape}")
+    if dtype.hasobject or dtype.kind in "USV":
+        raise CheckpointError(f"{item.name}: dtype {dtype} cannot be checkpointed; use a numeric dtype")
+    return np.ascontiguousarray(array, dtype=dtype.newbyteorder("="))
+
+
+def _simple(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool)
+
+
+def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: dict[str, Any],
+                attrs: dict[str, Any]) -> dict[str, Any]:
+    """Write one rank's HDF5 file at ``path`` (which must not exist), durably; return its ack.
+
+    ``attrs`` should hold ``step``, ``rank``, ``layout`` and ``config_hash``; without
+    ``rank`` it is taken from the file name ``rank_NNNNN.h5``. ``blobs`` must be
+    JSON-able. The file and its folder are fsynced before this returns. The ack (JSON-able)
+    is ``{"file", "rank", "size_bytes", "checksum", "slices": [{"name", "dtype",
+    "global_shape", "offset", "shape", "dataset"}]}``, what ``manifest.commit`` takes.
+    """
+    path = Path(path)
+    rank = attrs.get("rank")
+    if rank is None and (m := _RANK_RE.match(path.name)):
+        rank = int(m.group(1))
+    if not isinstance(rank, int):
+        raise CheckpointError(f"{path}: no rank in attrs and none in the file name (rank_00000.h5)")
+    arrays = [_native(item, array) for item, array in items]
+    blob_bytes = json.dumps(blobs, sort_keys=True, allow_nan=True).encode()
+    try:
+        regions = _lay_out(path, [item for item, _ in items], arrays, blob_bytes, attrs)
+        size, checksum = _write_data(path, regions)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot write the shard ({exc}); check that the folder exists, "
+                              "is writable and has space") from exc
+    logger.info("wrote shard %s: %d slices, %d bytes", path, len(items), size)
+    return {
+        "file": path.name, "rank": rank, "size_bytes": size, "checksum": checksum,
+        "slices": [{"name": item.name, "dtype": np.dtype(item.dtype).name, "global_shape": list(item.global_shape),
+                    "offset": list(item.offset), "shape": list(item.shape), "dataset": _dataset_name(i)}
+                   for i, (item, _) in enumerate(items)],
+    }
+
+
+def _lay_out(path: Path, items: Sequence[TensorSlice], arrays: Sequence[np.ndarray], blob_bytes: bytes,
+             attrs: dict[str, Any]) -> list[tuple[int, np.ndarray]]:
+    """Create the file with every dataset allocated but unwritten; return (file offset, data) pairs."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    regions = []
+    # track_times=False: no timestamps, so an async save is byte-identical to a sync one.
+    with h5py.File(path, "w-", locking=False) as f:
+        f.attrs["baton_format_version"] = FORMAT_VERSION
+        f.attrs["baton_attrs"] = json.dumps(attrs, sort_keys=True)
+        for key in ("step", "rank", "config_hash", "layout"):
+            if key in attrs and attrs[key] is not None:
+                f.attrs[key] = attrs[key] if _simple(attrs[key]) else json.dumps(attrs[key], sort_keys=True)
+        for i, (item, array) in enumerate(zip(items, arrays)):
+            ds = f.create_dataset(_dataset_name(i), shape=array.shape, dtype=array.dtype, dcpl=dcpl,
+                                  track_times=False)
+            ds.attrs["name"] = item.name
+            ds.attrs["global_shape"] = np.asarray(item.global_shape, dtype=np.int64)
+            ds.attrs["offset"] = np.asarray(item.offset, dtype=np.int64)
+            offset = ds.id.get_offset()
+            if array.nbytes:
+                assert offset is not None, "an early-allocated contiguous dataset has a file offset"
+                regions.append((offset, array))
+        f.create_dataset(_BLOBS, data=np.frombuffer(blob_bytes, dtype=np.uint8), track_times=False)
+    return sorted(regions, key=lambda r: r[0])
+
+
+def _write_data(path: Path, regions: list[tuple[int, np.ndarray]]) -> tuple[int, str]:
+    """pwrite each region, hash the whole file on a second thread, fsync; return (size, checksum)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size  # HDF5 sets the file to its full allocated size at close
+        hashed: list[str | BaseException] = []
+        hasher = threading.Thread(target=_hash_file, args=(fd, size, regions, hashed), name="ckpt-hash")
+        hasher.start()
+        try:
+            for offset, array in regions:
+                view = memoryview(array.reshape(-1).view(np.uint8))
+                while view:
+                    n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
+                    offset += n
+                    view = view[n:]
+            os.fsync(fd)
+        finally:
+            hasher.join()
+        if isinstance(hashed[0], BaseException):
+            raise hashed[0]
+        return size, str(hashed[0])
+    finally:
+        os.close(fd)
+
+
+def _hash_file(fd: int, size: int, regions: list[tuple[int, np.ndarray]], out: list[str | BaseException]) -> None:
+    """xxh3-64 over the file as it will be: metadata gaps read back (small), data from the buffers.
+
+    Equal to ``manifest.file_checksum`` of the finished file. xxhash releases the GIL, so
+    this runs beside the writes.
+    """
+    try:
+        h = xxhash.xxh3_64()
+        pos = 0
+        for offset, array in [*regions, (size, np.empty(0, np.uint8))]:
+            gap = offset - pos
+            if gap > 0:
+                data = os.pread(fd, gap, pos)
+                h.update(data + bytes(gap - len(data)))  # short read: an unwritten hole reads as zeros
+            h.update(memoryview(array.reshape(-1).view(np.uint8)))
+            pos = offset + array.nbytes
+        out.append(f"{CHECKSUM_ALGO}:{h.hexdigest()}")
+    except BaseException as exc:  # handed to the writing thread, which re-raises it
+        out.append(exc)
+
+
+class ShardReader:
+    """One rank file, opened read-only: its slices, attrs and blobs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self._file = h5py.File(self.path, "r", locking=False)
+        except (OSError, FileNotFoundError) as exc:
+            raise CheckpointError(f"{self.path}: cannot open as HDF5 ({exc}); the shard is missing or corrupt: "
+                                  "run `baton ckpt verify` and resume from another step") from None
+        version = self._file.attrs.get("baton_format_version")
+        if version is None or int(version) > FORMAT_VERSION:
+            self._file.close()
+            raise CheckpointError(f"{self.path}: shard format version {version}, this Baton reads ≤ {FORMAT_VERSION}; "
+                                  "upgrade Baton or check that this is a Baton shard")
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The attrs the writer was given (step, rank, layout, config hash, ...)."""
+        return json.loads(self._file.attrs["baton_attrs"])
+
+    def blobs(self) -> dict[str, Any]:
+        """The rank's JSON blobs, as given to ``write_shard``."""
+        return json.loads(self._file[_BLOBS][()].tobytes())
+
+    def slices(self) -> dict[str, TensorSlice]:
+        """Dataset name → the slice it holds, from the file's own attributes."""
+        out = {}
+        for key, ds in self._file.items():
+            if key != _BLOBS:
+                out[key] = TensorSlice(name=str(ds.attrs["name"]), global_shape=tuple(int(x) for x in ds.attrs[
+                    "global_shape"]), offset=tuple(int(x) for x in ds.attrs["offset"]), shape=ds.shape,
+                    dtype=ds.dtype.name)
+        return out
+
+    def read_into(self, dataset: str, source: tuple[slice, ...], out: np.ndarray, dest: tuple[slice, ...]) -> None:
+        """Copy ``dataset[source]`` into ``out[dest]``."""
+        try:
+            ds = self._file[dataset]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no dataset {dataset!r}; the manifest does not match this file") from None
+        if out.ndim == 0:
+            out[()] = ds[()]
+        else:
+            ds.read_direct(out, source_sel=source, dest_sel=dest)
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointReader:
+    """A committed checkpoint folder, readable in any layout: any global slice of any tensor.
+
+    The manifest says which file holds which slice; ``read`` intersects the requested
+    box with every stored slice and copies the overlaps, so a checkpoint saved with
+    TP=2, PP=2 loads with TP=1, PP=4. Files are opened read-only, once, on first use.
+    """
+
+    def __init__(self, step_dir: Path) -> None:
+        self.step_dir = Path(step_dir)
+        self.manifest: Manifest = read_manifest(self.step_dir)
+        self._shards: dict[str, ShardReader] = {}
+
+    def names(self) -> list[str]:
+        """Global tensor names, sorted."""
+        return sorted(self.manifest.tensors)
+
+    def _shard(self, file: str) -> ShardReader:
+        if file not in self._shards:
+            self._shards[file] = ShardReader(self.step_dir / file)
+        return self._shards[file]
+
+    def read(self, name: str, offset: Sequence[int] | None = None, shape: Sequence[int] | None = None, *,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """The global slice ``[offset : offset + shape]`` of tensor ``name`` (default: all of it).
+
+        ``out`` (C-contiguous, of that shape and dtype) is filled in place when given, so a
+        worker can load straight into its preallocated buffers.
+        """
+        try:
+            entry = self.manifest.tensors[name]
+        except KeyError:
+            close = [n for n in self.manifest.tensors if n.split(".")[-1] == name.split(".")[-1]][:3]
+            raise CheckpointError(f"{self.step_dir}: no tensor {name!r} in this checkpoint "
+                                  f"({len(self.manifest.tensors)} tensors; similar: {close})") from None
+        g = entry.global_shape
+        offset = tuple(offset) if offset is not None else (0,) * len(g)
+        shape = tuple(shape) if shape is not None else tuple(x - o for x, o in zip(g, offset))
+        TensorSlice(name=name, global_shape=g, offset=offset, shape=shape, dtype=entry.dtype)  # validates the box
+        if out is None:
+            out = np.empty(shape, dtype=np.dtype(entry.dtype))
+        elif out.shape != shape or out.dtype != np.dtype(entry.dtype) or not out.flags.c_contiguous:
+            raise ValueError(f"{name}: out is {out.dtype}{out.shape}, needs C-contiguous {entry.dtype}{shape}")
+        covered = 0
+        for s in entry.slices:
+            lo = [max(o, so) for o, so in zip(offset, s.offset)]
+            hi = [min(o + n, so + sn) for o, n, so, sn in zip(offset, shape, s.offset, s.shape)]
+            if any(a >= b for a, b in zip(lo, hi)) and len(g):
+                continue
+            source = tuple(slice(a - so, b - so) for a, b, so in zip(lo, hi, s.offset))
+            dest = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))
+            self._shard(s.file).read_into(s.dataset, source, out, dest)
+            covered += math.prod(b - a for a, b in zip(lo, hi))
+        if covered != math.prod(shape):  # the commit checked the tiling, so only a doctored manifest gets here
+            raise CheckpointError(f"{self.step_dir}: tensor {name!r} slice {offset}+{shape} is not fully stored "
+                                  f"({covered} of {math.prod(shape)} elements); the manifest is inconsistent")
+        return out
+
+    def blobs(self, rank: int) -> dict[str, Any]:
+        """The JSON blobs rank ``rank`` saved (loop state, RNG, scheduler)."""
+        file = next((f.name for f in self.manifest.files if f.rank == rank), None)
+        if file is None:
+            ranks = sorted(f.rank for f in self.manifest.files)
+            raise CheckpointError(f"{self.step_dir}: no shard of rank {rank} (ranks {ranks[0]}..{ranks[-1]}); "
+                                  "map new ranks to saved ones when the layout changed")
+        return self._shard(file).blobs()
+
+    def close(self) -> None:
+        """Close every opened file."""
+        for shard in self._shards.values():
+            shard.close()
+        self._shards.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,406 @@
+"""The plan of a GPT run: who holds which layers, how many parameters, how much memory.
+
+Pure arithmetic over a ``RunConfig``, so the login node can answer "does this fit?"
+before a job costs a queue slot. The model it counts is Megatron-core's ``GPTModel``
+with its defaults: learned absolute position embeddings, LayerNorm with bias, biased
+linears, and ``share_embeddings_and_output_weights=True``, which with pp > 1 gives the
+last stage its own copy of the word embeddings as the output layer.
+
+Memory, per GPU (bytes; ``P`` = parameters on that rank, after tensor parallelism):
+
+- weights: ``2P`` bf16/fp16 compute copy + ``4P`` fp32 master under mixed precision,
+  else ``4P``; the distributed optimizer shards the master copy over dp.
+- gradients: ``4P`` (Megatron's DDP accumulates into an fp32 ``main_grad`` buffer).
+- optimizer: Adam's two fp32 moments, ``8P``, sharded over dp by the distributed optimizer.
+- activations (Korthikanti et al. 2022, no sequence parallelism), per layer and
+  micro-batch: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` without recompute,
+  ``s·b·h·(10 + 24/t)`` with selective recompute, ``2·s·b·h`` (the layer input) with full
+  recompute; times the micro-batches 1F1B keeps in flight on stage ``i``,
+  ``min(pp - i, micro-batches)``; plus fp32 logits ``s·b·(vocab/t)·4`` on the last stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from core.config import RunConfig
+from core.errors import ConfigError, LayoutError
+from core.parallel.dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+AUTO_HEADROOM = 0.9  # micro_batch_size: auto uses 90 % of what is left for activations
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """One rank: its coordinates, its node slot, its layers and what else it holds."""
+
+    rank: int
+    node: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    layers: tuple[int, ...]  # global transformer layer indices of its pipeline stage
+    embeddings: bool
+    output_layer: bool
+    loss_owner: bool
+    params: int  # parameters on this rank (its tensor-parallel shard)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCount:
+    """Parameters of the whole model; ``total`` counts a tied output layer once."""
+
+    total: int
+    embeddings: int  # word (vocab × hidden) + position (seq × hidden)
+    per_layer: int
+    final_norm: int
+    output_layer: int  # a separate weight; 0 when tied on a single stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes on the worst rank under one choice of optimizer sharding and recompute."""
+
+    rank: int
+    distributed_optimizer: bool
+    recompute: str
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    logits_bytes: int
+    total_bytes: int
+    fits: bool | None  # None when no GPU memory was given
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything ``baton plan`` shows; saved as ``plan.json`` in the run folder."""
+
+    dims: ParallelDims
+    nodes: int
+    gpus_per_node: int
+    global_batch_size: int
+    micro_batch_size: int
+    micro_batch_auto: bool
+    num_micro_batches: int
+    ranks: tuple[RankPlan, ...]
+    params: ParamCount
+    memory: MemoryEstimate  # the configured optimizer sharding and recompute
+    variants: tuple[MemoryEstimate, ...]  # every optimizer sharding × recompute mode
+    gpu_mem_gb: float | None
+    fits: bool | None
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, dicts, numbers), ready for JSON."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """The plan as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _layer_params(cfg: RunConfig, tp: int) -> int:
+    """One transformer layer's parameters on one tensor-parallel rank.
+
+    Column-parallel weights and biases (QKV, fc1) and row-parallel weights (proj, fc2)
+    are split over tp; row-parallel biases and the two LayerNorms are replicated.
+    """
+    h, f = cfg.model.hidden_size, cfg.model.ffn
+    sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    replicated = h + 4 * h + h  # proj bias, 2 LayerNorms (weight + bias), fc2 bias
+    return _ceil_div(sharded, tp) + replicated
+
+
+def count_params(cfg: RunConfig) -> ParamCount:
+    """Parameters of the unsharded model (``tp = 1``), Megatron GPTModel defaults."""
+    m, pp = cfg.model, cfg.parallel.pp
+    embeddings = m.vocab_size * m.hidden_size + m.seq_length * m.hidden_size
+    per_layer = _layer_params(cfg, 1)
+    final_norm = 2 * m.hidden_size
+    output_layer = 0 if pp == 1 else 0  # tied: the last stage's copy is not a new parameter
+    total = embeddings + m.num_layers * per_layer + final_norm + output_layer
+    return ParamCount(total=total, embeddings=embeddings, per_layer=per_layer,
+                      final_norm=final_norm, output_layer=m.vocab_size * m.hidden_size if pp > 1 else 0)
+
+
+def _rank_params(cfg: RunConfig, *, tp: int, first: bool, last: bool, n_layers: int) -> int:
+    m = cfg.model
+    params = n_layers * _layer_params(cfg, tp)
+    vocab_shard = _ceil_div(m.vocab_size, tp) * m.hidden_size
+    if first:
+        params += vocab_shard + m.seq_length * m.hidden_size  # position embeddings are replicated
+    if last:
+        params += 2 * m.hidden_size  # final LayerNorm
+        if not first:
+            params += vocab_shard  # the tied output layer's copy on the last stage
+    return params
+
+
+def _rank_table(cfg: RunConfig, dims: ParallelDims) -> tuple[RankPlan, ...]:
+    per_stage = cfg.model.num_layers // dims.pp
+    gpus = cfg.trainer.n_gpus_per_node
+    rows = []
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        first, last = c.pp == 0, c.pp == dims.pp - 1
+        rows.append(RankPlan(
+            rank=rank, node=rank // gpus, local_rank=rank % gpus, tp=c.tp, pp=c.pp, dp=c.dp,
+            layers=tuple(range(c.pp * per_stage, (c.pp + 1) * per_stage)),
+            embeddings=first, output_layer=last, loss_owner=last and c.tp == 0,
+            params=_rank_params(cfg, tp=dims.tp, first=first, last=last, n_layers=per_stage),
+        ))
+    return tuple(rows)
+
+
+def _layer_activation_bytes(cfg: RunConfig, recompute: str, micro_batch: int) -> int:
+    m, t = cfg.model, cfg.parallel.tp
+    s, b, h = m.seq_length, micro_batch, m.hidden_size
+    if recompute == "full":
+        return 2 * s * b * h
+    # s·b·h·(10 + 24/t) + 5·a·s²·b/t, kept in integers (tp divides heads and hidden)
+    selective = s * b * (10 * h + 24 * h // t)
+    if recompute == "selective":
+        return selective
+    return selective + 5 * (m.num_attention_heads // t) * s * s * b
+
+
+def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, recompute: str,
+                            micro_batch: int, in_flight: int) -> tuple[int, int]:
+    """(activations, logits) bytes of one rank on ``stage``."""
+    per_stage = cfg.model.num_layers // dims.pp
+    acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight
+    logits = 0
+    if stage == dims.pp - 1:
+        logits = cfg.model.seq_length * micro_batch * _ceil_div(cfg.model.vocab_size, dims.tp) * 4
+    return acts, logits
+
+
+def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes for ``params`` parameters on one rank."""
+    mp = cfg.training.mixed_precision
+    shard = dp if distributed_optimizer else 1
+    if mp.enabled and DTYPE_BYTES[mp.param_dtype] < 4:
+        weights = DTYPE_BYTES[mp.param_dtype] * params + _ceil_div(4 * params, shard)
+    else:
+        weights = 4 * params
+    return weights, 4 * params, _ceil_div(8 * params, shard)
+
+
+def _estimate(cfg: RunConfig, dims: ParallelDims, ranks: tuple[RankPlan, ...], *, micro_batch: int,
+              num_micro: int, distributed_optimizer: bool, recompute: str,
+              gpu_bytes: int | None) -> MemoryEstimate:
+    worst: MemoryEstimate | None = None
+    for r in ranks:
+        if r.tp or r.dp:  # every tp and dp replica of a stage needs the same memory
+            continue
+        weights, grads, optim = _static_bytes(cfg, r.params, dims.dp, distributed_optimizer)
+        acts, logits = _stage_activation_bytes(cfg, dims, stage=r.pp, recompute=recompute,
+                                               micro_batch=micro_batch,
+                                               in_flight=min(dims.pp - r.pp, num_micro))
+        total = weights + grads + optim + acts + logits
+        if worst is None or total > worst.total_bytes:
+            worst = MemoryEstimate(
+                rank=r.rank, distributed_optimizer=distributed_optimizer, recompute=recompute,
+                weights_bytes=weights, grads_bytes=grads, optimizer_bytes=optim,
+                activations_bytes=acts, logits_bytes=logits, total_bytes=total,
+                fits=None if gpu_bytes is None else total <= gpu_bytes,
+            )
+    assert worst is not None
+    return worst
+
+
+def _samples_per_replica(cfg: RunConfig, dims: ParallelDims) -> int:
+    gb = cfg.training.global_batch_size
+    if gb % dims.dp:
+        raise LayoutError(f"training.global_batch_size: {gb} is not divisible by dp = {dims.dp}; "
+                          f"use a multiple of {dims.dp}")
+    return gb // dims.dp
+
+
+def memory_per_sample(cfg: RunConfig) -> int:
+    """Activation + logits bytes one sample of a micro-batch adds on the worst stage.
+
+    Counts the full 1F1B depth (``pp - stage`` micro-batches in flight), an upper bound
+    that does not depend on the micro-batch size being resolved.
+    """
+    dims = cfg.dims
+    return max(sum(_stage_activation_bytes(cfg, dims, stage=p, recompute=cfg.training.recompute,
+                                           micro_batch=1, in_flight=dims.pp - p))
+               for p in range(dims.pp))
+
+
+def static_bytes(cfg: RunConfig) -> int:
+    """Weights + gradients + optimizer bytes of the rank holding the most of them."""
+    dims = cfg.dims
+    return max(sum(_static_bytes(cfg, r.params, dims.dp, cfg.parallel.distributed_optimizer))
+               for r in _rank_table(cfg, dims) if r.tp == 0 and r.dp == 0)
+
+
+def resolve_micro_batch(cfg: RunConfig, available_bytes: float) -> int:
+    """``micro_batch_size: auto``: the most samples that fit in ``available_bytes``.
+
+    ``available_bytes`` is the GPU memory left for activations (after ``static_bytes``).
+    Takes ``max(1, floor(available × 0.9 / memory_per_sample))``, then the largest value
+    not above it that divides ``global_batch_size / dp``.
+    """
+    per_replica = _samples_per_replica(cfg, cfg.dims)
+    limit = max(1, math.floor(max(available_bytes, 0) * AUTO_HEADROOM / memory_per_sample(cfg)))
+    return max(b for b in range(1, min(limit, per_replica) + 1) if per_replica % b == 0)
+
+
+def _layout_warnings(cfg: RunConfig, dims: ParallelDims, num_micro: int) -> list[str]:
+    m, tp = cfg.model, dims.tp
+    out = []
+    if m.vocab_size % tp:
+        out.append(f"model.vocab_size: {m.vocab_size} is not divisible by parallel.tp = {tp}; Megatron's "
+                   f"vocab-parallel embedding needs it: pad it to {_ceil_div(m.vocab_size, tp) * tp}")
+    if m.ffn % tp:
+        out.append(f"model.ffn_hidden_size: {m.ffn} is not divisible by parallel.tp = {tp}")
+    if 1 < num_micro < dims.pp or (num_micro == 1 and dims.pp > 1):
+        out.append(f"only {num_micro} micro-batch(es) for {dims.pp} pipeline stages: most stages idle; "
+                   "raise training.global_batch_size or lower training.micro_batch_size")
+    if cfg.parallel.distributed_optimizer and dims.dp == 1:
+        out.append("parallel.distributed_optimizer: has no effect with dp = 1")
+    return out
+
+
+def make_plan(cfg: RunConfig, *, gpu_mem_gb: float | None = None) -> Plan:
+    """Compute the layout, parameter counts and memory estimate of a GPT run.
+
+    ``gpu_mem_gb`` is the memory of one GPU in GiB; without it there is no fits
+    verdict, and ``micro_batch_size: auto`` resolves to 1 (with a warning).
+    """
+    if cfg.model.kind != "gpt":
+        raise ConfigError(f"model.kind: {cfg.model.kind!r} has no Megatron layout to plan; use model.kind: gpt")
+    if gpu_mem_gb is not None and gpu_mem_gb <= 0:
+        raise ConfigError(f"gpu_mem_gb: {gpu_mem_gb!r} must be > 0")
+    dims = cfg.dims
+    ranks = _rank_table(cfg, dims)
+    gpu_bytes = None if gpu_mem_gb is None else int(gpu_mem_gb * GIB)
+    warnings: list[str] = []
+
+    per_replica = _samples_per_replica(cfg, dims)
+    auto = cfg.training.micro_batch_size == "auto"
+    if not auto:
+        micro = int(cfg.training.micro_batch_size)
+    elif gpu_bytes is None:
+        micro = 1
+        warnings.append("training.micro_batch_size: auto resolved to 1 because no GPU memory size was given")
+    else:
+        micro = resolve_micro_batch(cfg, gpu_bytes - static_bytes(cfg))
+        logger.info("micro_batch_size auto -> %d", micro)
+    num_micro = per_replica // micro
+    warnings += _layout_warnings(cfg, dims, num_micro)
+
+    variants = tuple(
+        _estimate(cfg, dims, ranks, micro_batch=micro, num_micro=num_micro, distributed_optimizer=d,
+                  recompute=rc, gpu_bytes=gpu_bytes)
+        for d in (False, True) for rc in RECOMPUTE_MODES
+    )
+    memory = next(v for v in variants if v.distributed_optimizer == cfg.parallel.distributed_optimizer
+                  and v.recompute == cfg.training.recompute)
+    if memory.fits is False:
+        fitting = [v for v in variants if v.fits]
+        hint = ("; would fit with " + _variant_overrides(fitting[0])) if fitting else (
+            "; no optimizer sharding or recompute setting fits: raise parallel.tp / parallel.pp, "
+            "lower training.micro_batch_size or use a smaller model")
+        warnings.append(f"does not fit: rank {memory.rank} needs about {memory.total_bytes / GIB:.2f} GiB "
+                        f"of {gpu_mem_gb:g} GiB{hint}")
+    for w in warnings:
+        logger.warning("%s", w)
+    return Plan(
+        dims=dims, nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.n_gpus_per_node,
+        global_batch_size=cfg.training.global_batch_size, micro_batch_size=micro, micro_batch_auto=auto,
+        num_micro_batches=num_micro, ranks=ranks, params=count_params(cfg), memory=memory,
+        variants=variants, gpu_mem_gb=gpu_mem_gb, fits=memory.fits, warnings=tuple(warnings),
+    )
+
+
+def _variant_overrides(v: MemoryEstimate) -> str:
+    return (f"parallel.distributed_optimizer={str(v.distributed_optimizer).lower()} "
+            f"training.recompute={v.recompute}")
+
+
+def _layer_span(layers: tuple[int, ...]) -> str:
+    if not layers:
+        return "-"
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
+def _holds(r: RankPlan) -> str:
+    parts = [name for name, flag in (("embeddings", r.embeddings), ("output", r.output_layer),
+                                     ("loss", r.loss_owner)) if flag]
+    return ", ".join(parts) or "-"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:10.3f}"
+
+
+MAX_RANK_ROWS = 64  # larger worlds show the first and last ranks only
+
+
+def format_plan(plan: Plan) -> str:
+    """A human-readable plan: layout table, parameters, memory breakdown, warnings."""
+    d, p, mem = plan.dims, plan.params, plan.memory
+    lines = [
+        f"layout: {d.describe()} on {d.world_size} workers ({plan.nodes} node(s) x {plan.gpus_per_node})",
+        f"batch: global {plan.global_batch_size} = micro {plan.micro_batch_size}"
+        f"{' (auto)' if plan.micro_batch_auto else ''} x {plan.num_micro_batches} micro-batches x dp {d.dp}",
+        f"params: {p.total:,} total (embeddings {p.embeddings:,}, {p.per_layer:,} per layer, "
+        f"final norm {p.final_norm:,}" + (f", tied output copy {p.output_layer:,} on the last stage)"
+                                          if p.output_layer else ", output layer tied)"),
+        "",
+        f"{'rank':>5}  {'node slot':<10} {'tp':>3} {'pp':>3} {'dp':>3}  {'layers':<8} {'params':>12}  holds",
+    ]
+    rows = plan.ranks
+    shown = rows if len(rows) <= MAX_RANK_ROWS else rows[: MAX_RANK_ROWS // 2] + rows[-MAX_RANK_ROWS // 2:]
+    for i, r in enumerate(shown):
+        if len(rows) > MAX_RANK_ROWS and i == MAX_RANK_ROWS // 2:
+            lines.append(f"{'...':>5}  ({len(rows) - MAX_RANK_ROWS} more ranks)")
+        lines.append(f"{r.rank:>5}  {f'n{r.node}/g{r.local_rank}':<10} {r.tp:>3} {r.pp:>3} {r.dp:>3}  "
+                     f"{_layer_span(r.layers):<8} {r.params:>12,}  {_holds(r)}")
+    optim = "on" if mem.distributed_optimizer else "off"
+    lines += [
+        "",
+        f"memory, worst rank {mem.rank} (distributed optimizer {optim}, recompute {mem.recompute}), GiB:",
+        f"  weights     {_gib(mem.weights_bytes)}",
+        f"  gradients   {_gib(mem.grads_bytes)}",
+        f"  optimizer   {_gib(mem.optimizer_bytes)}",
+        f"  activations {_gib(mem.activations_bytes)}",
+        f"  logits      {_gib(mem.logits_bytes)}",
+        f"  total       {_gib(mem.total_bytes)}" + _verdict(plan.gpu_mem_gb, mem.fits),
+        "",
+        "variants (worst rank, GiB):",
+        f"  {'dist-opt':<9} {'recompute':<10} {'total':>10}  fits",
+    ]
+    for v in plan.variants:
+        mark = "  <- configured" if v == mem else ""
+        fits = "-" if v.fits is None else ("yes" if v.fits else "no")
+        lines.append(f"  {('on' if v.distributed_optimizer else 'off'):<9} {v.recompute:<10} "
+                     f"{_gib(v.total_bytes)}  {fits}{mark}")
+    if plan.warnings:
+        lines += ["", "warnings:", *(f"  - {w}" for w in plan.warnings)]
+    return "\n".join(lines)
+
+
+def _verdict(gpu_mem_gb: float | None, fits: bool | None) -> str:
+    if gpu_mem_gb is None or fits is None:
+        return ""
+    return f"  of {gpu_mem_gb:g} GiB: " + ("fits" if fits else "DOES NOT FIT")
