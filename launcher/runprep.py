@@ -28,12 +28,12 @@ def generate_keys(keys_dir: Path) -> None:
 
 
 def plan_data(cfg: RunConfig) -> dict[str, object]:
-    """plan.json: the full plan when the planner is available, else the layout."""
-    try:
-        from core.plan import make_plan
-    except ImportError:  # the planner is optional for the toy model
+    """plan.json: the layout and memory plan of a GPT; just the layout for the toy model."""
+    if cfg.model.kind != "gpt":
         dims = cfg.dims
         return {"dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}, "world_size": dims.world_size}
+    from core.plan import make_plan
+
     return json.loads(make_plan(cfg).to_json())  # type: ignore[no-any-return]
 
 
