@@ -57,13 +57,16 @@ elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 need_root() { [[ $(id -u) == 0 ]] || die "must run as root"; }
 
+# What each poke adds to slurmctld.log (3 lines per partition).
+POKE_NOISE='update_part: setting state_up|select_p_reconfigure|part_data_create_array'
+
 # Prints the last lines of each given log file that exists (to stderr).
 show_logs() {
   local f
   for f in "$@"; do
     [[ -n $f && -f $f ]] || continue
-    echo "----- last lines of $f -----" >&2
-    tail -n 25 "$f" >&2 || true
+    echo "----- last lines of $f (without the poke loop's partition updates) -----" >&2
+    grep -v -E "$POKE_NOISE" "$f" | tail -n 25 >&2 || true
   done
 }
 
@@ -240,6 +243,26 @@ write_config() {
 
 # ------------------------------------------------------------------------------ start
 
+# Refuses to start while daemons that no pid file of ours names are running (they would
+# hold the ports and answer the readiness checks). Lists them; kills nothing.
+check_no_strays() {
+  local d comm st strays=()
+  for d in /proc/[0-9]*; do
+    comm=$(cat "$d/comm" 2>/dev/null) || continue
+    case $comm in
+    munged | mariadbd | mysqld | slurmdbd | slurmctld | slurmd | slurmstepd | slurm-poke)
+      st=$(awk '{ print $3 }' "$d/stat" 2>/dev/null) || continue
+      [[ $st == [ZX] ]] && continue
+      strays+=("${d#/proc/} $comm: $(tr '\0' ' ' <"$d/cmdline" 2>/dev/null)")
+      ;;
+    esac
+  done
+  ((${#strays[@]} == 0)) && return 0
+  printf 'slurm-cluster: still running, not started by this script (or its pid file is gone):\n' >&2
+  printf '  %s\n' "${strays[@]}" >&2
+  die "stop them (by pid) and run start again"
+}
+
 munge_ok() { munge -n | unmunge >/dev/null; }
 mysql_ok() { mariadb --socket="$MYSQL_SOCK" -N -e 'select 1' >/dev/null; }
 dbd_ok() { sacctmgr -n -P list cluster format=cluster; }
@@ -289,6 +312,7 @@ SQL
 
 start_slurmdbd() {
   /usr/sbin/slurmdbd
+  wait_until "slurmdbd pid file $RUN/slurmdbd.pid" 10 "$LOG/slurmdbd.log" daemon_alive "$RUN/slurmdbd.pid" slurmdbd
   wait_until "slurmdbd to answer (sacctmgr list cluster)" 30 "$LOG/slurmdbd.log" dbd_ok
   if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
     sacctmgr -i add cluster "$CLUSTER" >/dev/null
@@ -303,9 +327,13 @@ start_slurmdbd() {
 
 start_slurm() {
   /usr/sbin/slurmctld
+  wait_until "slurmctld pid file $RUN/slurmctld.pid" 10 "$LOG/slurmctld.log" daemon_alive "$RUN/slurmctld.pid" slurmctld
   wait_until "slurmctld to answer (scontrol ping)" 30 "$LOG/slurmctld.log" ctld_ok
   local n
-  for n in "${NODES[@]}"; do /usr/sbin/slurmd -N "$n"; done
+  for n in "${NODES[@]}"; do
+    /usr/sbin/slurmd -N "$n"
+    wait_until "slurmd -N $n pid file" 10 "$LOG/slurmd.$n.log" daemon_alive "$RUN/slurmd.$n.pid" slurmd
+  done
   wait_until "both nodes idle in sinfo" 40 "$LOG/slurmctld.log $LOG/slurmd.node1.log $LOG/slurmd.node2.log" nodes_idle
 }
 
@@ -327,6 +355,7 @@ cmd_start() {
     cmd_stop
   fi
   use_state "$REQUESTED_STATE"
+  check_no_strays
   write_config
   echo "$STATE" >"$ACTIVE_FILE"
   : >"$LOG/slurm-poke.log"

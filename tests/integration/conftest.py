@@ -17,10 +17,7 @@ if _HERE not in sys.path:  # works under any --import-mode
 
 import slurm_helpers  # noqa: E402
 
-START_HINT = (
-    "start one with `bash tests/cluster/slurm-cluster.sh install && "
-    "bash tests/cluster/slurm-cluster.sh start`"
-)
+START_HINT = "start one with `bash tests/cluster/slurm-cluster.sh install && bash tests/cluster/slurm-cluster.sh start`"
 
 
 def running_in_ci() -> bool:

@@ -17,6 +17,8 @@ if _HERE not in sys.path:  # works under any --import-mode
 
 import slurm_helpers as sh  # noqa: E402
 
+pytestmark = pytest.mark.slurm
+
 # What every task records about itself.
 RECORDED = [
     "SLURM_JOB_ID",
