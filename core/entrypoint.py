@@ -25,14 +25,15 @@ EXIT_USER_ERROR = 2
 
 
 def task_factory(kind: str) -> Callable[[WorkerContext], Task]:
-    """The model code a worker serves; imported lazily so the toy never loads torch."""
+    """The model code a worker serves (imported lazily so the toy never loads torch),
+    with the checkpoint methods added."""
+    from core.ckpt_worker import CheckpointedTask
+
     if kind == "toy":
-        from core.toy import ToyTask
-
-        return ToyTask
-    from core.gpt.task import GPTTask
-
-    return GPTTask
+        from core.toy import ToyTask as cls
+    else:
+        from core.gpt.task import GPTTask as cls  # type: ignore[assignment]
+    return lambda ctx: CheckpointedTask(cls(ctx), ctx)
 
 
 def run_controller(env: JobEnv) -> int:
@@ -53,8 +54,7 @@ def run_controller(env: JobEnv) -> int:
                         timeouts=cfg.timeouts, run=run)
     program = Program(cfg=cfg, run=run, group=group, state=state)
     try:
-        program.setup()
-        program.train()
+        program.run_all()
         state.update(status="completed")
         event(state, "completed", step=state.get("step", 0))
         group.shutdown("run completed")

@@ -1,24 +1,35 @@
 """The controller's training program: one readable loop over the worker group.
 
-    register → setup → for each step: train_step, record, maybe checkpoint → shutdown
+    register → setup → resume from the latest committed checkpoint → for each step:
+    train_step, record, maybe checkpoint → final checkpoint → shutdown
 
-Bulk tensors never come here; each step brings back a few numbers per rank.
+Bulk tensors never come here; each step brings back a few numbers per rank, and a
+checkpoint brings back one small ack per rank, after which this process commits it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core import config as config_mod
+from core.checkpoint import manifest
 from core.config import RunConfig
 from core.controller import WorkerGroup
 from core.dispatch import collect_all
-from core.runfolder import RunFolder, event
+from core.runfolder import RunFolder, event, write_atomic
 
 log = logging.getLogger(__name__)
+
+
+def model_hash(cfg: RunConfig) -> str:
+    """What a checkpoint must agree with to be loadable: the model's shape, not its layout."""
+    return hashlib.sha256(json.dumps(config_mod.to_dict(cfg)["model"], sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -27,9 +38,17 @@ class Program:
     run: RunFolder
     group: WorkerGroup
     state: dict[str, Any]
+    _pending: tuple[int, Path, float] | None = field(default=None, init=False)
 
     def save_state(self) -> None:
         self.run.write_state(self.state)
+
+    # --- the whole run ------------------------------------------------------------------
+    def run_all(self) -> None:
+        self.setup()
+        self.resume()
+        self.train()
+        self.finish()
 
     def setup(self) -> None:
         group = self.group
@@ -46,10 +65,37 @@ class Program:
         event(self.state, "workers_ready", world_size=group.world_size, epoch=group.epoch)
         self.save_state()
 
+    def resume(self) -> None:
+        """Continue from the newest committed checkpoint that verifies (any layout)."""
+        step_dir = manifest.latest_valid(self.run.checkpoints, log=log)
+        if step_dir is None:
+            if int(self.state.get("step", 0)) > 0:
+                log.warning("no committed checkpoint in %s: starting again from step 0", self.run.checkpoints)
+                event(self.state, "restart_from_scratch", reason="no committed checkpoint")
+            self.state["step"] = 0
+            self._trim_metrics(0)
+            return
+        saved = manifest.read_manifest(step_dir)
+        if saved.config_hash not in (None, model_hash(self.cfg)):
+            raise config_mod.ConfigError(
+                f"{step_dir}: saved with another model (config hash {saved.config_hash}, "
+                f"this config {model_hash(self.cfg)}); resume with the run's own model section"
+            )
+        t0 = time.perf_counter()
+        self.group.call("ckpt_load", step_dir=str(step_dir), timeout_s=self.cfg.timeouts.checkpoint_s)
+        step = int(saved.step)
+        self.state["step"] = step
+        self._trim_metrics(step)
+        event(self.state, "resumed", step=step, checkpoint=step_dir.name, saved_layout=saved.layout,
+              layout=self.group.dims.describe(), seconds=round(time.perf_counter() - t0, 3))
+        log.info("resumed from %s (saved as %s, now %s)", step_dir, saved.layout, self.group.dims.describe())
+        self.save_state()
+
     def train(self) -> None:
         cfg = self.cfg
         start = int(self.state.get("step", 0))
         owners = self.group.dims.loss_owners()
+        interval = cfg.checkpoint.interval_steps
         for step in range(start, cfg.trainer.steps):
             t0 = time.perf_counter()
             results = self.group.call("train_step", step=step, collect=collect_all, timeout_s=cfg.timeouts.step_s)
@@ -57,16 +103,83 @@ class Program:
             record = self._record(step, results, owners, wall)
             self.run.append_metrics(record)
             self.state.update(step=step + 1, last_loss=record["loss"], updated=time.time())
-            if (step + 1) % cfg.trainer.log_interval_steps == 0 or step + 1 == cfg.trainer.steps:
-                log.info("step %d/%d loss %.4f (%.3f s)", step + 1, cfg.trainer.steps, record["loss"], wall)
+            if self._pending is not None:
+                self._poll_async()
+            done = step + 1
+            if interval and done % interval == 0 and done < cfg.trainer.steps:
+                self.checkpoint(done)
+            if done % cfg.trainer.log_interval_steps == 0 or done == cfg.trainer.steps:
+                log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record["loss"], wall)
                 self.save_state()
+
+    def finish(self) -> None:
+        step = int(self.state.get("step", 0))
+        if self.cfg.checkpoint.at_end and step not in manifest.committed_steps(self.run.checkpoints):
+            self.checkpoint(step, blocking=True)
+        self._wait_async()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, step: int, *, blocking: bool = False) -> None:
+        """Order every rank to write its shard of ``step``; commit once all have acked."""
+        self._wait_async()
+        tmp = manifest.tmp_step_dir(self.run.checkpoints, step)
+        attrs = {"step": step, "layout": self.group.dims.describe(), "config_hash": model_hash(self.cfg)}
+        async_save = self.cfg.checkpoint.async_save and not blocking
+        t0 = time.perf_counter()
+        acks = self.group.call("ckpt_save", step=step, tmp_dir=str(tmp), attrs=attrs, async_save=async_save,
+                               timeout_s=self.cfg.timeouts.checkpoint_s)
+        if async_save:
+            self._pending = (step, tmp, t0)
+            event(self.state, "checkpoint_started", step=step, blocked_s=round(time.perf_counter() - t0, 3))
+            return
+        self._commit(step, tmp, acks, t0)
+
+    def _poll_async(self) -> None:
+        assert self._pending is not None
+        step, tmp, t0 = self._pending
+        acks = self.group.call("ckpt_poll", step=step, timeout_s=self.cfg.timeouts.call_s)
+        if all(a is not None for a in acks):
+            self._pending = None
+            self._commit(step, tmp, acks, t0)
+
+    def _wait_async(self) -> None:
+        if self._pending is None:
+            return
+        step, tmp, t0 = self._pending
+        self._pending = None
+        acks = self.group.call("ckpt_wait", step=step, timeout_s=self.cfg.timeouts.checkpoint_s)
+        self._commit(step, tmp, acks, t0)
+
+    def _commit(self, step: int, tmp: Path, acks: list[dict[str, Any]], t0: float) -> None:
+        meta = {
+            "layout": self.group.dims.describe(),
+            "dims": {"tp": self.group.dims.tp, "pp": self.group.dims.pp, "dp": self.group.dims.dp},
+            "config_hash": model_hash(self.cfg),
+            "loop": {"step": step, "epoch": self.group.epoch, "last_loss": self.state.get("last_loss")},
+        }
+        final = manifest.commit(self.run.checkpoints, step, tmp, acks, meta,
+                                world_size=self.group.world_size, keep_last=self.cfg.checkpoint.keep_last)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(int(a.get("size_bytes", 0)) for a in acks)
+        event(self.state, "checkpoint_committed", step=step, folder=final.name, seconds=round(seconds, 3),
+              bytes=nbytes)
+        log.info("checkpoint of step %d committed in %.2f s (%.1f MB)", step, seconds, nbytes / 1e6)
+        self.save_state()
+
+    # --- metrics ------------------------------------------------------------------------
+    def _trim_metrics(self, step: int) -> None:
+        """After a resume, the steps past the checkpoint are redone: drop their records."""
+        if not self.run.metrics.exists():
+            return
+        keep = [line for line in self.run.metrics.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) < step]
+        write_atomic(self.run.metrics, "".join(line + "\n" for line in keep))
 
     def _record(self, step: int, results: list[Any], owners: list[int], wall: float) -> dict[str, Any]:
         losses = [results[r]["loss"] for r in owners]
         first = results[owners[0]]
-        rank_times = [float(r.get("step_time_s", 0.0)) for r in results]
         tokens = sum(int(results[r].get("tokens", 0)) for r in owners)
-        return {
+        record = {
             "step": step,
             "loss": statistics.fmean(losses),
             "grad_norm": first.get("grad_norm"),
@@ -74,7 +187,11 @@ class Program:
             "tokens": tokens,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "step_time_s": wall,
-            "rank_step_time_s": rank_times,
+            "rank_step_time_s": [float(r.get("step_time_s", 0.0)) for r in results],
             "rss_mb": [float(r.get("rss_mb", 0.0)) for r in results],
             "time": time.time(),
         }
+        for key in ("data_wait_s", "cuda_peak_mb", "grad_sync_s"):
+            if all(key in r for r in results):
+                record[key] = [float(r[key]) for r in results]
+        return record

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from core.checkpoint.spec import TensorSlice
 from core.task import WorkerContext
 
 _DIM = 16
@@ -58,6 +59,16 @@ class ToyTask:
         self.w = self.w - self.lr * grad
         return {"loss": loss, "grad_norm": float(np.linalg.norm(grad)), "lr": self.lr, "tokens": 32,
                 "step_time_s": time.perf_counter() - t0}
+
+    def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, np.ndarray]], dict[str, Any]]:
+        """Each rank's own weights under a per-rank name (the toy has no sharded tensors)."""
+        name = f"toy.w.rank{self.ctx.rank}"
+        item = TensorSlice(name=name, global_shape=(_DIM,), offset=(0,), shape=(_DIM,), dtype="float64")
+        return [(item, self.w.copy())], {"rank": self.ctx.rank}
+
+    def restore_state(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray],
+                      blobs: dict[str, Any]) -> None:
+        self.w = np.array(read(f"toy.w.rank{self.ctx.rank}", (0,), (_DIM,)), dtype=np.float64)
 
     def get_state(self) -> dict[str, Any]:
         return {"w": self.w}
