@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from core.errors import UserError
-from launcher import cmd_logs, cmd_status, cmd_submit
+from launcher import cmd_ckpt, cmd_data, cmd_logs, cmd_plan, cmd_status, cmd_submit
 
-COMMANDS = [cmd_submit, cmd_status, cmd_logs]
+COMMANDS = [cmd_submit, cmd_plan, cmd_status, cmd_logs, cmd_ckpt, cmd_data]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `baton logs ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
