@@ -2,15 +2,19 @@
 
 Pure arithmetic over a ``RunConfig``, so the login node can answer "does this fit?"
 before a job costs a queue slot. The model it counts is Megatron-core's ``GPTModel``
-with its defaults: learned absolute position embeddings, LayerNorm with bias, biased
-linears, and ``share_embeddings_and_output_weights=True``, which with pp > 1 gives the
-last stage its own copy of the word embeddings as the output layer.
+as ``core.gpt.model`` builds it: learned absolute position embeddings, LayerNorm with
+bias, biased linears, and an output layer *untied* from the word embeddings
+(``share_embeddings_and_output_weights=False``). Tied weights are counted too (once in
+the total, plus the last stage's copy when pp > 1) if a config field
+``model.share_embeddings_and_output_weights`` is ever added and set.
 
 Memory, per GPU (bytes; ``P`` = parameters on that rank, after tensor parallelism):
 
 - weights: ``2P`` bf16/fp16 compute copy + ``4P`` fp32 master under mixed precision,
   else ``4P``; the distributed optimizer shards the master copy over dp.
-- gradients: ``4P`` (Megatron's DDP accumulates into an fp32 ``main_grad`` buffer).
+- gradients: Megatron DDP's ``main_grad`` buffer, ``4P`` when grads are reduced in fp32
+  (``core.gpt.model``: fp32 training, or ``mixed_precision.reduce_dtype: fp32``), else
+  ``2P`` in the bf16/fp16 parameter dtype.
 - optimizer: Adam's two fp32 moments, ``8P``, sharded over dp by the distributed optimizer.
 - activations (Korthikanti et al. 2022, no sequence parallelism), per layer and
   micro-batch: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` without recompute,
@@ -58,13 +62,15 @@ class RankPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class ParamCount:
-    """Parameters of the whole model; ``total`` counts a tied output layer once."""
+    """Parameters of the whole model; a tied output layer is counted once, in ``embeddings``."""
 
     total: int
     embeddings: int  # word (vocab × hidden) + position (seq × hidden)
     per_layer: int
     final_norm: int
-    output_layer: int  # a separate weight; 0 when tied on a single stage
+    output_layer: int  # an untied output layer (vocab × hidden); 0 when tied
+    tied: bool
+    tied_copy: int  # tied with pp > 1: the last stage's copy of the word embeddings; else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,16 +133,23 @@ def _layer_params(cfg: RunConfig, tp: int) -> int:
     return _ceil_div(sharded, tp) + replicated
 
 
+def _tied(cfg: RunConfig) -> bool:
+    # ModelConfig has no such field; core.gpt.model builds untied (no cross-stage embedding group)
+    return bool(getattr(cfg.model, "share_embeddings_and_output_weights", False))
+
+
 def count_params(cfg: RunConfig) -> ParamCount:
-    """Parameters of the unsharded model (``tp = 1``), Megatron GPTModel defaults."""
-    m, pp = cfg.model, cfg.parallel.pp
+    """Parameters of the unsharded model (``tp = 1``)."""
+    m, tied = cfg.model, _tied(cfg)
     embeddings = m.vocab_size * m.hidden_size + m.seq_length * m.hidden_size
     per_layer = _layer_params(cfg, 1)
     final_norm = 2 * m.hidden_size
-    output_layer = 0 if pp == 1 else 0  # tied: the last stage's copy is not a new parameter
-    total = embeddings + m.num_layers * per_layer + final_norm + output_layer
-    return ParamCount(total=total, embeddings=embeddings, per_layer=per_layer,
-                      final_norm=final_norm, output_layer=m.vocab_size * m.hidden_size if pp > 1 else 0)
+    output_layer = 0 if tied else m.vocab_size * m.hidden_size
+    return ParamCount(
+        total=embeddings + m.num_layers * per_layer + final_norm + output_layer, embeddings=embeddings,
+        per_layer=per_layer, final_norm=final_norm, output_layer=output_layer, tied=tied,
+        tied_copy=m.vocab_size * m.hidden_size if tied and cfg.parallel.pp > 1 else 0,
+    )
 
 
 def _rank_params(cfg: RunConfig, *, tp: int, first: bool, last: bool, n_layers: int) -> int:
@@ -147,8 +160,8 @@ def _rank_params(cfg: RunConfig, *, tp: int, first: bool, last: bool, n_layers: 
         params += vocab_shard + m.seq_length * m.hidden_size  # position embeddings are replicated
     if last:
         params += 2 * m.hidden_size  # final LayerNorm
-        if not first:
-            params += vocab_shard  # the tied output layer's copy on the last stage
+        if not (_tied(cfg) and first):
+            params += vocab_shard  # untied output layer, or the tied copy on a later stage
     return params
 
 
@@ -196,10 +209,12 @@ def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: b
     mp = cfg.training.mixed_precision
     shard = dp if distributed_optimizer else 1
     if mp.enabled and DTYPE_BYTES[mp.param_dtype] < 4:
-        weights = DTYPE_BYTES[mp.param_dtype] * params + _ceil_div(4 * params, shard)
+        low = DTYPE_BYTES[mp.param_dtype]
+        weights = low * params + _ceil_div(4 * params, shard)
+        grads = (4 if mp.reduce_dtype == "fp32" else low) * params  # as core.gpt.model's grad_reduce_in_fp32
     else:
-        weights = 4 * params
-    return weights, 4 * params, _ceil_div(8 * params, shard)
+        weights = grads = 4 * params
+    return weights, grads, _ceil_div(8 * params, shard)
 
 
 def _estimate(cfg: RunConfig, dims: ParallelDims, ranks: tuple[RankPlan, ...], *, micro_batch: int,
@@ -272,7 +287,7 @@ def _layout_warnings(cfg: RunConfig, dims: ParallelDims, num_micro: int) -> list
                    f"vocab-parallel embedding needs it: pad it to {_ceil_div(m.vocab_size, tp) * tp}")
     if m.ffn % tp:
         out.append(f"model.ffn_hidden_size: {m.ffn} is not divisible by parallel.tp = {tp}")
-    if 1 < num_micro < dims.pp or (num_micro == 1 and dims.pp > 1):
+    if num_micro < dims.pp:
         out.append(f"only {num_micro} micro-batch(es) for {dims.pp} pipeline stages: most stages idle; "
                    "raise training.global_batch_size or lower training.micro_batch_size")
     if cfg.parallel.distributed_optimizer and dims.dp == 1:
@@ -304,7 +319,6 @@ def make_plan(cfg: RunConfig, *, gpu_mem_gb: float | None = None) -> Plan:
         warnings.append("training.micro_batch_size: auto resolved to 1 because no GPU memory size was given")
     else:
         micro = resolve_micro_batch(cfg, gpu_bytes - static_bytes(cfg))
-        logger.info("micro_batch_size auto -> %d", micro)
     num_micro = per_replica // micro
     warnings += _layout_warnings(cfg, dims, num_micro)
 
@@ -317,13 +331,13 @@ def make_plan(cfg: RunConfig, *, gpu_mem_gb: float | None = None) -> Plan:
                   and v.recompute == cfg.training.recompute)
     if memory.fits is False:
         fitting = [v for v in variants if v.fits]
-        hint = ("; would fit with " + _variant_overrides(fitting[0])) if fitting else (
+        hint = ("; would fit with " + _fix(cfg, fitting)) if fitting else (
             "; no optimizer sharding or recompute setting fits: raise parallel.tp / parallel.pp, "
             "lower training.micro_batch_size or use a smaller model")
         warnings.append(f"does not fit: rank {memory.rank} needs about {memory.total_bytes / GIB:.2f} GiB "
                         f"of {gpu_mem_gb:g} GiB{hint}")
-    for w in warnings:
-        logger.warning("%s", w)
+    logger.debug("plan %s: micro-batch %d, worst rank %d needs %d bytes", dims.describe(), micro,
+                 memory.rank, memory.total_bytes)
     return Plan(
         dims=dims, nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.n_gpus_per_node,
         global_batch_size=cfg.training.global_batch_size, micro_batch_size=micro, micro_batch_auto=auto,
@@ -332,9 +346,18 @@ def make_plan(cfg: RunConfig, *, gpu_mem_gb: float | None = None) -> Plan:
     )
 
 
-def _variant_overrides(v: MemoryEstimate) -> str:
-    return (f"parallel.distributed_optimizer={str(v.distributed_optimizer).lower()} "
-            f"training.recompute={v.recompute}")
+def _fix(cfg: RunConfig, fitting: list[MemoryEstimate]) -> str:
+    """The overrides of the fitting variant with the fewest changes, the cheaper recompute first."""
+    def changes(v: MemoryEstimate) -> list[str]:
+        out = []
+        if v.distributed_optimizer != cfg.parallel.distributed_optimizer:
+            out.append(f"parallel.distributed_optimizer={str(v.distributed_optimizer).lower()}")
+        if v.recompute != cfg.training.recompute:
+            out.append(f"training.recompute={v.recompute}")
+        return out
+
+    best = min(fitting, key=lambda v: (len(changes(v)), RECOMPUTE_MODES.index(v.recompute)))
+    return " ".join(changes(best))
 
 
 def _layer_span(layers: tuple[int, ...]) -> str:
@@ -350,7 +373,7 @@ def _holds(r: RankPlan) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:10.3f}"
+    return f"{n / GIB:10.3f} {n / 2**20:12.1f}"  # GiB, and MiB for the small models of tests
 
 
 MAX_RANK_ROWS = 64  # larger worlds show the first and last ranks only
@@ -364,10 +387,9 @@ def format_plan(plan: Plan) -> str:
         f"batch: global {plan.global_batch_size} = micro {plan.micro_batch_size}"
         f"{' (auto)' if plan.micro_batch_auto else ''} x {plan.num_micro_batches} micro-batches x dp {d.dp}",
         f"params: {p.total:,} total (embeddings {p.embeddings:,}, {p.per_layer:,} per layer, "
-        f"final norm {p.final_norm:,}" + (f", tied output copy {p.output_layer:,} on the last stage)"
-                                          if p.output_layer else ", output layer tied)"),
+        f"final norm {p.final_norm:,}, " + _output_note(p) + ")",
         "",
-        f"{'rank':>5}  {'node slot':<10} {'tp':>3} {'pp':>3} {'dp':>3}  {'layers':<8} {'params':>12}  holds",
+        f"{'rank':>5}  {'node slot':<10} {'tp':>3} {'pp':>3} {'dp':>3}  {'layers':<8} {'params':>14}  holds",
     ]
     rows = plan.ranks
     shown = rows if len(rows) <= MAX_RANK_ROWS else rows[: MAX_RANK_ROWS // 2] + rows[-MAX_RANK_ROWS // 2:]
@@ -375,11 +397,12 @@ def format_plan(plan: Plan) -> str:
         if len(rows) > MAX_RANK_ROWS and i == MAX_RANK_ROWS // 2:
             lines.append(f"{'...':>5}  ({len(rows) - MAX_RANK_ROWS} more ranks)")
         lines.append(f"{r.rank:>5}  {f'n{r.node}/g{r.local_rank}':<10} {r.tp:>3} {r.pp:>3} {r.dp:>3}  "
-                     f"{_layer_span(r.layers):<8} {r.params:>12,}  {_holds(r)}")
+                     f"{_layer_span(r.layers):<8} {r.params:>14,}  {_holds(r)}")
     optim = "on" if mem.distributed_optimizer else "off"
     lines += [
         "",
-        f"memory, worst rank {mem.rank} (distributed optimizer {optim}, recompute {mem.recompute}), GiB:",
+        f"memory, worst rank {mem.rank} (distributed optimizer {optim}, recompute {mem.recompute}):",
+        f"  {'':<11} {'GiB':>10} {'MiB':>12}",
         f"  weights     {_gib(mem.weights_bytes)}",
         f"  gradients   {_gib(mem.grads_bytes)}",
         f"  optimizer   {_gib(mem.optimizer_bytes)}",
@@ -387,8 +410,8 @@ def format_plan(plan: Plan) -> str:
         f"  logits      {_gib(mem.logits_bytes)}",
         f"  total       {_gib(mem.total_bytes)}" + _verdict(plan.gpu_mem_gb, mem.fits),
         "",
-        "variants (worst rank, GiB):",
-        f"  {'dist-opt':<9} {'recompute':<10} {'total':>10}  fits",
+        "variants (worst rank):",
+        f"  {'dist-opt':<9} {'recompute':<10} {'GiB':>10} {'MiB':>12}  fits",
     ]
     for v in plan.variants:
         mark = "  <- configured" if v == mem else ""
@@ -398,6 +421,12 @@ def format_plan(plan: Plan) -> str:
     if plan.warnings:
         lines += ["", "warnings:", *(f"  - {w}" for w in plan.warnings)]
     return "\n".join(lines)
+
+
+def _output_note(p: ParamCount) -> str:
+    if not p.tied:
+        return f"output layer {p.output_layer:,}"
+    return f"output layer tied, copy of {p.tied_copy:,} on the last stage" if p.tied_copy else "output layer tied"
 
 
 def _verdict(gpu_mem_gb: float | None, fits: bool | None) -> str:

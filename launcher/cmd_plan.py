@@ -1,0 +1,30 @@
+"""``baton plan CONFIG [key=value ...]``: the layout, parameter count and memory of a run, before submitting."""
+from __future__ import annotations
+
+import argparse
+
+from core import config
+from core.plan import format_plan, make_plan
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``plan`` subcommand."""
+    p = sub.add_parser(
+        "plan", help="show the parallel layout, parameter count and per-GPU memory estimate",
+        description="Show who holds which layers (rank, node slot, tp/pp/dp), the parameter count and a "
+                    "per-GPU memory estimate with and without the distributed optimizer and activation "
+                    "recompute. Exit code 1 when the configured run is estimated not to fit.",
+    )
+    p.add_argument("config", help="the run's YAML config")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp=2")
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (what plan.json records)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config, print the plan; 1 if it does not fit the GPU memory."""
+    cfg = config.load(args.config, args.overrides)
+    plan = make_plan(cfg, gpu_mem_gb=args.gpu_mem_gb)
+    print(plan.to_json() if args.json else format_plan(plan))
+    return 1 if plan.fits is False else 0

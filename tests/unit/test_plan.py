@@ -1,0 +1,259 @@
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from core import config
+from core import plan as plan_module
+from core.errors import ConfigError
+from core.plan import (
+    GIB,
+    RankPlan,
+    count_params,
+    format_plan,
+    make_plan,
+    memory_per_sample,
+    resolve_micro_batch,
+    static_bytes,
+)
+from launcher import cmd_plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*overrides: str) -> config.RunConfig:
+    return config.from_data(config.apply_overrides({}, list(overrides)))
+
+
+TP2PP2 = ("trainer.n_gpus_per_node=4", "parallel.tp=2", "parallel.pp=2")
+TP2PP2DP2 = ("trainer.n_gpus_per_node=8", "parallel.tp=2", "parallel.pp=2")
+BIG = ("model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16",
+       "model.vocab_size=50304", "model.seq_length=2048")
+
+
+def _row(r: RankPlan) -> tuple:
+    return (r.rank, r.node, r.local_rank, r.tp, r.pp, r.dp, r.layers, r.embeddings, r.output_layer, r.loss_owner)
+
+
+def test_tp2pp2_layout_on_four_workers() -> None:
+    plan = make_plan(_cfg(*TP2PP2))
+    assert [_row(r) for r in plan.ranks] == [
+        (0, 0, 0, 0, 0, 0, (0, 1), True, False, False),
+        (1, 0, 1, 1, 0, 0, (0, 1), True, False, False),
+        (2, 0, 2, 0, 1, 0, (2, 3), False, True, True),
+        (3, 0, 3, 1, 1, 0, (2, 3), False, True, False),
+    ]
+    assert plan.num_micro_batches == 16 // (4 * 1)
+
+
+def test_tp2pp2dp2_layout_on_eight_workers_over_two_nodes() -> None:
+    plan = make_plan(_cfg("trainer.nodes=2", "trainer.n_gpus_per_node=4", "parallel.tp=2", "parallel.pp=2"))
+    assert [_row(r) for r in plan.ranks] == [
+        (0, 0, 0, 0, 0, 0, (0, 1), True, False, False),
+        (1, 0, 1, 1, 0, 0, (0, 1), True, False, False),
+        (2, 0, 2, 0, 0, 1, (0, 1), True, False, False),
+        (3, 0, 3, 1, 0, 1, (0, 1), True, False, False),
+        (4, 1, 0, 0, 1, 0, (2, 3), False, True, True),
+        (5, 1, 1, 1, 1, 0, (2, 3), False, True, False),
+        (6, 1, 2, 0, 1, 1, (2, 3), False, True, True),
+        (7, 1, 3, 1, 1, 1, (2, 3), False, True, False),
+    ]
+    assert [r.rank for r in plan.ranks if r.loss_owner] == plan.dims.loss_owners()
+    assert plan.num_micro_batches == 16 // (4 * 2)
+
+
+def test_tiny_gpt_param_count_matches_hand_computation() -> None:
+    h, f, v, s, layers = 64, 256, 128, 32, 4
+    per_layer = (3 * h * h + 3 * h) + (h * h + h) + 4 * h + (2 * h * f + f + h)
+    assert per_layer == 12 * h * h + 13 * h == 49_984
+    p = count_params(_cfg())
+    assert p.per_layer == per_layer
+    # core.gpt.model builds the output layer untied: its own vocab × hidden weight
+    assert p.total == v * h + s * h + layers * per_layer + 2 * h + v * h == 218_496
+    assert not p.tied and p.output_layer == v * h and p.tied_copy == 0
+
+
+def test_per_rank_params_split_matmuls_over_tp() -> None:
+    h, f, v, s = 64, 256, 128, 32
+    plan = make_plan(_cfg(*TP2PP2))
+    sharded = (3 * h * h + 3 * h + h * h + 2 * h * f + f) // 2
+    layer = sharded + h + 4 * h + h  # row-parallel biases and LayerNorms are replicated
+    assert plan.ranks[0].params == 2 * layer + v * h // 2 + s * h
+    assert plan.ranks[2].params == 2 * layer + 2 * h + v * h // 2
+    replicated = 4 * 6 * h + s * h + 2 * h  # held by both tp ranks of a stage
+    assert sum(r.params for r in plan.ranks) - replicated == plan.params.total
+
+
+def test_tied_output_layer_is_counted_once_plus_the_last_stage_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_module, "_tied", lambda cfg: True)
+    h, v = 64, 128
+    single = make_plan(_cfg())
+    assert single.params.total == 210_304 and single.params.tied_copy == 0
+    assert single.ranks[0].params == single.params.total  # one stage: embedding and output share
+    staged = make_plan(_cfg("trainer.n_gpus_per_node=2", "parallel.pp=2"))
+    assert staged.params.tied_copy == v * h
+    assert sum(r.params for r in staged.ranks) == staged.params.total + v * h
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
+def test_param_counts_match_a_real_megatron_gpt_model() -> None:
+    code = textwrap.dedent("""
+        import json, os, warnings
+        warnings.filterwarnings("ignore")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+        import torch, torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        out = {}
+        for name, layers, pre, post in [("full", 4, True, True), ("first", 2, True, False), ("last", 2, False, True)]:
+            cfg = TransformerConfig(num_layers=layers, hidden_size=64, num_attention_heads=4,
+                                    use_cpu_initialization=True)
+            m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
+                         max_sequence_length=32, pre_process=pre, post_process=post,
+                         share_embeddings_and_output_weights=False)  # as core.gpt.model
+            out[name] = sum(p.numel() for p in m.parameters())
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert real["full"] == count_params(_cfg()).total
+    stages = make_plan(_cfg("trainer.n_gpus_per_node=2", "parallel.pp=2")).ranks
+    assert (real["first"], real["last"]) == (stages[0].params, stages[1].params)
+
+
+def _variant(plan, *, dist: bool, recompute: str):
+    return next(v for v in plan.variants if v.distributed_optimizer == dist and v.recompute == recompute)
+
+
+def test_memory_orders_distributed_optimizer_and_recompute_modes() -> None:
+    plan = make_plan(_cfg(*TP2PP2DP2), gpu_mem_gb=80)
+    for rc in ("none", "selective", "full"):
+        assert _variant(plan, dist=True, recompute=rc).total_bytes < _variant(plan, dist=False, recompute=rc).total_bytes
+    for dist in (False, True):
+        full, sel, none = (_variant(plan, dist=dist, recompute=rc).activations_bytes
+                           for rc in ("full", "selective", "none"))
+        assert full < sel < none
+    assert plan.memory == _variant(plan, dist=False, recompute="none")
+
+
+def test_memory_breakdown_of_the_configured_variant() -> None:
+    cfg = _cfg("trainer.n_gpus_per_node=2", "parallel.distributed_optimizer=true", "training.recompute=selective")
+    plan = make_plan(cfg)
+    m, n = plan.memory, plan.ranks[0].params
+    # bf16 weights + fp32 master (sharded), bf16 grads (reduce_dtype bf16), Adam moments (sharded)
+    assert (m.weights_bytes, m.grads_bytes, m.optimizer_bytes) == (2 * n + 4 * n // 2, 2 * n, 8 * n // 2)
+    assert make_plan(_cfg("training.mixed_precision.reduce_dtype=fp32")).memory.grads_bytes == 4 * n
+    fp32 = make_plan(_cfg("training.mixed_precision.enabled=false")).memory
+    assert (fp32.weights_bytes, fp32.grads_bytes, fp32.optimizer_bytes) == (4 * n, 4 * n, 8 * n)
+    s, b, h = 32, 4, 64
+    assert m.activations_bytes == 4 * s * b * h * 34 and m.logits_bytes == s * b * 128 * 4
+    assert m.total_bytes == sum((m.weights_bytes, m.grads_bytes, m.optimizer_bytes, m.activations_bytes,
+                                 m.logits_bytes))
+    assert m.fits is None and plan.fits is None
+
+
+def test_a_model_too_big_for_the_gpu_warns_and_suggests_a_fix() -> None:
+    plan = make_plan(_cfg(*BIG), gpu_mem_gb=1)
+    assert plan.fits is False and plan.memory.total_bytes > GIB
+    assert any(w.startswith("does not fit: rank 0 needs about") for w in plan.warnings)
+    assert make_plan(_cfg(*BIG), gpu_mem_gb=80).fits is True
+
+
+def test_the_fit_hint_names_only_the_settings_to_change() -> None:
+    big = _cfg(*TP2PP2DP2, "model.num_layers=48", "model.hidden_size=4096", "model.num_attention_heads=32",
+               "model.vocab_size=50304", "model.seq_length=2048", "training.global_batch_size=32")
+    plan = make_plan(big, gpu_mem_gb=80)
+    assert plan.fits is False
+    assert plan.warnings[-1].endswith("GiB of 80 GiB; would fit with training.recompute=selective")
+
+
+def test_format_plan_lists_every_rank_row_and_the_warnings() -> None:
+    plan = make_plan(_cfg(*TP2PP2, *BIG[:-1]), gpu_mem_gb=1)
+    text = format_plan(plan)
+    rows = [ln.split() for ln in text.splitlines() if re.match(r"\s+\d+\s+n\d+/g\d+", ln)]
+    assert [r[:7] for r in rows] == [["0", "n0/g0", "0", "0", "0", "0-11", f"{plan.ranks[0].params:,}"],
+                                     ["1", "n0/g1", "1", "0", "0", "0-11", f"{plan.ranks[1].params:,}"],
+                                     ["2", "n0/g2", "0", "1", "0", "12-23", f"{plan.ranks[2].params:,}"],
+                                     ["3", "n0/g3", "1", "1", "0", "12-23", f"{plan.ranks[3].params:,}"]]
+    assert "DOES NOT FIT" in text and "warnings:" in text and plan.warnings[0] in text
+    assert "<- configured" in text
+
+
+def test_plan_json_round_trips_through_json() -> None:
+    plan = make_plan(_cfg(*TP2PP2DP2), gpu_mem_gb=80)
+    data = json.loads(plan.to_json())
+    assert data["dims"] == {"tp": 2, "pp": 2, "dp": 2}
+    assert len(data["ranks"]) == 8 and data["ranks"][4]["layers"] == [2, 3]
+    assert data["memory"]["total_bytes"] == plan.memory.total_bytes
+
+
+def test_auto_micro_batch_takes_the_largest_divisor_that_fits() -> None:
+    cfg = _cfg(*TP2PP2DP2, "training.micro_batch_size=auto")  # 16 / dp 2 = 8 samples per replica
+    per_sample = memory_per_sample(cfg)
+    assert resolve_micro_batch(cfg, 0) == 1
+    assert resolve_micro_batch(cfg, 3.5 * per_sample / 0.9) == 2  # floor 3 → largest divisor of 8 ≤ 3
+    assert resolve_micro_batch(cfg, 5 * per_sample / 0.9) == 4
+    assert resolve_micro_batch(cfg, 1e15) == 8
+    plan = make_plan(cfg, gpu_mem_gb=80)
+    assert plan.micro_batch_auto and plan.micro_batch_size == 8 and plan.num_micro_batches == 1
+    tight = (static_bytes(cfg) + 2.5 * per_sample / 0.9) / GIB
+    assert make_plan(cfg, gpu_mem_gb=tight).micro_batch_size == 2
+
+
+def test_auto_micro_batch_without_gpu_memory_is_one_with_a_warning() -> None:
+    plan = make_plan(_cfg("training.micro_batch_size=auto"))
+    assert plan.micro_batch_size == 1 and plan.num_micro_batches == 16
+    assert any("auto resolved to 1" in w for w in plan.warnings)
+
+
+def test_layout_warnings_name_the_config_key() -> None:
+    plan = make_plan(_cfg(*TP2PP2, "model.vocab_size=257"))
+    assert any(w.startswith("model.vocab_size: 257 is not divisible by parallel.tp = 2") for w in plan.warnings)
+    plan = make_plan(_cfg(*TP2PP2, "training.micro_batch_size=16"))
+    assert any("only 1 micro-batch(es) for 2 pipeline stages" in w for w in plan.warnings)
+
+
+def test_toy_model_has_no_plan() -> None:
+    with pytest.raises(ConfigError, match="model.kind: 'toy'"):
+        make_plan(_cfg("model.kind=toy"))
+
+
+def _plan_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cmd_plan.register(parser.add_subparsers())
+    return parser.parse_args(["plan", *argv])
+
+
+def test_plan_command_prints_the_table_or_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text("trainer:\n  n_gpus_per_node: 4\nparallel:\n  tp: 2\n")
+    assert cmd_plan.run(_plan_args(str(path), "parallel.pp=2")) == 0
+    assert "layout: tp2pp2dp1 on 4 workers" in capsys.readouterr().out
+    assert cmd_plan.run(_plan_args(str(path), "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["dims"] == {"tp": 2, "pp": 1, "dp": 2}
+    big = [f"{o}" for o in BIG]
+    assert cmd_plan.run(_plan_args(str(path), *big, "--gpu-mem-gb", "1")) == 1
+
+
+def test_plan_command_leaves_user_errors_to_the_cli(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        cmd_plan.run(_plan_args(str(tmp_path / "missing.yaml")))
+    path = tmp_path / "exp.yaml"
+    path.write_text("parallel:\n  tp: 3\n")
+    with pytest.raises(ConfigError, match="parallel.tp: 3 does not divide"):
+        cmd_plan.run(_plan_args(str(path)))
