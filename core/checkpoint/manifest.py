@@ -38,6 +38,7 @@ from typing import Any
 
 import xxhash
 
+from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def commit(root: Path, step: int, tmp_dir: Path, acks: list[dict[str, Any]], met
         "layout": meta.get("layout"), "config_hash": meta.get("config_hash"), "meta": meta,
         "files": files, "tensors": tensors,
     }
-    _write_durably(tmp_dir / MANIFEST_NAME, json.dumps(doc, indent=1, sort_keys=True).encode())
+    _write_durably(tmp_dir / MANIFEST_NAME, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     final = root / step_dir_name(step)
     aside = None
     if final.exists():  # the same step saved again (e.g. after a requeue): move the old one aside
@@ -219,6 +220,12 @@ def _validate_acks(tmp_dir: Path, acks: list[dict[str, Any]], world_size: int
             raise CheckpointError(f"{tmp_dir / name}: acked {size} bytes but holds {actual}; the write was cut short")
         files[name] = {"rank": rank, "size_bytes": size, "checksum": checksum}
         for s in slices:
+            try:
+                TensorSlice(name=s["name"], global_shape=tuple(s["global_shape"]), offset=tuple(s["offset"]),
+                            shape=tuple(s["shape"]), dtype=s["dtype"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{tmp_dir / name}: rank {rank} acked a bad slice ({exc}); "
+                                      "its checkpoint_state() returned inconsistent slices") from None
             entry = tensors.setdefault(s["name"], {"dtype": s["dtype"], "global_shape": list(s["global_shape"]),
                                                    "slices": []})
             if entry["dtype"] != s["dtype"] or entry["global_shape"] != list(s["global_shape"]):
