@@ -1,0 +1,144 @@
+"""The Megatron-core GPT of one pipeline stage, built from Baton's config sections.
+
+On CPU the layer spec is Megatron's local one and the model is plain fp32 (bf16 matmuls
+on CPU are slow and Megatron's mixed-precision optimizer path is only meant for GPUs);
+on GPU with TransformerEngine installed the TE spec is used, and
+``training.mixed_precision`` gives bf16 (or fp16) parameters and compute over fp32 main
+weights held by the optimizer.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from core.config import ModelConfig, ParallelConfig, TrainingConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_warned_cpu_precision = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """What the model computes in; ``param_dtype`` float32 means plain fp32 training."""
+
+    param_dtype: torch.dtype
+    grad_reduce_in_fp32: bool
+
+    @property
+    def bf16(self) -> bool:
+        return self.param_dtype == torch.bfloat16
+
+    @property
+    def fp16(self) -> bool:
+        return self.param_dtype == torch.float16
+
+
+def resolve_precision(training: TrainingConfig, *, on_cuda: bool) -> Precision:
+    """``training.mixed_precision`` on GPU; fp32 on CPU (one warning per process)."""
+    global _warned_cpu_precision
+    mp = training.mixed_precision
+    wanted = _DTYPES[mp.param_dtype] if mp.enabled else torch.float32
+    if not on_cuda and wanted != torch.float32:
+        if not _warned_cpu_precision:
+            log.warning(
+                "training.mixed_precision asks for %s but this rank runs on CPU: training in fp32",
+                mp.param_dtype,
+            )
+            _warned_cpu_precision = True
+        wanted = torch.float32
+    return Precision(param_dtype=wanted, grad_reduce_in_fp32=not mp.enabled or mp.reduce_dtype == "fp32")
+
+
+def _recompute_options(recompute: str) -> dict[str, object]:
+    if recompute == "full":
+        # One layer per recompute unit: every layer's activations are recomputed in backward.
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}  # Megatron's default: core attention
+    return {}
+
+
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, *, on_cuda: bool
+) -> TransformerConfig:
+    """The TransformerConfig every stage of the run shares."""
+    precision = resolve_precision(training, on_cuda=on_cuda)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        # Required for pp > 1: the dtype of the activations sent between stages.
+        pipeline_dtype=precision.param_dtype,
+        params_dtype=precision.param_dtype,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
+        # Without it each TP rank draws its own shard and TP layouts stop agreeing; on CPU
+        # it is also the only path that works.
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        sequence_parallel=False,
+        **_recompute_options(training.recompute),  # type: ignore[arg-type]
+    )
+
+
+def layer_spec(*, on_cuda: bool) -> ModuleSpec:
+    """TransformerEngine layers on GPU when TE is installed; Megatron's local ones otherwise."""
+    if on_cuda and importlib.util.find_spec("transformer_engine") is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec()
+
+
+def build_model(config: TransformerConfig, model: ModelConfig, *, on_cuda: bool) -> torch.nn.Module:
+    """This rank's stage of the GPT: embedding on the first stage, loss head on the last."""
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(on_cuda=on_cuda),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # Untied: tying needs an embedding group across the first and last stages and
+        # makes the output layer a second copy of one global tensor in checkpoints.
+        share_embeddings_and_output_weights=False,
+        parallel_output=True,
+        position_embedding_type="learned_absolute",
+    )
+    if on_cuda:
+        gpt.cuda(torch.cuda.current_device())
+    if config.bf16 or config.fp16:
+        return Float16Module(config, gpt)
+    return gpt
+
+
+def unwrap(module: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not isinstance(module, GPTModel):
+        module = module.module  # type: ignore[assignment]
+    return module
+
+
+def global_layer_indices(module: torch.nn.Module) -> list[int]:
+    """Global (0-based) indices of the transformer layers this rank holds."""
+    return [int(layer.layer_number) - 1 for layer in unwrap(module).decoder.layers]
+
+
+def num_local_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,126 @@
+"""One global training step (and one evaluation step) with Megatron's 1F1B schedule.
+
+A global step is ``global_batch / (micro_batch × dp)`` micro-batches per data-parallel
+replica through ``get_forward_backward_func()`` (1F1B when pp > 1), the DDP gradient
+reduction in ``finalize_model_grads``, then one optimizer step. The loss is the mean over
+micro-batches and over the DP replicas; every last-stage rank computes it (the
+vocab-parallel cross entropy gives the full loss on each TP rank) and the TP-rank-0 one
+reports it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from core.config import RunConfig
+from core.gpt.data import BatchSource, MicroBatch
+from core.gpt.optim import set_lr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What a step needs: this rank's model chunks, optimizer and batch source."""
+
+    cfg: RunConfig
+    model_chunks: list[Any]
+    optimizer: Any
+    source: BatchSource
+    device: torch.device
+
+
+def is_loss_owner() -> bool:
+    """Last pipeline stage, tensor-parallel rank 0: one per data replica."""
+    return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def _to_torch(batches: list[MicroBatch], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    for mb in batches:
+        tokens = torch.from_numpy(mb.tokens).to(device)
+        seq = tokens.shape[1]
+        yield {
+            "tokens": tokens,
+            "labels": torch.from_numpy(mb.labels).to(device),
+            "position_ids": torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens),
+        }
+
+
+def _loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = per_token_loss.float().mean()
+    # The schedule divides the returned loss in place by the micro-batch count: report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
+    batch = next(data_iterator)
+    # attention_mask None: the local and TE specs build the causal mask themselves.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, _loss_func
+
+
+def _run_schedule(ctx: StepContext, batches: list[MicroBatch], *, forward_only: bool) -> float | None:
+    """Run all micro-batches; the DP-averaged mean loss on last-stage ranks, else None."""
+    micro = batches[0].tokens.shape[0]
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=_to_torch(batches, ctx.device),
+        model=ctx.model_chunks,
+        num_microbatches=len(batches),
+        seq_length=ctx.cfg.model.seq_length,
+        micro_batch_size=micro,
+        forward_only=forward_only,
+    )
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    mean = torch.stack([d["lm loss"] for d in losses]).mean()
+    # Same group membership on every last-stage rank, so the collective is matched.
+    dist.all_reduce(mean, group=parallel_state.get_data_parallel_group())
+    return float(mean) / parallel_state.get_data_parallel_world_size()
+
+
+def train_step(ctx: StepContext, step: int) -> dict[str, Any]:
+    """One optimizer step on the global batch of ``step``; metrics for this rank."""
+    t0 = time.perf_counter()
+    lr = set_lr(ctx.optimizer, step, ctx.cfg)
+    for chunk in ctx.model_chunks:
+        chunk.zero_grad_buffer()
+    ctx.optimizer.zero_grad()
+    for chunk in ctx.model_chunks:
+        chunk.train()
+    loss = _run_schedule(ctx, ctx.source.micro_batches(step, "train"), forward_only=False)
+    update_ok, grad_norm, _ = ctx.optimizer.step()
+    if not update_ok:
+        log.warning("step %d: optimizer skipped the update (inf/nan gradients under loss scaling)", step)
+    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0}
+    if is_loss_owner():
+        assert loss is not None
+        out.update(
+            loss=loss,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(lr),
+            tokens=int(ctx.cfg.training.global_batch_size * ctx.cfg.model.seq_length),
+        )
+    return out
+
+
+def eval_step(ctx: StepContext, step: int) -> dict[str, Any]:
+    """Forward only on the held-out batch of ``step``; the loss on loss owners."""
+    t0 = time.perf_counter()
+    for chunk in ctx.model_chunks:
+        chunk.eval()
+    with torch.no_grad():
+        loss = _run_schedule(ctx, ctx.source.micro_batches(step, "eval"), forward_only=True)
+    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0}
+    if is_loss_owner():
+        assert loss is not None
+        out["loss"] = loss
+    return out

@@ -1,0 +1,203 @@
+"""``GPTTask``: one rank of a Megatron-core GPT run, served to the controller.
+
+The controller calls, in order: ``setup`` once (process group, Megatron's parallel state,
+model, optimizer, data), then ``train_step`` / ``eval_step`` with the step number, and
+``shutdown``. Every method returns msgpack-able values (floats, ints, strings, lists).
+``checkpoint_state`` / ``restore_state`` are not rpc methods: ``core.ckpt_worker`` wraps
+them into the checkpoint calls.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core import config as config_mod
+from core.checkpoint.spec import TensorSlice
+from core.config import RunConfig
+from core.task import WorkerContext
+
+log = logging.getLogger(__name__)
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+class GPTTask:
+    """A Megatron-core GPT rank: the rpc methods the controller may call."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.cfg: RunConfig | None = None
+        self._step_ctx: Any = None  # core.gpt.step.StepContext once set up
+        self._next_step = 0  # steps done: what a checkpoint taken now is "after"
+
+    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "setup": self.setup,
+            "train_step": self.train_step,
+            "eval_step": self.eval_step,
+            "load_global_weights": self.load_global_weights,
+            "save_global_weights": self.save_global_weights,
+            "shutdown": self.shutdown,
+        }
+
+    # --- rpc ------------------------------------------------------------------------------
+    def setup(self, config: dict[str, Any], master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the group and build model, optimizer and data.
+
+        Returns ``{"coords": {"tp", "pp", "dp"}, "layers": [global layer indices],
+        "num_params": local parameter count, "device": "cpu" | "cuda"}``.
+        """
+        import torch
+        from megatron.core.distributed import finalize_model_grads
+
+        from core.gpt import data, model, optim
+        from core.gpt.step import StepContext
+        from core.parallel import cpu_shim
+        from core.parallel.megatron import init_megatron
+
+        cfg = config_mod.from_data(config)
+        if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+            raise config_mod.ConfigError(
+                f"trainer.device: 'cuda' but rank {self.ctx.rank} on {self.ctx.host} sees no GPU; "
+                "use trainer.device=auto or cpu"
+            )
+        on_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+        if not on_cuda:
+            cpu_shim.activate_if_needed()
+        dims = cfg.dims
+        if dims.world_size != self.ctx.world_size:
+            raise config_mod.LayoutError(
+                f"config describes {dims.world_size} workers ({dims.describe()}) but this group "
+                f"has {self.ctx.world_size}"
+            )
+        init_megatron(
+            dims, rank=self.ctx.rank, world_size=self.ctx.world_size, master_addr=master_addr,
+            master_port=int(master_port), backend="nccl" if on_cuda else "gloo", seed=cfg.seed,
+            timeout_s=cfg.timeouts.setup_s,
+        )
+        tconfig = model.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda)
+        gpt = model.build_model(tconfig, cfg.model, on_cuda=on_cuda)
+        precision = model.resolve_precision(cfg.training, on_cuda=on_cuda)
+        ddp = optim.wrap_ddp(gpt, cfg, grad_reduce_in_fp32=precision.grad_reduce_in_fp32)
+        chunks = [ddp]
+        optimizer = optim.build_optimizer(chunks, cfg)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.no_sync_func = ddp.no_sync
+        if tconfig.fp16:
+            tconfig.grad_scale_func = optimizer.scale_loss
+        coords = dims.coords(self.ctx.rank)
+        source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        self.cfg = cfg
+        self._step_ctx = StepContext(cfg=cfg, model_chunks=chunks, optimizer=optimizer, source=source, device=device)
+        info = {
+            "coords": {"tp": coords.tp, "pp": coords.pp, "dp": coords.dp},
+            "layers": model.global_layer_indices(gpt),
+            "num_params": model.num_local_params(gpt),
+            "device": "cuda" if on_cuda else "cpu",
+        }
+        log.info("rank %d set up: %s", self.ctx.rank, info)
+        return info
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step. Every rank: ``step_time_s``, ``rss_mb``; loss owners also
+        ``loss``, ``grad_norm``, ``lr``, ``tokens`` (global tokens of the step)."""
+        from core.gpt.step import train_step
+
+        out = train_step(self._ready(), int(step))
+        self._next_step = int(step) + 1
+        out["rss_mb"] = rss_mb()
+        return out
+
+    def eval_step(self, step: int) -> dict[str, Any]:
+        """Forward only on the held-out batch of ``step``; ``loss`` on loss owners."""
+        from core.gpt.step import eval_step
+
+        out = eval_step(self._ready(), int(step))
+        out["rss_mb"] = rss_mb()
+        return out
+
+    def load_global_weights(self, path: str) -> None:
+        """Load this rank's slices of an .npz of full global tensors (global name → array)."""
+        from core.gpt.state import load_model_slices
+
+        with np.load(path) as arrays:
+            def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+                return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+
+            load_model_slices(self._ready().model_chunks, read)
+        self._resync_main_params()
+
+    def save_global_weights(self, path: str) -> None:
+        """Collective: global rank 0 writes every global weight, assembled, to ``path`` (.npz).
+
+        Meant for tests and small models: all slices travel to rank 0 over the process group.
+        """
+        import torch.distributed as dist
+
+        from core.gpt.state import is_writer, sharded_params, slice_of
+
+        mine = [(slice_of(sh), p.detach().float().cpu().numpy()) for sh, p in
+                sharded_params(self._ready().model_chunks) if is_writer(sh)]
+        gathered: list[Any] = [None] * dist.get_world_size() if self.ctx.rank == 0 else []
+        dist.gather_object(mine, gathered if self.ctx.rank == 0 else None, dst=0)
+        if self.ctx.rank == 0:
+            arrays = assemble([item for part in gathered for item in part])
+            tmp = Path(f"{path}.tmp.npz")
+            np.savez(tmp, **arrays)
+            tmp.replace(path)  # readers never see a half-written file
+
+    def shutdown(self) -> None:
+        """Tear down Megatron and the process group."""
+        from core.parallel.megatron import destroy_megatron
+
+        if self._step_ctx is not None:
+            destroy_megatron()
+            self._step_ctx = None
+
+    # --- checkpoint hooks (core.ckpt_worker) ------------------------------------------------
+    def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, np.ndarray]], dict[str, Any]]:
+        """This rank's slices and blobs (collective over DP with the distributed optimizer)."""
+        from core.gpt.state import export_state
+
+        ctx = self._ready()
+        return export_state(ctx.model_chunks, ctx.optimizer, self._next_step)
+
+    def restore_state(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray],
+                      blobs: dict[str, Any]) -> None:
+        """Load this rank's slices of a checkpoint, in this rank's layout."""
+        from core.gpt.state import import_state
+
+        ctx = self._ready()
+        self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _ready(self) -> Any:
+        if self._step_ctx is None:
+            raise RuntimeError(f"rank {self.ctx.rank}: call setup before any other method")
+        return self._step_ctx
+
+    def _resync_main_params(self) -> None:
+        """After writing model params directly, refresh the optimizer's fp32 copies."""
+        self._step_ctx.optimizer.reload_model_params()
+
+
+def assemble(items: list[tuple[TensorSlice, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Global arrays from slices that cover them (each element written once)."""
+    out: dict[str, np.ndarray] = {}
+    for s, data in items:
+        full = out.setdefault(s.name, np.zeros(s.global_shape, dtype=data.dtype))
+        full[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = data.reshape(s.shape)
+    return out

@@ -1,0 +1,251 @@
+"""Run ``GPTTask`` ranks as real processes without the ZeroMQ controller.
+
+``RankGroup`` spawns one process per rank; each builds a ``GPTTask`` and serves commands
+over a pipe: ``call(name, **kw)`` runs an rpc method on every rank, ``apply(fn, **kw)``
+runs a top-level function ``fn(task, **kw)`` (for the non-rpc ``core.gpt.state``
+functions). Every wait has a deadline; ``close`` asks the ranks to shut down and
+terminates (then kills) those it started that are still alive.
+
+    with RankGroup(gpt_config(tp=2, pp=2, world_size=4), world_size=4) as g:
+        g.setup()
+        losses = [g.loss(g.call("train_step", step=s)) for s in range(10)]
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.checkpoint.spec import TensorSlice
+
+Items = list[tuple[TensorSlice, np.ndarray]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gpt_config(*, tp: int = 1, pp: int = 1, world_size: int = 1, steps: int = 10, **sections: Any) -> dict[str, Any]:
+    """The tiny GPT of the tests (4 layers, hidden 64, heads 4, vocab 128, seq 32, batch 16).
+
+    ``sections`` update whole config sections by name, e.g. ``training={"recompute": "full"}``.
+    """
+    cfg: dict[str, Any] = {
+        "seed": 1234,
+        "trainer": {"nodes": 1, "n_gpus_per_node": world_size, "steps": steps, "device": "cpu"},
+        "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "seq_length": 32},
+        "parallel": {"tp": tp, "pp": pp},
+        "training": {"global_batch_size": 16, "micro_batch_size": 2},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        "data": {"kind": "synthetic", "task": "increment"},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg
+
+
+def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    warnings.filterwarnings("ignore")  # Megatron's "TE/Apex missing" and deprecation noise
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from core.gpt.task import GPTTask
+    from core.task import WorkerContext
+
+    ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir),
+                        host="localhost", log=logging.getLogger(f"rank{rank}"))
+    task = GPTTask(ctx)
+    table = task.rpc_table()
+    while True:
+        kind, target, kwargs = conn.recv()
+        if kind == "exit":
+            break
+        try:
+            result = table[target](**kwargs) if kind == "call" else target(task, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - sent to the test process, which raises it
+            conn.send(("error", traceback.format_exc()))
+    try:
+        table["shutdown"]()
+    finally:
+        conn.send(("ok", None))
+
+
+class RankError(RuntimeError):
+    """A rank raised; carries its traceback."""
+
+
+class RankGroup:
+    """``world_size`` spawned GPTTask ranks driven from the test process."""
+
+    def __init__(self, config: dict[str, Any], *, world_size: int, run_dir: str | Path = "/tmp",
+                 timeout_s: float = 240.0) -> None:
+        self.config = config
+        self.world_size = world_size
+        self.run_dir = str(run_dir)
+        self.timeout_s = timeout_s
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.setup_info: list[dict[str, Any]] = []
+
+    def __enter__(self) -> RankGroup:
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, self.world_size, child, self.run_dir), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _collect(self, what: str, timeout_s: float | None) -> list[Any]:
+        """Every rank's answer; the first error (from any rank) is raised at once."""
+        budget = timeout_s or self.timeout_s
+        deadline = time.monotonic() + budget
+        answers: dict[int, Any] = {}
+        pending = dict(enumerate(self.conns))
+        while pending:
+            ready = mp_connection.wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"ranks {sorted(pending)} did not answer {what} within {budget:.0f} s "
+                                   f"(alive: {[self.procs[r].is_alive() for r in sorted(pending)]})")
+            for rank in [r for r, c in pending.items() if c in ready]:
+                try:
+                    status, value = pending.pop(rank).recv()
+                except (EOFError, OSError):
+                    self.procs[rank].join(timeout=5)
+                    raise RankError(f"rank {rank} exited during {what} (exit code "
+                                    f"{self.procs[rank].exitcode}); see its stderr above") from None
+                if status == "error":
+                    # Other ranks may now block in a collective: stop waiting on them.
+                    raise RankError(f"{what} failed on rank {rank}:\n{value}")
+                answers[rank] = value
+        return [answers[r] for r in range(len(self.conns))]
+
+    def call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run rpc ``method`` on every rank; the results in rank order."""
+        for conn in self.conns:
+            conn.send(("call", method, kwargs))
+        return self._collect(method, timeout_s)
+
+    def apply(self, fn: Callable[..., Any], timeout_s: float | None = None, *,
+              per_rank: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[Any]:
+        """Run top-level ``fn(task, **kwargs)`` on every rank (``per_rank`` adds rank-own kwargs)."""
+        for rank, conn in enumerate(self.conns):
+            conn.send(("apply", fn, {**kwargs, **(per_rank[rank] if per_rank else {})}))
+        return self._collect(fn.__name__, timeout_s)
+
+    def setup(self) -> list[dict[str, Any]]:
+        self.setup_info = self.call("setup", config=self.config, master_addr="127.0.0.1", master_port=free_port())
+        return self.setup_info
+
+    def loss_owner_results(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in results if "loss" in r]
+
+    def loss(self, results: list[dict[str, Any]]) -> float:
+        """The step's loss; every loss owner (one per DP replica) must report the same one."""
+        losses = [r["loss"] for r in self.loss_owner_results(results)]
+        assert losses, "no rank reported a loss"
+        assert max(losses) - min(losses) < 1e-7, f"loss owners disagree: {losses}"
+        return float(losses[0])
+
+    def train(self, steps: range) -> list[float]:
+        return [self.loss(self.call("train_step", step=s)) for s in steps]
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive():
+                try:
+                    conn.send(("exit", None, {}))
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=20)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+
+
+# --- rank-side functions for RankGroup.apply ------------------------------------------------
+def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
+    """``core.gpt.state.export_state`` of this rank."""
+    from core.gpt.state import export_state
+
+    ctx = task._ready()
+    return export_state(ctx.model_chunks, ctx.optimizer, step)
+
+
+def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
+    """``core.gpt.state.import_state`` from an .npz of full global arrays."""
+    from core.gpt.state import import_state
+
+    ctx = task._ready()
+    with np.load(arrays_path) as arrays:
+        def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+            return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+
+        step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
+    task._next_step = step
+    return step
+
+
+def check_groups_against(task: Any, *, tp: int, pp: int, dp: int) -> str:
+    """Rank side: the error ``check_groups`` raises for a layout Megatron was not built with."""
+    from core.errors import BatonRuntimeError
+    from core.parallel.dims import ParallelDims
+    from core.parallel.megatron import check_groups
+
+    try:
+        check_groups(ParallelDims(tp=tp, pp=pp, dp=dp), task.ctx.rank)
+    except BatonRuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+# --- test-process helpers -------------------------------------------------------------------
+def assemble_exact(items: Items) -> dict[str, np.ndarray]:
+    """Global arrays from every rank's slices; asserts each element was written exactly once."""
+    arrays: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    for s, data in items:
+        assert data.shape == s.shape or data.size == int(np.prod(s.shape)), (s, data.shape)
+        index = tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))
+        arrays.setdefault(s.name, np.zeros(s.global_shape, dtype=data.dtype))[index] = data.reshape(s.shape)
+        counts.setdefault(s.name, np.zeros(s.global_shape, dtype=np.int32))[index] += 1
+    bad = {name: (int(c.min()), int(c.max())) for name, c in counts.items() if c.min() != 1 or c.max() != 1}
+    assert not bad, f"slices do not tile their global tensors exactly once: {bad}"
+    return arrays
+
+
+def export_group(group: RankGroup, step: int, path: Path) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Export every rank's state, assemble the global arrays into ``path`` (.npz)."""
+    parts = group.apply(export_on_rank, step=step)
+    arrays = assemble_exact([item for items, _ in parts for item in items])
+    np.savez(path, **arrays)
+    return arrays, [blobs for _, blobs in parts]
+
+
+def import_group(group: RankGroup, path: Path, blobs: list[dict[str, Any]]) -> list[int]:
+    """Import into ``group``: each rank takes its own saved blobs if that rank existed, else rank 0's."""
+    per_rank = [{"blobs": blobs[r] if r < len(blobs) else blobs[0]} for r in range(group.world_size)]
+    return group.apply(import_on_rank, arrays_path=str(path), per_rank=per_rank)
