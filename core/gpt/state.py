@@ -242,10 +242,12 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int) -> tuple[It
     for (sh, param), state in zip(params, states, strict=True):
         if not is_writer(sh):
             continue
-        items.append((slice_of(sh), _numpy(param)))
+        s = slice_of(sh)
+        # The array carries the slice's shape: stacked layers add a leading axis of 1.
+        items.append((s, _numpy(param).reshape(s.shape)))
         for kind in kinds:
             tensor = state["param" if kind == "main_param" else kind]
-            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), _numpy(tensor)))
+            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), _numpy(tensor).reshape(s.shape)))
     blobs = {
         "format": FORMAT,
         "step": int(step),

@@ -1,0 +1,67 @@
+"""Checkpoint/resume of the tiny GPT through the real controller and Megatron workers."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from core.checkpoint import manifest
+from tests.helpers import baton
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
+# A constant schedule, so a run of 10 steps and one of 20 share the learning rate of every step.
+BASE = ["optimizer.schedule=constant", "optimizer.warmup_steps=0", "checkpoint.interval_steps=0"]
+
+
+def _submit(*args: str) -> Path:
+    res = baton("submit", *args, "--backend", "local")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+
+
+def _resume(run: Path, *overrides: str) -> None:
+    res = baton("submit", "--resume", str(run), *overrides, "--backend", "local")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpt")
+    full = _submit("experiments/tiny_gpt.yaml", f"runs_root={root}/full", "trainer.steps=20", *BASE)
+    half = _submit("experiments/tiny_gpt.yaml", f"runs_root={root}/half", "trainer.steps=10", *BASE)
+    return {"full": full, "half": half, "root": root}
+
+
+def _copy_half(runs: dict[str, Path], name: str) -> Path:
+    dst = runs["root"] / name / runs["half"].name
+    shutil.copytree(runs["half"], dst)
+    return dst
+
+
+def test_resume_is_exact_in_the_same_layout(runs: dict[str, Path]) -> None:
+    run = _copy_half(runs, "same")
+    assert manifest.committed_steps(run / "checkpoints") == [10]
+    _resume(run, "trainer.steps=20")
+    full, resumed = _losses(runs["full"]), _losses(run)
+    assert len(resumed) == 20
+    assert max(abs(a - b) for a, b in zip(full, resumed)) <= 1e-7, list(zip(full, resumed))[10:]
+
+
+@pytest.mark.parametrize("layout", [("1", "4"), ("1", "1")], ids=["tp1pp4", "tp1pp1"])
+def test_resume_in_another_layout_continues_the_curve(runs: dict[str, Path], layout: tuple[str, str]) -> None:
+    tp, pp = layout
+    run = _copy_half(runs, f"tp{tp}pp{pp}")
+    workers = str(int(tp) * int(pp))
+    _resume(run, "trainer.steps=20", f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.n_gpus_per_node={workers}")
+    full, resumed = _losses(runs["full"]), _losses(run)
+    assert len(resumed) == 20
+    assert max(abs(a - b) for a, b in zip(full[10:], resumed[10:])) <= 1e-6, list(zip(full, resumed))[10:]
+    state = json.loads((run / "state.json").read_text())
+    resumed_ev = [e for e in state["history"] if e["event"] == "resumed"][-1]
+    assert resumed_ev["saved_layout"] == "tp2pp2dp1" and resumed_ev["layout"] == f"tp{tp}pp{pp}dp1"
