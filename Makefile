@@ -11,7 +11,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml ci/constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an unpinned torch resolves to a multi-GB CUDA build.
 	$(PY) -m pip install -q -c ci/constraints.txt torch
-	$(PY) -m pip install -q -c ci/constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c ci/constraints.txt -e '.[test,plots]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from pathlib import Path
+import sys
 from typing import Any
-
-from core.runfolder import RunFolder
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("status", help="show a run's state, step, loss and history",
                        description="Show a run's status, step out of total, last loss, restarts and its event history.")
-    p.add_argument("run_dir", type=Path, help="the run folder `baton submit` printed")
+    p.add_argument("run_dir", help="the run folder `baton submit` printed, or its Slurm job id")
+    p.add_argument("--watch", action="store_true", help="redraw a live view (progress, ETA, tokens/s, loss) until the run ends")
+    p.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="with --watch: seconds between redraws")
     p.set_defaults(func=run)
 
 
@@ -40,6 +40,12 @@ def format_status(state: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_folder = RunFolder.open(args.run_dir)
-    print(format_status(run_folder.read_state()))
+    from launcher import slurm  # a job id → its run folder; the Slurm states of both components
+
+    run_folder = slurm.resolve_status_target(args.run_dir)
+    if args.watch:
+        from launcher.cmd_watch import watch
+
+        return watch(run_folder.path, args.interval, stream=sys.stdout)
+    print("\n".join([format_status(run_folder.read_state()), *slurm.slurm_status_lines(run_folder)]))
     return 0

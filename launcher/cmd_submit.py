@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 from pathlib import Path
 
 from core import config as config_mod
-from launcher import local, runprep
+from core.runfolder import RunFolder, new_run_id
+from launcher import local, runprep, slurm
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -22,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="auto (default): slurm when sbatch is on PATH, else local processes")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue an existing run folder from its latest committed checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="slurm: print the exact job script and submit nothing (no run folder is created)")
+    slurm.add_sbatch_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -44,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         run_folder, epoch = None, 0
     backend = pick_backend(args.backend)
     if backend == "slurm":
-        raise config_mod.ConfigError("--backend slurm: not available yet in this version; use --backend local")
+        return _run_slurm(args, cfg, run_folder, epoch)
+    if args.dry_run:
+        raise config_mod.ConfigError("--dry-run: only with the slurm backend; add --backend slurm")
     if run_folder is None:
         run_folder = runprep.prepare_run(cfg, backend=backend)
     print(f"run folder: {run_folder.path}")
@@ -55,3 +62,22 @@ def run(args: argparse.Namespace) -> int:
           + (f": {state['reason']}" if state.get("reason") else ""))
     print(f"run folder: {run_folder.path}")
     return 0 if code == 0 else 1
+
+
+def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: RunFolder | None, epoch: int) -> int:
+    """Preflight, then one heterogeneous job; returns at once (or prints the script: --dry-run)."""
+    controller, workers = slurm.component_options(cfg, args)
+    runs_root = Path(cfg.runs_root).expanduser().resolve()
+    if args.dry_run:
+        planned = run_folder or RunFolder(runs_root / cfg.name / new_run_id())
+        print(slurm.render(planned, cfg, controller, workers, epoch=epoch), end="")
+        return 0
+    slurm.preflight(cfg, controller, workers, runs_root)
+    if run_folder is None:
+        run_folder = runprep.prepare_run(cfg, backend="slurm")
+    job_id = slurm.submit(run_folder, cfg, controller, workers, epoch=epoch)
+    print(f"submitted job {job_id} (controller {job_id}+0, workers {job_id}+1)")
+    print(f"run folder: {run_folder.path}")
+    where = shlex.quote(str(run_folder.path))
+    print(f"follow it:  baton status {where}   baton logs {where}   baton cancel {where}")
+    return 0

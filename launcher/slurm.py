@@ -1,0 +1,576 @@
+"""The Slurm backend: a run is ONE heterogeneous job, submitted through submitit.
+
+    component 0  the controller: 1 task on ``slurm.controller.partition``; the batch script
+                 runs here and starts it with submitit's own command (a pickled call of
+                 ``core_controller_main``)
+    component 1  the workers: ``trainer.nodes`` x ``trainer.n_gpus_per_node`` tasks on
+                 ``slurm.workers.partition``, started with ``srun --het-group=1``
+
+Steps, in order: ``component_options`` (YAML + CLI flags → two option dicts), ``render``
+(pure: the exact script, for ``--dry-run`` and golden tests), ``preflight`` (checks
+against ``sinfo`` and the file system; nothing is submitted when one fails), ``submit``
+(the one side effect). Then ``job_states`` / ``slurm_status_lines`` / ``cancel``.
+
+submitit has no heterogeneous jobs. Its private seam ``_make_submission_file_text`` is
+overridden here and only here (``HetJobExecutor``); tests/unit/test_slurm_render.py fails
+loudly if submitit changes it. This is submitit's only home module (tests/unit/test_layering.py).
+
+Option dicts have the keys of ``OPTION_KEYS``; ``time`` is in whole minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from submitit.core import utils as submitit_utils
+from submitit.slurm import slurm as submitit_slurm
+
+from core.config import RunConfig, SlurmComponentConfig
+from core.errors import UserError
+from core.runfolder import RunFolder, event, read_json, write_atomic, write_json
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO / "slurm_templates" / "hetjob.sbatch.tmpl"
+DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
+DEFAULT_TIME_MIN = 60
+# The walltime must hold startup, one step and one checkpoint. Neither is known before the
+# run, so the floor is conservative: 2 min to start (queue-to-register, imports), 1 min for a
+# step, 2 min to write and commit a checkpoint.
+MIN_WALLTIME_MIN = 2 + 1 + 2
+WORKERS_GRACE_S = 30.0  # after the controller exits, on top of timeouts.controller_lost_s
+STATE_CACHE_S = 3.0  # job_states answers from the run folder's cache for this long
+CLI_TIMEOUT_S = 30.0
+OPTION_KEYS = ("partition", "account", "qos", "time", "nodes", "ntasks_per_node", "gpus_per_node",
+               "cpus_per_task", "mem", "constraint", "exclude", "reservation", "signal", "extra")
+_CLI_OPTIONS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem",
+                "constraint", "exclude", "reservation", "signal")
+
+# Slurm job state → Baton's word for it. Anything else is "unknown".
+SLURM_TO_BATON = {
+    "PENDING": "pending", "CONFIGURING": "pending", "RESV_DEL_HOLD": "held", "REQUEUE_HOLD": "held",
+    "REQUEUED": "requeued", "REQUEUE_FED": "requeued", "SUSPENDED": "suspended", "STOPPED": "suspended",
+    "RUNNING": "running", "SIGNALING": "running", "RESIZING": "running",
+    "COMPLETING": "ending", "STAGE_OUT": "ending",
+    "COMPLETED": "completed", "CANCELLED": "cancelled", "REVOKED": "cancelled",
+    "FAILED": "failed", "BOOT_FAIL": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
+    "SPECIAL_EXIT": "failed", "TIMEOUT": "timeout", "DEADLINE": "timeout", "PREEMPTED": "preempted",
+}
+ACTIVE = {"pending", "held", "requeued", "suspended", "running", "ending"}
+
+
+def baton_state(slurm_state: str) -> str:
+    """Baton's name for a Slurm state (``CANCELLED by 0`` → ``cancelled``)."""
+    word = slurm_state.split()[0] if slurm_state.split() else ""
+    return SLURM_TO_BATON.get(word.rstrip("+"), "unknown")
+
+
+# ------------------------------------------------------------------------------- options
+
+
+def parse_time_min(text: str, what: str) -> int:
+    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) → whole minutes, rounded up."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise UserError(f"{what}: {text!r} is not a Slurm time; use minutes, H:MM:SS or D-HH:MM:SS")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is not None:  # D-H[:M[:S]]
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # H:M:S
+        seconds = a * 3600 + b * 60 + c  # type: ignore[operator]
+    else:  # M or M:S
+        seconds = a * 60 + (b or 0)
+    return -(-seconds // 60)
+
+
+def add_sbatch_arguments(parser: argparse.ArgumentParser) -> None:
+    """sbatch's own flags, for the workers component (YAML ``slurm.controller.*`` for the controller)."""
+    g = parser.add_argument_group("Slurm (the workers component; the controller's options: slurm.controller.* in YAML)")
+    for name in _CLI_OPTIONS:
+        kind = int if name in ("nodes", "gpus_per_node", "cpus_per_task") else str
+        g.add_argument("--" + name.replace("_", "-"), dest=f"slurm_{name}", type=kind, default=None,
+                       help=f"sbatch --{name.replace('_', '-')} (default: slurm.workers.{name})")
+    g.add_argument("--sbatch-extra", dest="slurm_extra", action="append", default=[], metavar="--FLAG[=VALUE]",
+                   help="a raw sbatch flag for the workers component (repeatable)")
+
+
+def _check_signal(value: str, what: str) -> str:
+    if not re.fullmatch(r"(?:[BR]{1,2}:)?(?:SIG)?[A-Z0-9]+(?:@\d+)?", value):
+        raise UserError(f"{what}: {value!r} is not an sbatch --signal; use e.g. USR2@90")
+    return value
+
+
+def _check_extra(raw: str, what: str) -> str:
+    if not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=[^\n]*)?", raw):
+        raise UserError(f"{what}: {raw!r} is not a raw sbatch flag; use --flag or --flag=value")
+    return raw
+
+
+def component_options(cfg: RunConfig, args: argparse.Namespace | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(controller, workers) sbatch options from YAML, with CLI flags over the workers'.
+
+    Worker nodes and tasks per node follow ``trainer``; ``gpus_per_node`` defaults to the
+    tasks per node (0 asks for none). The controller inherits the workers' account and
+    time when its own are unset. Every component gets ``--signal`` (default USR2@90).
+    """
+    def merged(yaml_cfg: SlurmComponentConfig, cli: dict[str, Any], section: str) -> dict[str, Any]:
+        out = {k: getattr(yaml_cfg, k) for k in OPTION_KEYS if k not in ("ntasks_per_node",)}
+        out.update({k: v for k, v in cli.items() if v is not None and k != "extra"})
+        out["extra"] = [_check_extra(x, f"{section}.extra") for x in [*yaml_cfg.extra, *cli.get("extra", [])]]
+        if out["signal"] is not None:
+            _check_signal(out["signal"], f"{section}.signal")
+        return out
+
+    cli = {k: getattr(args, f"slurm_{k}", None) for k in (*_CLI_OPTIONS, "extra")} if args else {}
+    cli["extra"] = list(cli.get("extra") or [])
+    wrk = merged(cfg.slurm.workers, cli, "slurm.workers")
+    ctl = merged(cfg.slurm.controller, {}, "slurm.controller")
+    t = cfg.trainer
+    if wrk["nodes"] not in (None, t.nodes):
+        raise UserError(f"--nodes / slurm.workers.nodes = {wrk['nodes']} differs from trainer.nodes = {t.nodes}; "
+                        f"set trainer.nodes={wrk['nodes']} (the worker count follows it)")
+    if ctl["nodes"] not in (None, 1):
+        raise UserError(f"slurm.controller.nodes: {ctl['nodes']} must be 1 (the controller is one task)")
+    wrk.update(nodes=t.nodes, ntasks_per_node=t.n_gpus_per_node)
+    if wrk["gpus_per_node"] is None:
+        wrk["gpus_per_node"] = t.n_gpus_per_node
+    ctl.update(nodes=1, ntasks_per_node=1)
+    ctl["account"] = ctl["account"] or wrk["account"]
+    w_time = parse_time_min(wrk["time"], "slurm.workers.time") if wrk["time"] else None
+    c_time = parse_time_min(ctl["time"], "slurm.controller.time") if ctl["time"] else None
+    wrk["time"] = w_time or c_time or DEFAULT_TIME_MIN
+    ctl["time"] = c_time or wrk["time"]
+    for opts in (ctl, wrk):
+        opts["signal"] = opts["signal"] or DEFAULT_SIGNAL
+        if opts["gpus_per_node"] == 0:
+            opts["gpus_per_node"] = None
+    return ctl, wrk
+
+
+# -------------------------------------------------------------------------------- render
+
+
+def _flag(key: str, value: Any) -> str:
+    """``--key=value`` with the value quoted for the shell (sbatch unquotes #SBATCH lines)."""
+    name = key.replace("_", "-")
+    return f"--{name}" if value is True else f"--{name}={shlex.quote(str(value))}"
+
+
+def _raw_flag(raw: str) -> tuple[str, Any]:
+    key, sep, value = raw[2:].partition("=")
+    return key, (value if sep else True)
+
+
+def submitit_folder(run: RunFolder) -> Path:
+    """submitit's job folder (pickled call, result, the controller's output)."""
+    return run.path / "submitit"
+
+
+def controller_command(folder: Path, python: str) -> str:
+    """What submitit passes to ``_make_submission_file_text`` (its ``_submitit_command_str``)."""
+    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def _submitit_parameters(run: RunFolder, cfg: RunConfig, ctl: dict[str, Any]) -> dict[str, Any]:
+    """Component 0, in submitit's parameter names (its builder writes those #SBATCH lines)."""
+    extra: dict[str, Any] = {"signal": ctl["signal"], "requeue": True, "chdir": str(run.path)}
+    if ctl["reservation"]:
+        extra["reservation"] = ctl["reservation"]
+    extra.update(_raw_flag(x) for x in ctl["extra"])
+    params: dict[str, Any] = {
+        "job_name": f"baton-{cfg.name}", "time": ctl["time"], "nodes": 1, "ntasks_per_node": 1,
+        "comment": str(run.path),  # `baton status JOB_ID` finds the run folder from it
+        "stderr_to_stdout": True, "wckey": None, "srun_args": ["--het-group=0"], "additional_parameters": extra,
+    }
+    for key in ("partition", "account", "qos", "cpus_per_task", "gpus_per_node", "mem", "constraint", "exclude"):
+        if ctl[key] is not None:
+            params[key] = ctl[key]
+    return params
+
+
+def _component1_flags(cfg: RunConfig, wrk: dict[str, Any]) -> list[str]:
+    flags = [_flag("job_name", f"baton-{cfg.name}")]
+    for key in OPTION_KEYS[:-1]:
+        if wrk[key] is not None:
+            flags.append(_flag(key, wrk[key]))
+    return flags + [_flag(*_raw_flag(x)) for x in wrk["extra"]]
+
+
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def fill_template(text: str, values: dict[str, Any]) -> str:
+    """Replace each ``{{name}}``; a line holding a list placeholder is repeated per item."""
+    used: set[str] = set()
+    out: list[str] = []
+    for line in text.split("\n"):
+        names = _PLACEHOLDER.findall(line)
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise KeyError(f"{TEMPLATE.name}: no value for {missing}")
+        used.update(names)
+        lists = [n for n in names if isinstance(values[n], list)]
+        if lists and len(names) > 1:
+            raise KeyError(f"{TEMPLATE.name}: list placeholder {lists[0]} must be alone on its line")
+        if lists:
+            out.extend(line.replace("{{" + lists[0] + "}}", item) for item in values[lists[0]])
+        else:
+            out.append(_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), line))
+    if set(values) - used:
+        raise KeyError(f"{TEMPLATE.name}: unused values {sorted(set(values) - used)}")
+    return "\n".join(out)
+
+
+def compose(submitit_text: str, fields: dict[str, str | list[str]]) -> str:
+    """submitit's component-0 script → the het-job script: its #SBATCH header and its
+    command, with component 1 and the Baton body from the template around them."""
+    lines = submitit_text.split("\n")
+    flags = [i for i, line in enumerate(lines) if line.startswith("#SBATCH ")]
+    try:
+        command = lines[lines.index("export SUBMITIT_EXECUTOR=slurm") + 1]
+    except (ValueError, IndexError):
+        command = ""
+    if lines[0] != "#!/bin/bash" or not flags or not command.startswith("srun ") or "# setup" in lines:
+        raise RuntimeError("submitit's sbatch text changed shape (shebang, #SBATCH lines, then "
+                           "'export SUBMITIT_EXECUTOR=slurm' and the srun command); update launcher/slurm.compose")
+    values = dict(fields, component0="\n".join(lines[: flags[-1] + 1]), controller_command=command)
+    return fill_template(TEMPLATE.read_text(), values)
+
+
+def _fields(run: RunFolder, cfg: RunConfig, wrk: dict[str, Any], python: str, pythonpath: str,
+            epoch: int = 0) -> dict[str, Any]:
+    return {
+        "epoch_base": str(int(epoch)),
+        "component1_flags": _component1_flags(cfg, wrk), "setup": list(cfg.slurm.setup),
+        "run_dir": shlex.quote(str(run.path)), "pythonpath": shlex.quote(pythonpath), "python": python,
+        "world_size": str(cfg.trainer.world_size), "nodes": str(cfg.trainer.nodes),
+        "tasks_per_node": str(cfg.trainer.n_gpus_per_node),
+        "workers_grace_s": str(int(cfg.timeouts.controller_lost_s + WORKERS_GRACE_S)),
+    }
+
+
+def _resolve(cfg: RunConfig, controller_opts: dict[str, Any] | None, worker_opts: dict[str, Any] | None,
+             extra_sbatch: list[str] | tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    ctl, wrk = (controller_opts, worker_opts) if controller_opts and worker_opts else component_options(cfg)
+    if extra_sbatch:  # job-level flags (e.g. --dependency) belong to component 0
+        ctl = dict(ctl, extra=[*ctl["extra"], *(_check_extra(x, "extra_sbatch") for x in extra_sbatch)])
+    return ctl, wrk
+
+
+def render(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | None = None,
+           worker_opts: dict[str, Any] | None = None, *, epoch: int = 0, extra_sbatch: list[str] | tuple[str, ...] = (),
+           python: str | None = None, pythonpath: str | None = None) -> str:
+    """The exact script ``submit`` would hand to sbatch (pure; the run folder need not exist).
+
+    Options default to ``component_options(cfg)``; ``extra_sbatch`` adds raw job-level flags
+    to component 0. ``epoch`` is the run's epoch at submit (0, or the next one on resume):
+    the job's BATON_EPOCH is it plus SLURM_RESTART_COUNT. ``python`` is the interpreter path (default: this one), ``pythonpath``
+    the folder that holds ``core`` and ``launcher`` (default: this checkout).
+    """
+    ctl, wrk = _resolve(cfg, controller_opts, worker_opts, extra_sbatch)
+    py = shlex.quote(python or sys.executable)
+    folder = submitit_folder(run)
+    text = submitit_slurm._make_sbatch_string(command=controller_command(folder, py), folder=folder,
+                                              **_submitit_parameters(run, cfg, ctl))
+    return compose(text, _fields(run, cfg, wrk, py, pythonpath or str(REPO), epoch))
+
+
+class HetJobExecutor(submitit_slurm.SlurmExecutor):
+    """submitit's SlurmExecutor, writing a heterogeneous job: its own text for component 0,
+    then ``#SBATCH hetjob``, the workers' flags and Baton's body (``compose``).
+
+    ``expected`` is the script ``render`` gave; a different text is refused before sbatch runs,
+    so ``--dry-run`` always shows what is submitted.
+    """
+
+    def __init__(self, folder: Path, *, fields: dict[str, Any], expected: str, python: str) -> None:
+        super().__init__(folder, python=python)
+        self._fields = fields
+        self._expected = expected
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        text = compose(super()._make_submission_file_text(command, uid), self._fields)
+        if text != self._expected:
+            raise RuntimeError("the script submitit would submit differs from render(); nothing submitted")
+        return text
+
+
+# -------------------------------------------------------------------------- inside the job
+
+
+def core_controller_main(run_dir: str) -> int:
+    """Component 0's task (pickled by submitit, by reference): the controller role, in-process.
+
+    Records what the task sees of Slurm in state.json (``slurm.controller_task``), then runs
+    ``core.entrypoint.run_controller`` under the env contract (core.jobenv). A non-zero exit
+    raises, so that Slurm and submitit record the component as failed.
+    """
+    import signal
+
+    from core import entrypoint
+    from core.jobenv import JobEnv
+
+    os.environ["BATON_RUN_DIR"] = run_dir
+    run = RunFolder(Path(run_dir))
+    seen = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURMD_NODENAME",
+                                           "SLURM_RESTART_COUNT", "SLURM_HET_SIZE", "SLURM_JOB_NODELIST_HET_GROUP_1")}
+    state = run.read_state()
+    slurm_info = state.setdefault("slurm", {})
+    slurm_info.update(job_id=seen["SLURM_JOB_ID"], controller_task={"het_group": 0, **seen})
+    run.write_state(state)
+    # submitit logs and ignores SIGTERM; scancel should end the controller now, through its finally.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    code = entrypoint.run_controller(JobEnv.from_environ())
+    if code != 0:
+        raise RuntimeError(f"controller exited with code {code}; see {run.controller_log}")
+    return code
+
+
+# ------------------------------------------------------------------------------ preflight
+
+
+def _slurm(args: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    except FileNotFoundError:
+        raise UserError(f"{args[0]}: not found; run on a Slurm login node or use --backend local") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{' '.join(args)}: no answer within {CLI_TIMEOUT_S:.0f} s; is slurmctld up?") from None
+
+
+def _gpus(gres: str) -> int:
+    gres = re.sub(r"\([^)]*\)", "", gres)  # gpu:a100:4(S:0-1) → gpu:a100:4
+    return sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,]+)?:(\d+)", gres))
+
+
+def _limit_min(text: str) -> int | None:
+    return None if text.strip().lower() in ("infinite", "unlimited", "n/a", "") else parse_time_min(text, "sinfo")
+
+
+def preflight(cfg: RunConfig, controller_opts: dict[str, Any] | None = None, worker_opts: dict[str, Any] | None = None,
+              run_root: Path | None = None) -> None:
+    """Checks that a submission can start; the first failure raises UserError naming it.
+
+    Partitions exist (``sinfo``); some partition nodes hold the workers' GPUs and CPUs;
+    the runs root is writable; each walltime holds one step plus one checkpoint
+    (MIN_WALLTIME_MIN, conservative) and fits the partition's limit; the controller's
+    walltime is not shorter than the workers'. Defaults: ``component_options(cfg)`` and
+    ``cfg.runs_root``.
+    """
+    controller_opts, worker_opts = _resolve(cfg, controller_opts, worker_opts, ())
+    run_root = run_root or Path(cfg.runs_root).expanduser().resolve()
+    proc = _slurm(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%c|%l"])
+    if proc.returncode != 0:
+        raise UserError(f"preflight: sinfo failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 4]
+    default = next((p.rstrip("*") for p, *_ in rows if p.endswith("*")), None)
+    partitions = sorted({p.rstrip("*") for p, *_ in rows})
+    for role, opts in (("controller", controller_opts), ("workers", worker_opts)):
+        part = opts["partition"] or default
+        where = f"slurm.{role}.partition" + (" / --partition" if role == "workers" else "")
+        if part is None:
+            raise UserError(f"preflight: {where}: not set and the cluster has no default partition; set one of {partitions}")
+        nodes = [r for r in rows if r[0].rstrip("*") == part]
+        if not nodes:
+            raise UserError(f"preflight: {where}: partition {part!r} does not exist; choose one of {partitions}")
+        gpus, cpus = opts["gpus_per_node"] or 0, opts["ntasks_per_node"] * (opts["cpus_per_task"] or 1)
+        fit = [r for r in nodes if _gpus(r[2]) >= gpus and int(r[3]) >= cpus]
+        if len(fit) < opts["nodes"]:
+            most = max(_gpus(r[2]) for r in nodes)
+            raise UserError(
+                f"preflight: {role} ask {opts['nodes']} node(s) with {gpus} GPU(s) and {cpus} CPU(s) each on partition "
+                f"{part!r}, but only {len(fit)} of its nodes fit (at most {most} GPU(s) per node); lower "
+                f"trainer.n_gpus_per_node / --gpus-per-node / --cpus-per-task or pick another partition")
+        limits = [_limit_min(r[4]) for r in nodes]
+        limit = None if None in limits else max(x for x in limits if x is not None)
+        if limit is not None and opts["time"] > limit:
+            raise UserError(f"preflight: slurm.{role}.time: {opts['time']} min exceeds partition {part!r}'s limit "
+                            f"of {limit} min; ask for less")
+        if opts["time"] < MIN_WALLTIME_MIN:
+            raise UserError(f"preflight: slurm.{role}.time: {opts['time']} min cannot hold startup, one step and one "
+                            f"checkpoint; ask for at least {MIN_WALLTIME_MIN} min")
+    if controller_opts["time"] < worker_opts["time"]:
+        raise UserError(f"preflight: slurm.controller.time: {controller_opts['time']} min is shorter than the "
+                        f"workers' {worker_opts['time']} min; the controller must outlive them")
+    existing = next(p for p in [run_root, *run_root.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"preflight: runs_root {run_root}: {existing} is not a writable folder; set runs_root=...")
+
+
+# --------------------------------------------------------------------------------- submit
+
+
+def job_record(run: RunFolder) -> Path:
+    """slurm.json: the job id, written once at submit (state.json is the controller's)."""
+    return run.path / "slurm.json"
+
+
+def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | None = None,
+           worker_opts: dict[str, Any] | None = None, *, epoch: int = 0,
+           extra_sbatch: list[str] | tuple[str, ...] = (), python: str | None = None) -> str:
+    """Write job.sbatch (the exact script), submit it through submitit, record the job id.
+
+    ``epoch``: as in ``render``. Returns the leader's job id.
+    """
+    ctl, wrk = _resolve(cfg, controller_opts, worker_opts, extra_sbatch)
+    py = shlex.quote(python or sys.executable)
+    script = render(run, cfg, ctl, wrk, epoch=epoch, python=python)
+    write_atomic(run.sbatch, script)
+    executor = HetJobExecutor(submitit_folder(run), fields=_fields(run, cfg, wrk, py, str(REPO), epoch),
+                              expected=script, python=py)
+    executor.update_parameters(**_submitit_parameters(run, cfg, ctl))
+    try:
+        job = executor.submit(core_controller_main, str(run.path))
+    except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError) as exc:
+        reason = (str(exc).strip().splitlines() or ["no output"])[-1]
+        state = run.read_state()
+        state.update(status="failed", reason=f"sbatch refused the job: {reason}")
+        event(state, "submit_failed", reason=reason)
+        run.write_state(state)
+        raise UserError(f"sbatch refused the job: {reason}") from None
+    job_id = str(job.job_id)
+    write_json(job_record(run), {"job_id": job_id, "backend": "slurm", "submitted": time.time(),
+                                 "components": {"controller": f"{job_id}+0", "workers": f"{job_id}+1"}})
+    state = run.read_state()
+    state.update(status="submitted", backend="slurm")
+    state.setdefault("slurm", {})["job_id"] = job_id
+    event(state, "submitted", backend="slurm", job_id=job_id, epoch=epoch)
+    run.write_state(state)
+    log.debug("submitted job %s for %s", job_id, run.path)
+    return job_id
+
+
+# ---------------------------------------------------------------------- states and cancel
+
+
+def _squeue(job_id: str) -> dict[str, str]:
+    proc = _slurm(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i %T"])  # -t all: ended jobs too
+    if proc.returncode != 0:  # "Invalid job id specified" once the job has left the queue
+        return {}
+    return dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split()) == 2)
+
+
+def _sacct(job_id: str) -> dict[str, str]:
+    proc = _slurm(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State"])
+    if proc.returncode != 0:  # no accounting storage
+        return {}
+    rows = [line.split("|", 1) for line in proc.stdout.splitlines() if "|" in line]
+    return {jid.strip(): (state.split() or [""])[0] for jid, state in rows}
+
+
+def job_states(job_id: str, cache: Path | None = None, max_age_s: float = STATE_CACHE_S) -> dict[str, str]:
+    """{"ID+0": Slurm state, "ID+1": ...} from squeue, sacct for components squeue no longer
+    lists. With ``cache``, answers younger than ``max_age_s`` come from that file: many
+    `baton status` calls cost one squeue."""
+    if cache is not None and max_age_s > 0:
+        try:
+            cached = read_json(cache)
+            if cached.get("job_id") == job_id and time.time() - float(cached["time"]) < max_age_s:
+                return dict(cached["states"])
+        except (FileNotFoundError, UserError, KeyError, ValueError, TypeError):
+            pass
+    wanted = (f"{job_id}+0", f"{job_id}+1")
+    states = {k: v for k, v in _squeue(job_id).items() if k in wanted}
+    if len(states) < len(wanted):
+        states = {**{k: v for k, v in _sacct(job_id).items() if k in wanted}, **states}
+    if cache is not None:
+        write_json(cache, {"job_id": job_id, "time": time.time(), "states": states})
+    return dict(sorted(states.items()))
+
+
+def job_id_of(run: RunFolder) -> str | None:
+    """The run's Slurm job id (slurm.json, else state.json), None for a run not on Slurm."""
+    try:
+        return str(read_json(job_record(run))["job_id"])
+    except (FileNotFoundError, KeyError, UserError):
+        job_id = run.read_state().get("slurm", {}).get("job_id")
+        return str(job_id) if job_id else None
+
+
+def _cache(run: RunFolder) -> Path:
+    return run.path / ".slurm_states.json"
+
+
+def slurm_status_lines(run: RunFolder) -> list[str]:
+    """Lines for `baton status`: the job id and both components' Slurm states ([] off Slurm)."""
+    job_id = job_id_of(run)
+    if job_id is None:
+        return []
+    states = job_states(job_id, _cache(run))
+    lines = [f"slurm:    job {job_id}"]
+    for name, comp in (("controller", f"{job_id}+0"), ("workers", f"{job_id}+1")):
+        s = states.get(comp)
+        lines.append(f"  {name + ':':<11} {comp} {s} ({baton_state(s)})" if s else
+                     f"  {name + ':':<11} {comp} not known to squeue or sacct")
+    recorded = run.read_state().get("status")
+    if states and not any(baton_state(s) in ACTIVE for s in states.values()) and \
+            recorded in ("submitting", "submitted", "running", "resuming"):
+        lines.append(f"  note: the job has ended but the controller last recorded {recorded!r}; "
+                     f"see {run.controller_log} and {submitit_folder(run)}")
+    return lines
+
+
+def cancel(run: RunFolder, timeout_s: float = 60.0) -> dict[str, str]:
+    """scancel the leader id (both components end), wait for Slurm to say so, record it."""
+    job_id = job_id_of(run)
+    if job_id is None:
+        raise UserError(f"{run.path}: not a Slurm run (no job id in slurm.json or state.json)")
+    states = job_states(job_id, max_age_s=0)
+    if states and not any(baton_state(s) in ACTIVE for s in states.values()):
+        return states
+    proc = _slurm(["scancel", job_id])
+    if proc.returncode != 0:
+        raise UserError(f"scancel {job_id}: {proc.stderr.strip() or proc.stdout.strip()}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = job_states(job_id, max_age_s=0)
+        if not any(baton_state(s) in ACTIVE for s in states.values()):
+            break
+        if time.monotonic() >= deadline:
+            raise UserError(f"scancel {job_id}: still {states} after {timeout_s:.0f} s; see squeue -j {job_id}")
+        time.sleep(1.0)
+    state = run.read_state()
+    if state.get("status") not in ("completed", "failed"):
+        state.update(status="cancelled")
+    event(state, "cancelled", job_id=job_id, slurm=states)
+    run.write_state(state)
+    write_json(_cache(run), {"job_id": job_id, "time": time.time(), "states": states})
+    return states
+
+
+def _job_folder(job_id: str) -> str | None:
+    """The job's run folder: its comment or working directory (squeue while Slurm still
+    holds the job, then sacct; the accounting database stores '"' as '`')."""
+    for args in (["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%k"],
+                 ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%Z"],
+                 ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "WorkDir"]):
+        proc = _slurm(args)
+        found = [x.strip() for x in proc.stdout.splitlines() if x.strip() not in ("", "(null)")] if proc.returncode == 0 else []
+        for candidate in dict.fromkeys(c for f in found[:1] for c in (f, f.replace("`", '"'))):
+            if (Path(candidate) / "config.yaml").is_file():
+                return candidate
+    return None
+
+
+def resolve_status_target(arg: str) -> RunFolder:
+    """A run folder path, or a Slurm job id (``123`` or ``123+1``) → its RunFolder.
+
+    The job's ``--comment`` and working directory are its run folder (see render).
+    """
+    path = Path(arg).expanduser()
+    if path.is_dir() or not re.fullmatch(r"\d+(\+\d+)?", arg):
+        return RunFolder.open(path.resolve())
+    job_id = arg.split("+")[0]
+    folder = _job_folder(job_id)
+    if folder is None:
+        raise UserError(f"job {job_id}: no Baton run folder found via squeue or sacct; pass the run folder instead")
+    return RunFolder.open(Path(folder))
