@@ -1,0 +1,211 @@
+"""The controller's Prometheus endpoint: live gauges and histograms of a run.
+
+The only module that imports prometheus_client; only the controller uses it. Everything
+lives on a private ``CollectorRegistry`` (never the library's global one), so two
+``Metrics`` in one process (tests) do not collide, and the endpoint shows Baton's series
+only. ``start`` serves it over HTTP and writes ``metrics.json`` into the run folder::
+
+    {"address": "http://<host>:<port>/metrics", "host": ..., "port": ..., "pid": ..., "started": ...}
+
+Exposed series (``rank`` labels are worker ranks, ``method`` labels RPC method names):
+
+    baton_step, baton_loss, baton_learning_rate, baton_grad_norm, baton_tokens_per_second
+    baton_tokens_total (counter), baton_step_time_seconds (histogram)
+    baton_rank_step_time_seconds{rank}, baton_straggler_score{rank} (rank time / median)
+    baton_rank_rss_bytes{rank}, baton_rank_cuda_peak_bytes{rank}, baton_rank_data_wait_seconds{rank},
+    baton_rank_grad_sync_seconds{rank}, baton_heartbeat_lag_seconds{rank}
+    baton_dispatch_latency_seconds{method} (histogram)
+    baton_checkpoint_duration_seconds, baton_checkpoint_gbps, baton_checkpoints_total (counter)
+    baton_restarts, baton_goodput_ratio, baton_goodput_useful_seconds, baton_goodput_allocated_seconds
+
+The recording methods take what the program already has (one metrics.jsonl record, a
+lag, a latency) and never raise on a missing or malformed field: a metric is observability,
+and a typo in a record must not stop a training run. They log at debug level instead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from core.errors import UserError
+from core.runfolder import RunFolder, write_json
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+_MIB = 2**20  # rss_mb / cuda_peak_mb in records are MiB (see core.worker._rss_mb)
+
+# Step times from a millisecond toy step to a minute-long pipeline step.
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A control-plane round trip is tens of microseconds; a setup call can take minutes.
+DISPATCH_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 10.0, 60.0, 300.0)
+
+
+def metrics_file(run: RunFolder) -> Path:
+    """Where ``start`` publishes the endpoint's address."""
+    return run.path / METRICS_FILE
+
+
+def _num(value: Any) -> float | None:
+    """A finite-or-not float from a record field, or None when it is absent or not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _per_rank(value: Any) -> list[float | None]:
+    """A per-rank list field as floats (None for holes); anything else as no ranks."""
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        return []
+    return [_num(v) for v in value]
+
+
+class Metrics:
+    """Prometheus series for one controller process; ``start`` to serve, ``close`` to stop."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.step = Gauge("baton_step", "Last completed training step (0-based index + 1)", registry=reg)
+        self.loss = Gauge("baton_loss", "Training loss of the last step", registry=reg)
+        self.lr = Gauge("baton_learning_rate", "Learning rate of the last step", registry=reg)
+        self.grad_norm = Gauge("baton_grad_norm", "Gradient norm of the last step", registry=reg)
+        self.tokens_per_s = Gauge("baton_tokens_per_second", "Tokens per second of the last step", registry=reg)
+        self.tokens = Counter("baton_tokens", "Tokens trained on by this controller", registry=reg)
+        self.step_time = Histogram("baton_step_time_seconds", "Wall time of one step as the controller saw it",
+                                   buckets=STEP_BUCKETS_S, registry=reg)
+        self.rank_step_time = Gauge("baton_rank_step_time_seconds", "Compute time of the last step on one rank",
+                                    ["rank"], registry=reg)
+        self.straggler = Gauge("baton_straggler_score", "Rank step time divided by the median over ranks",
+                               ["rank"], registry=reg)
+        self.rss = Gauge("baton_rank_rss_bytes", "Resident memory of one worker", ["rank"], registry=reg)
+        self.cuda_peak = Gauge("baton_rank_cuda_peak_bytes", "Peak CUDA memory allocated on one rank",
+                               ["rank"], registry=reg)
+        self.data_wait = Gauge("baton_rank_data_wait_seconds", "Time one rank waited for its batch in the last step",
+                               ["rank"], registry=reg)
+        self.grad_sync = Gauge("baton_rank_grad_sync_seconds", "Gradient all-reduce time of one rank in the last step",
+                               ["rank"], registry=reg)
+        self.hb_lag = Gauge("baton_heartbeat_lag_seconds", "Seconds since the controller last heard from a rank",
+                            ["rank"], registry=reg)
+        self.dispatch = Histogram("baton_dispatch_latency_seconds", "Controller-side latency of one group call",
+                                  ["method"], buckets=DISPATCH_BUCKETS_S, registry=reg)
+        self.ckpt_duration = Gauge("baton_checkpoint_duration_seconds", "Duration of the last checkpoint save",
+                                   registry=reg)
+        self.ckpt_gbps = Gauge("baton_checkpoint_gbps", "Write throughput of the last checkpoint, GB/s (1e9 B)",
+                               registry=reg)
+        self.ckpts = Counter("baton_checkpoints", "Checkpoints saved by this controller", registry=reg)
+        self.restarts = Gauge("baton_restarts", "Restarts (requeues) of this run so far", registry=reg)
+        self.goodput = Gauge("baton_goodput_ratio", "Useful training time / allocated time, across requeues",
+                             registry=reg)
+        self.useful = Gauge("baton_goodput_useful_seconds", "Time spent in completed steps, across requeues",
+                            registry=reg)
+        self.allocated = Gauge("baton_goodput_allocated_seconds", "Time the run held its allocation, across requeues",
+                               registry=reg)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.address = ""
+
+    # --- serving ------------------------------------------------------------------------
+    def start(self, run: RunFolder, port: int = 0, *, host: str | None = None, bind: str = "0.0.0.0") -> str:
+        """Serve ``/metrics`` on ``port`` (0: any free one); publish and return the address.
+
+        ``host`` is the name scrapers should use (the controller host; defaults to this
+        machine's hostname); ``bind`` is the interface the server listens on.
+        """
+        if self._server is not None:
+            raise RuntimeError("Metrics.start called twice")
+        try:
+            self._server, self._thread = start_http_server(port, addr=bind, registry=self.registry)
+        except OSError as exc:
+            raise UserError(f"metrics.port: cannot serve on {bind}:{port} ({exc.strerror}); "
+                            "set metrics.port=0 for any free port or metrics.enabled=false") from None
+        actual = int(self._server.server_port)
+        host = host or socket.gethostname()
+        self.address = f"http://{host}:{actual}/metrics"
+        write_json(run.path / METRICS_FILE, {
+            "address": self.address, "host": host, "port": actual, "pid": os.getpid(), "started": time.time(),
+        })
+        log.info("metrics at %s", self.address)
+        return self.address
+
+    def close(self) -> None:
+        """Stop the HTTP server (idempotent). metrics.json stays: it names the last address."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    # --- recording ----------------------------------------------------------------------
+    def observe_step(self, record: dict[str, Any]) -> None:
+        """Update every per-step series from one metrics.jsonl record (core.program)."""
+        step = _num(record.get("step"))
+        if step is not None:
+            self.step.set(step + 1)
+        for gauge, key in ((self.loss, "loss"), (self.lr, "lr"), (self.grad_norm, "grad_norm"),
+                           (self.tokens_per_s, "tokens_per_s")):
+            value = _num(record.get(key))
+            if value is not None:
+                gauge.set(value)
+        tokens = _num(record.get("tokens"))
+        if tokens is not None and tokens >= 0:
+            self.tokens.inc(tokens)
+        wall = _num(record.get("step_time_s"))
+        if wall is not None and wall >= 0:
+            self.step_time.observe(wall)
+        self._observe_ranks(record)
+
+    def _observe_ranks(self, record: dict[str, Any]) -> None:
+        times = _per_rank(record.get("rank_step_time_s"))
+        known = [t for t in times if t is not None]
+        median = statistics.median(known) if known else 0.0
+        for rank, t in enumerate(times):
+            if t is None:
+                continue
+            self.rank_step_time.labels(rank=str(rank)).set(t)
+            # With all-zero times (no timing from the task) every rank is "typical": 1.0.
+            self.straggler.labels(rank=str(rank)).set(t / median if median > 0 else 1.0)
+        for key, gauge, scale in (("rss_mb", self.rss, _MIB), ("cuda_peak_mb", self.cuda_peak, _MIB),
+                                  ("data_wait_s", self.data_wait, 1.0), ("grad_sync_s", self.grad_sync, 1.0)):
+            for rank, value in enumerate(_per_rank(record.get(key))):
+                # A resident set of 0 is "not measured" (a task that does not report it), never real.
+                if value is not None and not (key == "rss_mb" and value <= 0):
+                    gauge.labels(rank=str(rank)).set(value * scale)
+
+    def observe_heartbeat_lag(self, rank: int, lag_s: float) -> None:
+        """Seconds since the controller last heard from ``rank`` (call per step, per rank)."""
+        self.hb_lag.labels(rank=str(rank)).set(max(0.0, float(lag_s)))
+
+    def observe_dispatch(self, method: str, seconds: float) -> None:
+        """One group call's latency, send to last answer, as the controller measured it."""
+        self.dispatch.labels(method=method).observe(max(0.0, float(seconds)))
+
+    def observe_checkpoint(self, seconds: float, nbytes: int) -> None:
+        """One checkpoint save: its duration and size (throughput in GB/s, 1e9 bytes)."""
+        seconds = float(seconds)
+        self.ckpt_duration.set(seconds)
+        self.ckpt_gbps.set(nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+        self.ckpts.inc()
+
+    def set_restarts(self, n: int) -> None:
+        """Restarts so far (state.json ``restarts``; the epoch of this controller)."""
+        self.restarts.set(int(n))
+
+    def observe_goodput(self, useful_s: float, allocated_s: float) -> None:
+        """Totals across requeues (the caller keeps them in state.json); ratio = useful/allocated."""
+        self.useful.set(float(useful_s))
+        self.allocated.set(float(allocated_s))
+        self.goodput.set(min(1.0, useful_s / allocated_s) if allocated_s > 0 else 0.0)

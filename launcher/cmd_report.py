@@ -1,0 +1,206 @@
+"""``baton report PATH [--out DIR]``: PNG plots of a run's metrics, or of a sweep's points.
+
+A run folder gets ``report/loss.png``, ``report/tokens_per_s.png`` and
+``report/rank_step_time.png`` (one line per rank), plus ``report/memory.png`` when the
+records carry memory. A sweep folder (one with a ledger, ``sweep.json``, or any folder
+holding several run folders) gets ``report/sweep_loss.png``: every point's loss curve.
+
+matplotlib is an optional extra (``pip install 'baton[plots]'``), imported only when a
+report is drawn, and drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas:
+no pyplot, no global backend, no display needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from core.errors import UserError
+from core.runfolder import RunFolder
+from launcher.doctor import read_records
+
+log = logging.getLogger(__name__)
+
+LEDGER_NAMES = ("sweep.json", "ledger.json")  # launcher.ledger writes sweep.json
+MISSING = "matplotlib is not installed: pip install 'baton[plots]'"
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``report`` command."""
+    p = sub.add_parser("report", help="plot a run's (or a sweep's) metrics to PNG files",
+                       description="Plot loss, tokens/s and per-rank step time from a run's metrics.jsonl "
+                       "into RUN_DIR/report/; for a sweep folder, one plot comparing every point's loss. "
+                       "Needs matplotlib: pip install 'baton[plots]'.")
+    p.add_argument("run_dir", type=Path, metavar="PATH", help="a run folder or a sweep folder")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="where to write the PNGs (default PATH/report)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Draw the report and print the files written."""
+    path = Path(args.run_dir).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{path}: no such folder; pass a run folder or a sweep folder")
+    written = report_sweep(path, args.out) if is_sweep(path) else report_run(path, args.out)
+    for p in written:
+        print(p)
+    return 0
+
+
+# --- finding the data ---------------------------------------------------------------------
+def _figure_class() -> Any:
+    """matplotlib's Figure with the Agg canvas, or a UserError naming the extra to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # a login node has no display; harmless when already Agg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(MISSING) from None
+    return Figure
+
+
+def _is_run(path: Path) -> bool:
+    return (path / "config.yaml").is_file()
+
+
+def is_sweep(path: Path) -> bool:
+    """A folder with a sweep ledger, or one that is not a run but holds several runs."""
+    if any((path / name).is_file() for name in LEDGER_NAMES):
+        return True
+    return not _is_run(path) and len([c for c in path.iterdir() if c.is_dir() and _is_run(c)]) >= 2
+
+
+def sweep_points(path: Path) -> list[tuple[str, Path]]:
+    """(label, run folder) of each point: from the ledger when there is one, else the subfolders.
+
+    The ledger is read as plain JSON (``points[].run_dir`` and ``params``) so the report
+    keeps working on a ledger of another version; points without a run folder are skipped.
+    """
+    for name in LEDGER_NAMES:
+        ledger = path / name
+        if not ledger.is_file():
+            continue
+        try:
+            data = json.loads(ledger.read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{ledger}: unreadable ledger ({exc})") from None
+        points = []
+        for entry in data.get("points", []) if isinstance(data, dict) else []:
+            if not isinstance(entry, dict) or not entry.get("run_dir"):
+                continue
+            run_dir = Path(entry["run_dir"])
+            if not run_dir.is_absolute():
+                run_dir = path / run_dir
+            params = entry.get("params") or {}
+            label = " ".join(f"{k}={v}" for k, v in params.items()) if isinstance(params, dict) and params else run_dir.name
+            points.append((label, run_dir))
+        if points:
+            return points
+    return [(c.name, c) for c in sorted(path.iterdir()) if c.is_dir() and _is_run(c)]
+
+
+def by_step(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, in step order; after a requeue the re-run step's last record wins."""
+    latest: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if isinstance(rec.get("step"), int):
+            latest[rec["step"]] = rec
+    return [latest[s] for s in sorted(latest)]
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for rec in records:
+        v = rec.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            xs.append(rec["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _rank_series(records: Sequence[dict[str, Any]], key: str) -> dict[int, tuple[list[int], list[float]]]:
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for rec in records:
+        values = rec.get(key)
+        if not isinstance(values, list):
+            continue
+        for rank, v in enumerate(values):
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                xs, ys = out.setdefault(rank, ([], []))
+                xs.append(rec["step"])
+                ys.append(float(v))
+    return out
+
+
+# --- drawing ------------------------------------------------------------------------------
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _plot(figure: Any, path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float]]],
+          *, log_y: bool = False) -> Path:
+    fig = figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    for label, xs, ys in lines:
+        ax.plot(xs, ys, label=label, linewidth=1.2)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    if log_y and all(y > 0 for _, _, ys in lines for y in ys):
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    if 1 < len(lines) <= 16:
+        ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
+    """Write the run's PNGs into ``out`` (default RUN_DIR/report); return their paths."""
+    run_folder = RunFolder.open(run_dir)
+    records = by_step(read_records(run_folder.metrics))
+    if not records:
+        raise UserError(f"{run_folder.metrics}: no step recorded yet; run `baton status {run_dir}` to see where it is")
+    figure = _figure_class()
+    out = Path(out) if out is not None else run_folder.path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{run_folder.path.parent.name}/{run_folder.path.name}"
+    written = [
+        _plot(figure, out / "loss.png", f"loss: {name}", "loss", [("loss", *_series(records, "loss"))], log_y=True),
+        _plot(figure, out / "tokens_per_s.png", f"throughput: {name}", "tokens/s",
+              [("tokens/s", *_series(records, "tokens_per_s"))]),
+    ]
+    ranks = _rank_series(records, "rank_step_time_s")
+    if ranks:
+        written.append(_plot(figure, out / "rank_step_time.png", f"step time per rank: {name}", "seconds",
+                             [(f"rank {r}", xs, ys) for r, (xs, ys) in sorted(ranks.items())]))
+    for key in ("cuda_peak_mb", "rss_mb"):
+        mem = _rank_series(records, key)
+        if mem and any(y > 0 for _, ys in mem.values() for y in ys):
+            written.append(_plot(figure, out / "memory.png", f"{'CUDA peak' if key == 'cuda_peak_mb' else 'RSS'} "
+                                 f"per rank: {name}", "MiB", [(f"rank {r}", xs, ys) for r, (xs, ys) in sorted(mem.items())]))
+            break
+    return written
+
+
+def report_sweep(sweep_dir: Path, out: Path | None = None) -> list[Path]:
+    """Write ``sweep_loss.png`` comparing every point's loss curve; return its path."""
+    lines = []
+    for label, run_dir in sweep_points(sweep_dir):
+        records = by_step(read_records(run_dir / "metrics.jsonl"))
+        xs, ys = _series(records, "loss")
+        if xs:
+            lines.append((label, xs, ys))
+        else:
+            log.info("%s: no steps recorded yet; left out of the plot", run_dir)
+    if not lines:
+        raise UserError(f"{sweep_dir}: no point of this sweep has recorded a step yet")
+    figure = _figure_class()
+    out = Path(out) if out is not None else sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    return [_plot(figure, out / "sweep_loss.png", f"loss per point: {sweep_dir.name}", "loss", lines, log_y=True)]

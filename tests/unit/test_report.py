@@ -1,0 +1,118 @@
+"""`baton report`: PNGs from a run's metrics.jsonl, one comparison plot for a sweep."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.errors import UserError
+from launcher import cmd_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib is not installed (the `plots` extra): pip install 'baton[plots]'")
+
+
+def _run_folder(path: Path, *, n: int = 30, lr: float = 0.1, world: int = 4, requeued_at: int | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text("name: t\n")
+    (path / "state.json").write_text(json.dumps({"status": "completed", "step": n, "total_steps": n}))
+    steps: list[int] = list(range(n))
+    if requeued_at is not None:  # a requeue from a checkpoint re-runs the steps after it
+        steps = list(range(n)) + list(range(requeued_at, n))
+    lines = []
+    for step in steps:
+        rec: dict[str, Any] = {
+            "step": step, "loss": 4.0 * (1 - lr) ** step + 0.01, "tokens_per_s": 1000.0 + step,
+            "step_time_s": 0.1, "rank_step_time_s": [0.09 + 0.001 * r for r in range(world)],
+            "rss_mb": [500.0 + r for r in range(world)], "time": 1.7e9 + step,
+        }
+        lines.append(json.dumps(rec) + "\n")
+    (path / "metrics.jsonl").write_text("".join(lines))
+    return path
+
+
+def _report(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    cmd_report.register(parser.add_subparsers())
+    args = parser.parse_args(["report", *argv])
+    return int(args.func(args))
+
+
+def _assert_pngs(paths: list[Path]) -> None:
+    for p in paths:
+        data = p.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 2000, p
+
+
+@needs_matplotlib
+def test_run_report_writes_the_plots_into_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run_folder(tmp_path / "toy" / "r1")
+    assert _report(str(run)) == 0
+    report = run / "report"
+    names = sorted(p.name for p in report.glob("*.png"))
+    assert names == ["loss.png", "memory.png", "rank_step_time.png", "tokens_per_s.png"]
+    _assert_pngs(list(report.glob("*.png")))
+    assert capsys.readouterr().out.split() == [str(report / n) for n in
+                                               ("loss.png", "tokens_per_s.png", "rank_step_time.png", "memory.png")]
+
+
+@needs_matplotlib
+def test_out_option_chooses_the_folder(tmp_path: Path) -> None:
+    run = _run_folder(tmp_path / "r1")
+    written = cmd_report.report_run(run, tmp_path / "elsewhere")
+    assert {p.parent for p in written} == {tmp_path / "elsewhere"}
+    assert not (run / "report").exists()
+
+
+@needs_matplotlib
+def test_sweep_report_compares_every_point_from_the_ledger(tmp_path: Path) -> None:
+    sweep = tmp_path / "toy-lr"
+    a = _run_folder(sweep / "lr0.05-aaaa", lr=0.05)
+    b = _run_folder(sweep / "lr0.2-bbbb", lr=0.2)
+    ledger = {"version": 1, "name": "toy-lr", "points": [
+        {"index": 0, "params": {"optimizer.lr": 0.05}, "run_id": a.name, "run_dir": str(a)},
+        {"index": 1, "params": {"optimizer.lr": 0.2}, "run_id": b.name, "run_dir": str(b)},
+        {"index": 2, "params": {"optimizer.lr": 0.4}, "run_id": "never", "run_dir": str(sweep / "never")},
+    ]}
+    (sweep / "sweep.json").write_text(json.dumps(ledger))
+    assert cmd_report.is_sweep(sweep) and not cmd_report.is_sweep(a)
+    assert [label for label, _ in cmd_report.sweep_points(sweep)][:2] == ["optimizer.lr=0.05", "optimizer.lr=0.2"]
+    assert _report(str(sweep)) == 0
+    _assert_pngs([sweep / "report" / "sweep_loss.png"])
+
+
+@needs_matplotlib
+def test_a_folder_of_several_runs_without_a_ledger_is_a_sweep(tmp_path: Path) -> None:
+    _run_folder(tmp_path / "x" / "one")
+    _run_folder(tmp_path / "x" / "two")
+    assert cmd_report.is_sweep(tmp_path / "x")
+    _assert_pngs(cmd_report.report_sweep(tmp_path / "x"))
+
+
+def test_requeued_steps_are_plotted_once_with_the_last_record() -> None:
+    recs = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.0}, {"step": 1, "loss": 1.5}, {"step": 2, "loss": 1.0}]
+    assert [r["loss"] for r in cmd_report.by_step(recs)] == [3.0, 1.5, 1.0]
+
+
+def test_run_without_steps_is_a_one_line_user_error(tmp_path: Path) -> None:
+    run = _run_folder(tmp_path / "r", n=0)
+    with pytest.raises(UserError, match="no step recorded yet"):
+        cmd_report.report_run(run)
+    with pytest.raises(UserError, match="no such folder"):
+        _report(str(tmp_path / "absent"))
+
+
+def test_missing_matplotlib_is_a_user_error_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _run_folder(tmp_path / "r")
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(UserError) as exc:
+        cmd_report.report_run(run)
+    assert str(exc.value) == "matplotlib is not installed: pip install 'baton[plots]'"
