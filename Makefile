@@ -32,6 +32,7 @@ test-integration: venv
 bench: venv
 	$(PY) benchmarks/control_plane.py --quick
 	$(PY) benchmarks/checkpoint.py --quick
+	$(PY) benchmarks/recovery.py --quick
 
 lint: venv
 	$(VENV)/bin/ruff check core launcher tests benchmarks

@@ -7,6 +7,10 @@ twice: its call socket (identity I) and its heartbeat socket (identity I + b"/hb
 controller's own heartbeats and aborts go to the latter. Liveness: a worker is
 lost when its heartbeats stop for ``heartbeat_timeout_s`` (exit, SIGSTOP, a hung host all
 look like this from here); when it runs on this host its pid is checked to say which.
+
+Generations: after a loss the controller aborts the survivors, ``reset``s the group to
+the next generation of the same epoch and waits for a new set of workers (started by the
+supervisor, core.supervise). A worker of an older epoch or generation is refused by name.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from core.config import TimeoutsConfig
 from core.dispatch import Collect, Dispatch, collect_all, one_to_all
 from core.errors import CallTimeoutError, RegistrationError, RemoteError, WorkerLostError
 from core.parallel.dims import ParallelDims
+from core.preemption import PreemptionFlag
 from core.runfolder import RunFolder
 from core.transport import ControllerSocket
 
@@ -74,12 +79,16 @@ class WorkerGroup:
         dims: ParallelDims,
         timeouts: TimeoutsConfig,
         run: RunFolder,
+        generation: int = 0,
+        signals: PreemptionFlag | None = None,
     ) -> None:
         if dims.world_size != world_size:
             raise ValueError(f"dims {dims.describe()} do not cover {world_size} workers")
         self.sock = sock
         self.world_size = world_size
         self.epoch = epoch
+        self.generation = generation
+        self.signals = signals  # a worker's preemption signal is relayed here (see Heartbeat.signal)
         self.dims = dims
         self.timeouts = timeouts
         self.run = run
@@ -88,7 +97,7 @@ class WorkerGroup:
         self._lock = threading.Lock()
         self._next_req = 1
         self._inflight: dict[int, dict[int, Any]] = {}
-        self._errors: dict[int, tuple[int, protocol.Error]] = {}
+        self._errors: dict[int, dict[int, protocol.Error]] = {}  # req → rank → error
         self._next_beat = 0.0
         self._next_check = 0.0
         self._beat_seq = 0
@@ -112,8 +121,9 @@ class WorkerGroup:
                 if remaining <= 0:
                     missing = sorted(set(range(self.world_size)) - set(pending))
                     raise RegistrationError(
-                        f"{len(pending)} of {self.world_size} workers registered within {timeout_s:.0f} s; "
-                        f"missing ranks {missing}; see {self.run.logs}/worker_r*.log"
+                        f"{len(pending)} of {self.world_size} workers registered within {timeout_s:.0f} s "
+                        f"(epoch {self.epoch}, generation {self.generation}); missing ranks {missing}; "
+                        f"see {self.run.logs}/worker_r*.log"
                     )
                 item = self.sock.recv(min(remaining, 0.5))
                 if item is None:
@@ -141,15 +151,37 @@ class WorkerGroup:
                     controller_lost_s=self.timeouts.controller_lost_s,
                     master_addr=self.rendezvous[0], master_port=self.rendezvous[1],
                 ))
-        log.info("all %d workers registered (epoch %d)", self.world_size, self.epoch)
-        self._pump = threading.Thread(target=self._pump_loop, name="baton-pump", daemon=True)
+        log.info("all %d workers registered (epoch %d, generation %d)", self.world_size, self.epoch, self.generation)
+        self._pump = threading.Thread(target=self._pump_loop, args=(self._stop,), name="baton-pump", daemon=True)
         self._pump.start()
+
+    def reset(self, generation: int) -> None:
+        """Forget the current workers (lost or aborted) so that ``generation`` can register.
+
+        Messages still arriving from the old workers are dropped (their identities are
+        forgotten); a registration from an older generation is refused by name.
+        """
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=2)
+            self._pump = None
+        with self._lock:
+            self._stop = threading.Event()
+            self.generation = generation
+            self.peers = {}
+            self._by_identity = {}
+            self._n_lost = 0
+            self._inflight.clear()
+            self._errors.clear()
+            self.rendezvous = ("", 0)
 
     def _admit(self, identity: bytes, env: protocol.Envelope, pending: dict[int, tuple[bytes, protocol.Register]]) -> bool:
         reg = env.msg
         assert isinstance(reg, protocol.Register)
         if env.epoch != self.epoch:
             return self._refuse(identity, f"stale epoch {env.epoch}: this run is at epoch {self.epoch}")
+        if reg.generation != self.generation:
+            return self._refuse(identity, self._generation_mismatch(reg.generation))
         rank = reg.rank_hint
         if rank == -1:
             free = sorted(set(range(self.world_size)) - set(pending))
@@ -161,6 +193,11 @@ class WorkerGroup:
         pending[rank] = (identity, reg)
         log.info("rank %d registered from %s pid %d", rank, reg.host, reg.pid)
         return True
+
+    def _generation_mismatch(self, generation: int) -> str:
+        age = "stale" if generation < self.generation else "unexpected"
+        return (f"{age} generation {generation} of epoch {self.epoch}: "
+                f"this run is at generation {self.generation}")
 
     def _refuse(self, identity: bytes, reason: str) -> bool:
         log.warning("refused a worker (%s): %s", identity.decode(errors="replace"), reason)
@@ -207,35 +244,55 @@ class WorkerGroup:
         return collect(results, self.dims)
 
     def _wait(self, req: int, method: str, results: dict[int, Any], expected: set[int], timeout_s: float) -> None:
-        start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = time.monotonic() + timeout_s
         check = min(self.timeouts.heartbeat_interval_s, 0.1)
         n = len(expected)
-        while len(results) < n:
-            if req in self._errors:
-                rank, err = self._errors[req]
-                raise RemoteError(
-                    f"rank {rank} raised {err.exc_type} in {method}: {err.message}\n"
-                    f"--- remote traceback (rank {rank}, log {self.run.worker_log(rank)}) ---\n{err.traceback}",
-                    rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback,
-                )
+        error_deadline: float | None = None
+
+        def answered() -> int:
+            return len(results) + len(self._errors.get(req, ()))
+
+        while True:
+            errors = self._errors.get(req)
+            if errors:
+                # Give the other ranks a moment to answer too: the same exception from every
+                # rank marks a deterministic error (a bug, a bad config), not a sick node.
+                if error_deadline is None:
+                    error_deadline = min(deadline, time.monotonic() + self.timeouts.heartbeat_timeout_s)
+                if answered() >= n or time.monotonic() >= error_deadline:
+                    raise self._remote_error(method, errors, n)
+            elif len(results) >= n:
+                return
             self._housekeeping()
             self._raise_if_lost()
             now = time.monotonic()
             if now >= deadline:
-                missing = sorted(expected - set(results))
+                missing = sorted(expected - set(results) - set(self._errors.get(req, ())))
                 raise CallTimeoutError(
                     f"{method}: ranks {missing} did not answer within {timeout_s:.1f} s "
-                    f"({len(results)} of {len(expected)} did); logs: "
+                    f"({n - len(missing)} of {n} did); logs: "
                     + ", ".join(str(self.run.worker_log(r)) for r in missing[:4]),
                     missing=missing,
                 )
-            item = self.sock.recv(min(deadline - now, check))
+            until = deadline if error_deadline is None else error_deadline
+            item = self.sock.recv(max(0.0, min(until - now, check)))
             while item is not None:
                 self._handle(*item)
-                if len(results) >= n:
+                if answered() >= n:
                     break
                 item = self.sock.recv_nowait()
+
+    def _remote_error(self, method: str, errors: dict[int, protocol.Error], n: int) -> RemoteError:
+        rank = min(errors)
+        err = errors[rank]
+        same = len(errors) == n and len({e.exc_type for e in errors.values()}) == 1
+        scope = (f"the same on all {n} ranks" if same else
+                 f"{len(errors)} of {n} ranks raised: " + ", ".join(f"r{r} {e.exc_type}" for r, e in sorted(errors.items())[:8]))
+        return RemoteError(
+            f"rank {rank} raised {err.exc_type} in {method}: {err.message} ({scope})\n"
+            f"--- remote traceback (rank {rank}, log {self.run.worker_log(rank)}) ---\n{err.traceback}",
+            rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback, method=method, same_on_all_ranks=same,
+        )
 
     # --- message handling ---------------------------------------------------------------
     def _decode(self, identity: bytes, frames: list[Any]) -> protocol.Envelope | None:
@@ -255,8 +312,12 @@ class WorkerGroup:
         msg = env.msg
         if peer is None:
             if isinstance(msg, protocol.Register):
-                reason = (f"stale epoch {env.epoch}: this run is at epoch {self.epoch}" if env.epoch != self.epoch
-                          else f"the group of {self.world_size} is complete")
+                if env.epoch != self.epoch:
+                    reason = f"stale epoch {env.epoch}: this run is at epoch {self.epoch}"
+                elif msg.generation != self.generation:
+                    reason = self._generation_mismatch(msg.generation)
+                else:
+                    reason = f"the group of {self.world_size} is complete"
                 self._refuse(identity, reason)
             return
         if env.epoch != self.epoch:
@@ -266,13 +327,15 @@ class WorkerGroup:
         if isinstance(msg, protocol.Heartbeat):
             peer.busy, peer.rss_mb = msg.busy, msg.rss_mb
             self.heartbeats_handled += 1
+            if msg.signal and self.signals is not None and not self.signals.is_set:
+                self.signals.relay(msg.signal, f"rank {peer.rank} on {peer.node}")
         elif isinstance(msg, protocol.Result):
             results = self._inflight.get(env.req_id)
             if results is not None:
                 results[peer.rank] = msg.value
         elif isinstance(msg, protocol.Error):
             if env.req_id in self._inflight:
-                self._errors.setdefault(env.req_id, (peer.rank, msg))
+                self._errors.setdefault(env.req_id, {})[peer.rank] = msg
         elif isinstance(msg, protocol.Log):
             log.log(msg.level, "[rank %d] %s", peer.rank, msg.message)
         else:
@@ -322,9 +385,9 @@ class WorkerGroup:
         with self._lock:
             self._raise_if_lost()
 
-    def _pump_loop(self) -> None:
+    def _pump_loop(self, stop: threading.Event) -> None:
         interval = min(self.timeouts.heartbeat_interval_s, 0.1)
-        while not self._stop.wait(interval):
+        while not stop.wait(interval):
             if not self._lock.acquire(blocking=False):
                 continue  # a call is running and doing this itself
             try:

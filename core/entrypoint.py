@@ -2,6 +2,11 @@
 
 Reads the environment contract (core.jobenv), wires the adapters, runs the role, exits
 with the role's code. Both backends (local processes, Slurm tasks) start exactly this.
+
+Controller exit codes: 0 completed (or stopped: checkpointed while Slurm ends the job),
+1 failed (state.json says why), 2 user error, 85 requeued (core.supervise.EXIT_REQUEUED:
+checkpointed; on Slurm the job was requeued, locally the supervisor relaunches the next
+epoch). Workers: core.worker's EXIT_* codes.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from core import config as config_mod
 from core import logsetup
@@ -37,34 +43,49 @@ def task_factory(kind: str) -> Callable[[WorkerContext], Task]:
 
 
 def run_controller(env: JobEnv) -> int:
+    """The controller role: run the program under core.recovery; 0, 1, 2 or EXIT_REQUEUED."""
+    from core import preemption
     from core.controller import WorkerGroup, publish_address
     from core.program import Program
+    from core.recovery import Recovery
+    from core.supervise import WorkerRequest, request_workers
     from core.transport import ControllerSocket
 
     run = RunFolder(env.run_dir)
     logsetup.configure("controller", run.controller_log)
+    signals = preemption.PreemptionFlag.install()  # before anything slow: a signal now is not lost
     cfg = config_mod.load(run.config)
     state = run.read_state()
     state.update(status="running", epoch=env.epoch, restarts=env.epoch, total_steps=cfg.trainer.steps)
-    event(state, "controller_started", node=env.node, epoch=env.epoch)
+    state.pop("reason", None)
+    event(state, "controller_started", node=env.node, epoch=env.epoch, pid=os.getpid())
     sock = ControllerSocket(run.keys)
     publish_address(run, sock, host=env.controller_host, epoch=env.epoch)
+    request_workers(run, WorkerRequest(epoch=env.epoch, generation=0, reason="epoch start"))
     run.write_state(state)
     group = WorkerGroup(sock, world_size=cfg.trainer.world_size, epoch=env.epoch, dims=cfg.dims,
-                        timeouts=cfg.timeouts, run=run)
-    program = Program(cfg=cfg, run=run, group=group, state=state)
+                        timeouts=cfg.timeouts, run=run, signals=signals)
+    stop = preemption.StopPolicy(signals, preemption.clock_for(os.environ))
+    program = Program(cfg=cfg, run=run, group=group, state=state, stop=stop)
+    recovery = Recovery(program, worker_restarts=env.worker_restarts, on_slurm=env.job_id is not None)
     try:
-        program.run_all()
-        state.update(status="completed")
-        event(state, "completed", step=state.get("step", 0))
-        group.shutdown("run completed")
-        return 0
-    except BatonRuntimeError as exc:
-        log.error("run failed: %s", exc)
-        state.update(status="failed", reason=str(exc).splitlines()[0])
-        event(state, "failed", reason=str(exc).splitlines()[0], step=state.get("step", 0))
-        group.abort(f"controller: {str(exc).splitlines()[0]}")
-        return EXIT_FAILED
+        outcome = recovery.run()
+        if outcome.status == "completed":
+            state.update(status="completed")
+            event(state, "completed", step=state.get("step", 0))
+            group.shutdown("run completed")
+            return 0
+        if outcome.status == "requeue":
+            return _requeue(env, run, state, group, outcome)
+        if outcome.status == "stopped":
+            log.warning("%s", outcome.reason)
+            state.update(status="stopped", reason=outcome.reason)
+            event(state, "stopped", step=state.get("step", 0), reason=outcome.reason)
+            group.shutdown(outcome.reason)
+            return 0
+        return _failed(state, group, outcome.reason, outcome.exit_code)
+    except BatonRuntimeError as exc:  # a failure core.recovery does not handle (e.g. a failed commit)
+        return _failed(state, group, str(exc).splitlines()[0], EXIT_FAILED)
     finally:
         run.write_state(state)
         group.close()
@@ -72,7 +93,44 @@ def run_controller(env: JobEnv) -> int:
         sock.close()
 
 
+def _failed(state: dict[str, Any], group: Any, reason: str, code: int) -> int:
+    log.error("run failed: %s", reason)
+    state.update(status="failed", reason=reason)
+    event(state, "failed", reason=reason, step=state.get("step", 0))
+    group.abort(f"controller: {reason}")
+    return code
+
+
+def _requeue(env: JobEnv, run: RunFolder, state: dict[str, Any], group: Any, outcome: Any) -> int:
+    """Record the requeue, release the workers, and requeue: Slurm's ``scontrol requeue``
+    (which ends this job at once), or locally the supervisor relaunches on EXIT_REQUEUED."""
+    from core import preemption
+    from core.supervise import EXIT_REQUEUED
+
+    state.update(status="requeued")
+    event(state, "requeued", step=state.get("step", 0), reason=outcome.reason, epoch=env.epoch,
+          exclude=list(outcome.exclude), backend="slurm" if env.job_id else "local")
+    run.write_state(state)
+    if outcome.clean:
+        group.shutdown(f"requeued: {outcome.reason}")
+    else:
+        group.abort(f"controller: requeued: {outcome.reason}")
+    log.warning("requeueing at step %s: %s", state.get("step", 0), outcome.reason)
+    if env.job_id is None:
+        return EXIT_REQUEUED
+    time.sleep(0.05)  # the shutdown must leave before scontrol ends the job
+    het = os.environ.get("SLURM_HET_SIZE")  # the workers are component 1: raw id leader + 1
+    component = str(int(env.job_id) + 1) if het and env.job_id.isdigit() else None
+    result = preemption.requeue(env.job_id, exclude=outcome.exclude, component_id=component)
+    if not result.ok:
+        return _failed(state, group, f"requeue refused ({result.detail}); the latest checkpoint stands: "
+                       "continue with `baton submit --resume RUN_DIR`", EXIT_FAILED)
+    log.info("%s", result.detail)
+    return EXIT_REQUEUED
+
+
 def run_worker(env: JobEnv) -> int:
+    from core.preemption import PreemptionFlag
     from core.worker import WorkerRuntime
 
     run = RunFolder(env.run_dir)
@@ -80,8 +138,10 @@ def run_worker(env: JobEnv) -> int:
     # Until the controller assigns a rank, a worker without a rank hint logs under its pid.
     early_log = run.worker_log(env.rank_hint) if env.rank_hint >= 0 else run.logs / f"worker_{env.node}_{os.getpid()}.log"
     logsetup.configure(label, early_log)
+    signals = PreemptionFlag.install()  # SIGUSR2/SIGTERM: logged once, never fatal (the controller decides)
     cfg = config_mod.load(run.config)
-    runtime = WorkerRuntime(env, task_factory(cfg.model.kind), register_timeout_s=cfg.timeouts.register_s)
+    runtime = WorkerRuntime(env, task_factory(cfg.model.kind), register_timeout_s=cfg.timeouts.register_s,
+                            signals=signals)
 
     def welcomed(rank: int) -> None:
         logsetup.set_label(f"worker r{rank}")

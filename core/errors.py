@@ -52,13 +52,20 @@ class CallTimeoutError(BatonRuntimeError):
 
 
 class RemoteError(BatonRuntimeError):
-    """A worker raised while executing a call; carries the remote traceback."""
+    """A worker raised while executing a call; carries the remote traceback.
 
-    def __init__(self, message: str, rank: int, exc_type: str, remote_traceback: str) -> None:
+    ``same_on_all_ranks``: every rank of the call raised the same exception type, the
+    mark of a deterministic error (a bug, a bad config) that a restart would only repeat.
+    """
+
+    def __init__(self, message: str, rank: int, exc_type: str, remote_traceback: str, *,
+                 method: str = "", same_on_all_ranks: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+        self.method = method
+        self.same_on_all_ranks = same_on_all_ranks
 
 
 class RegistrationError(BatonRuntimeError):

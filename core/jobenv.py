@@ -6,6 +6,9 @@ Slurm the ``SLURM_*`` ones fill in what the batch script does not set itself.
     BATON_RUN_DIR     the run folder (required)
     BATON_RANK        worker rank hint   (else SLURM_PROCID of the worker component)
     BATON_EPOCH       restart count      (else SLURM_RESTART_COUNT, else 0)
+    BATON_GENERATION  which start of the worker step within the epoch (else 0)
+    BATON_WORKER_RESTARTS  "1" when the supervisor restarts worker steps on request
+                      (core.supervise); without it a lost worker means a requeue
     BATON_NODE        node name          (else SLURMD_NODENAME, else the host name)
     BATON_CONTROLLER_HOST  address the controller publishes (else the host name)
 """
@@ -25,6 +28,8 @@ class JobEnv:
     run_dir: Path
     rank_hint: int
     epoch: int
+    generation: int = 0
+    worker_restarts: bool = False
     node: str
     host: str
     controller_host: str
@@ -52,6 +57,8 @@ class JobEnv:
             run_dir=Path(run_dir),
             rank_hint=as_int(rank_var, env.get(rank_var), -1),
             epoch=as_int(epoch_var, env.get(epoch_var), 0),
+            generation=as_int("BATON_GENERATION", env.get("BATON_GENERATION"), 0),
+            worker_restarts=env.get("BATON_WORKER_RESTARTS") == "1",
             node=env.get("BATON_NODE") or env.get("SLURMD_NODENAME") or host,
             host=host,
             controller_host=env.get("BATON_CONTROLLER_HOST") or host,

@@ -1,10 +1,14 @@
 """The controller's training program: one readable loop over the worker group.
 
     register → setup → resume from the latest committed checkpoint → for each step:
-    train_step, record, maybe checkpoint → final checkpoint → shutdown
+    [stop? checkpoint now and return] train_step, record, maybe checkpoint → final checkpoint
 
 Bulk tensors never come here; each step brings back a few numbers per rank, and a
 checkpoint brings back one small ack per rank, after which this process commits it.
+At every step boundary the stop policy (core.preemption) is asked whether a preemption
+signal arrived or the walltime is near; then the step just finished is checkpointed
+synchronously and ``run_all`` returns the request, so no finished step is lost. Failures
+propagate as exceptions; core.recovery decides what happens next.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from core.checkpoint import manifest
 from core.config import RunConfig
 from core.controller import WorkerGroup
 from core.dispatch import collect_all
+from core.preemption import StopPolicy, StopRequest
 from core.runfolder import RunFolder, event, write_atomic
 
 log = logging.getLogger(__name__)
@@ -38,17 +43,27 @@ class Program:
     run: RunFolder
     group: WorkerGroup
     state: dict[str, Any]
+    stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
     _pending: tuple[int, Path, float] | None = field(default=None, init=False)
+    _step_s: float = field(default=0.0, init=False)  # a moving average of the step's wall time
+    _save_s: float | None = field(default=None, init=False)  # how long the last save took to commit
 
     def save_state(self) -> None:
         self.run.write_state(self.state)
 
     # --- the whole run ------------------------------------------------------------------
-    def run_all(self) -> None:
+    def run_all(self) -> StopRequest | None:
+        """The whole run; returns the stop request that ended it early, None when it finished."""
         self.setup()
         self.resume()
-        self.train()
-        self.finish()
+        stop = self.train()
+        if stop is None:
+            self.finish()
+        return stop
+
+    def forget_async(self) -> None:
+        """After a failure: an async save in flight will never be committed (its folder is debris)."""
+        self._pending = None
 
     def setup(self) -> None:
         group = self.group
@@ -62,7 +77,8 @@ class Program:
             {"rank": p.rank, "node": p.node, "host": p.host, "pid": p.pid, **(infos[p.rank] or {})}
             for p in sorted(group.peers.values(), key=lambda p: p.rank)
         ]
-        event(self.state, "workers_ready", world_size=group.world_size, epoch=group.epoch)
+        event(self.state, "workers_ready", world_size=group.world_size, epoch=group.epoch,
+              generation=group.generation)
         self.save_state()
 
     def resume(self) -> None:
@@ -91,15 +107,20 @@ class Program:
         log.info("resumed from %s (saved as %s, now %s)", step_dir, saved.layout, self.group.dims.describe())
         self.save_state()
 
-    def train(self) -> None:
+    def train(self) -> StopRequest | None:
         cfg = self.cfg
         start = int(self.state.get("step", 0))
         owners = self.group.dims.loss_owners()
         interval = cfg.checkpoint.interval_steps
         for step in range(start, cfg.trainer.steps):
+            stop = self.stop.check(step_s=self._step_s, save_s=self._save_s)
+            if stop is not None:
+                self._stop_at_boundary(step, stop)
+                return stop
             t0 = time.perf_counter()
             results = self.group.call("train_step", step=step, collect=collect_all, timeout_s=cfg.timeouts.step_s)
             wall = time.perf_counter() - t0
+            self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
             record = self._record(step, results, owners, wall)
             self.run.append_metrics(record)
             self.state.update(step=step + 1, last_loss=record["loss"], updated=time.time())
@@ -111,6 +132,21 @@ class Program:
             if done % cfg.trainer.log_interval_steps == 0 or done == cfg.trainer.steps:
                 log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record["loss"], wall)
                 self.save_state()
+        return None
+
+    def _stop_at_boundary(self, step: int, stop: StopRequest) -> None:
+        """Make ``step`` (every step finished so far) durable before the job goes away."""
+        kind = "time_running_out" if stop.cause == "time_running_out" else "preempted"
+        event(self.state, kind, step=step, cause=stop.cause, signal=stop.signal, detail=stop.detail,
+              time_left_s=None if stop.time_left_s is None else round(stop.time_left_s, 1), signal_at=stop.signal_at)
+        log.warning("%s at step %d (%s): checkpointing, then requeueing", stop.cause, step, stop.detail)
+        self.save_state()
+        self._wait_async()
+        if step > 0 and step not in manifest.committed_steps(self.run.checkpoints):
+            timeout = self.cfg.timeouts.checkpoint_s
+            if stop.time_left_s is not None:  # commit within the time Slurm leaves us
+                timeout = max(1.0, min(timeout, stop.time_left_s - 2.0))
+            self.checkpoint(step, blocking=True, timeout_s=timeout)
 
     def finish(self) -> None:
         step = int(self.state.get("step", 0))
@@ -119,7 +155,7 @@ class Program:
         self._wait_async()
 
     # --- checkpoints ----------------------------------------------------------------------
-    def checkpoint(self, step: int, *, blocking: bool = False) -> None:
+    def checkpoint(self, step: int, *, blocking: bool = False, timeout_s: float | None = None) -> None:
         """Order every rank to write its shard of ``step``; commit once all have acked."""
         self._wait_async()
         tmp = manifest.tmp_step_dir(self.run.checkpoints, step)
@@ -127,7 +163,7 @@ class Program:
         async_save = self.cfg.checkpoint.async_save and not blocking
         t0 = time.perf_counter()
         acks = self.group.call("ckpt_save", step=step, tmp_dir=str(tmp), attrs=attrs, async_save=async_save,
-                               timeout_s=self.cfg.timeouts.checkpoint_s)
+                               timeout_s=timeout_s or self.cfg.timeouts.checkpoint_s)
         if async_save:
             self._pending = (step, tmp, t0)
             event(self.state, "checkpoint_started", step=step, blocked_s=round(time.perf_counter() - t0, 3))
@@ -155,11 +191,13 @@ class Program:
             "layout": self.group.dims.describe(),
             "dims": {"tp": self.group.dims.tp, "pp": self.group.dims.pp, "dp": self.group.dims.dp},
             "config_hash": model_hash(self.cfg),
-            "loop": {"step": step, "epoch": self.group.epoch, "last_loss": self.state.get("last_loss")},
+            "loop": {"step": step, "epoch": self.group.epoch, "generation": self.group.generation,
+                     "last_loss": self.state.get("last_loss")},
         }
         final = manifest.commit(self.run.checkpoints, step, tmp, acks, meta,
                                 world_size=self.group.world_size, keep_last=self.cfg.checkpoint.keep_last)
         seconds = time.perf_counter() - t0
+        self._save_s = seconds
         nbytes = sum(int(a.get("size_bytes", 0)) for a in acks)
         event(self.state, "checkpoint_committed", step=step, folder=final.name, seconds=round(seconds, 3),
               bytes=nbytes)

@@ -41,6 +41,7 @@ class Register:
     node: str
     pid: int
     rendezvous_port: int = 0  # a free port on this host, offered for torch.distributed
+    generation: int = 0  # which start of the worker step within this epoch (restarts after a loss)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,7 @@ class Welcome:
 
 @dataclass(frozen=True, kw_only=True)
 class Refuse:
-    """Controller → worker: you may not join (stale epoch, duplicate rank, full group)."""
+    """Controller → worker: you may not join (stale epoch or generation, duplicate rank, full group)."""
 
     reason: str
 
@@ -89,6 +90,7 @@ class Heartbeat:
     seq: int
     busy: str = ""  # the method being executed, "" when idle
     rss_mb: float = 0.0
+    signal: str = ""  # worker → controller: a preemption signal this worker received ("SIGUSR2")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,11 @@ at a time, in order. The heartbeat thread sends heartbeats on a timer (so a long
 never looks dead) and ends the process itself when the controller has been silent for
 ``controller_lost_s`` or orders an abort (the main thread may be stuck inside a
 collective whose peer is gone; only exiting is safe then).
+
+SIGUSR2 and SIGTERM (Slurm's preemption and walltime notices) never end a worker: they are
+recorded, logged once and passed on to the controller in the heartbeats (Slurm signals
+only the preempted component: the controller's may not get one), and the controller
+decides (checkpoint, then shutdown or requeue).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Any
 from core import protocol
 from core.errors import RegistrationError
 from core.jobenv import JobEnv
+from core.preemption import PreemptionFlag
 from core.runfolder import RunFolder, read_json
 from core.task import Task, WorkerContext
 from core.transport import WorkerSocket
@@ -76,8 +82,10 @@ class _HeartbeatThread(threading.Thread):
     acted on even while the main thread is deep inside a step.
     """
 
-    def __init__(self, sock: WorkerSocket, epoch: int, *, interval_s: float, controller_lost_s: float) -> None:
+    def __init__(self, sock: WorkerSocket, epoch: int, *, interval_s: float, controller_lost_s: float,
+                 signals: PreemptionFlag | None = None) -> None:
         super().__init__(name="baton-heartbeat", daemon=True)
+        self.signals = signals
         self.sock = sock
         self.epoch = epoch
         self.interval_s = interval_s
@@ -93,9 +101,12 @@ class _HeartbeatThread(threading.Thread):
             now = time.monotonic()
             if now >= next_beat:
                 seq += 1
-                hb = protocol.Heartbeat(seq=seq, busy=self.busy, rss_mb=_rss_mb())
+                hb = protocol.Heartbeat(seq=seq, busy=self.busy, rss_mb=_rss_mb(),
+                                        signal=self.signals.signal_name if self.signals is not None else "")
                 WorkerSocket.send(self.sock.sock, protocol.encode(hb, epoch=self.epoch))
                 next_beat = now + self.interval_s
+            if self.signals is not None:
+                self.signals.report_once(log, "ignored by the worker; the controller decides")
             if now - self.last_heard > self.controller_lost_s:
                 log.error("controller silent for %.1f s (limit %.1f s); exiting", now - self.last_heard, self.controller_lost_s)
                 _hard_exit(EXIT_CONTROLLER_LOST)
@@ -133,8 +144,10 @@ class WorkerRuntime:
     (same identity + b"/hb") carries heartbeats both ways and aborts.
     """
 
-    def __init__(self, env: JobEnv, task_factory: Callable[[WorkerContext], Task], *, register_timeout_s: float) -> None:
+    def __init__(self, env: JobEnv, task_factory: Callable[[WorkerContext], Task], *, register_timeout_s: float,
+                 signals: PreemptionFlag | None = None) -> None:
         self.env = env
+        self.signals = signals
         self.run_folder = RunFolder(env.run_dir)
         self.task_factory = task_factory
         self.register_timeout_s = register_timeout_s
@@ -176,6 +189,7 @@ class WorkerRuntime:
         port = _free_port() if self.env.rank_hint in (0, -1) else 0
         self._send(protocol.Register(
             rank_hint=self.env.rank_hint, host=self.env.host, node=self.env.node, pid=os.getpid(), rendezvous_port=port,
+            generation=self.env.generation,
         ))
         env = self._recv(self.register_timeout_s)
         if env is None:
@@ -192,10 +206,11 @@ class WorkerRuntime:
         self.on_welcome(welcome.rank)
         hb = self.heartbeat = _HeartbeatThread(
             self.hb_sock, self.env.epoch,
-            interval_s=welcome.heartbeat_interval_s, controller_lost_s=welcome.controller_lost_s,
+            interval_s=welcome.heartbeat_interval_s, controller_lost_s=welcome.controller_lost_s, signals=self.signals,
         )
         hb.start()
-        log.info("registered as rank %d of %d with %s", welcome.rank, welcome.world_size, self.address)
+        log.info("registered as rank %d of %d with %s (epoch %d, generation %d)", welcome.rank, welcome.world_size,
+                 self.address, self.env.epoch, self.env.generation)
         ctx = WorkerContext(
             rank=welcome.rank, world_size=welcome.world_size, epoch=self.env.epoch,
             run_dir=Path(self.env.run_dir), host=self.env.host, log=logging.getLogger("baton.task"),

@@ -1,7 +1,18 @@
-"""The local backend: the controller and N workers as processes on this machine.
+"""The local backend: the controller and N workers as processes on this machine, supervised.
 
 Same entry point and environment contract as the Slurm backend (core.jobenv); CPU and
-gloo. Every process started here is ended here, by pid, also on Ctrl-C.
+gloo. This module is the local supervisor of core.supervise:
+
+- an epoch starts the controller and generation 0 of the workers; when the controller
+  asks for generation g (``workers.json``, after it declared workers lost), whatever is
+  left of the previous generation is killed by pid (a stopped process ignores the abort)
+  and generation g is started with ``BATON_GENERATION=g``;
+- when the controller exits, ``core.supervise.after_controller`` reads its last word:
+  requeued (exit 85) → the next epoch, the local analogue of Slurm's requeue; died without
+  one → the next epoch within ``recovery.max_retries``; completed, failed → done.
+
+Every process started here is ended here, by pid, also on Ctrl-C (the controller gets
+SIGTERM first, which it answers like a preemption: checkpoint, then exit).
 """
 from __future__ import annotations
 
@@ -13,40 +24,52 @@ import sys
 import time
 from pathlib import Path
 
+from core import supervise
+from core.checkpoint import manifest
 from core.config import RunConfig
 from core.runfolder import RunFolder
 
 log = logging.getLogger(__name__)
 
 _GRACE_S = 10.0
+_POLL_S = 0.05  # how often the supervisor looks at the controller and workers.json
+MAX_EPOCHS = 1000  # a guard against a requeue loop (Slurm has MaxBatchRequeue)
+
+Proc = subprocess.Popen[bytes]
 
 
-def child_env(run: RunFolder, *, epoch: int, rank: int | None) -> dict[str, str]:
+def child_env(run: RunFolder, *, epoch: int, rank: int | None, generation: int = 0,
+              supervised: bool = False) -> dict[str, str]:
     """The environment contract for one process (see core.jobenv)."""
     env = dict(os.environ)
     env.update(
         BATON_RUN_DIR=str(run.path),
         BATON_EPOCH=str(epoch),
+        BATON_GENERATION=str(generation),
         BATON_NODE="local",
         BATON_CONTROLLER_HOST="127.0.0.1",
         OMP_NUM_THREADS="1",  # one thread per process: oversubscription ruins CPU steps
         PYTHONUNBUFFERED="1",
     )
     env.pop("BATON_RANK", None)
+    env.pop("BATON_WORKER_RESTARTS", None)
     if rank is not None:
         env["BATON_RANK"] = str(rank)
+    if supervised:  # this supervisor honours workers.json (core.supervise)
+        env["BATON_WORKER_RESTARTS"] = "1"
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None) -> subprocess.Popen[bytes]:
+def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None, generation: int = 0,
+           supervised: bool = False) -> Proc:
     name = "controller" if rank is None else f"worker_r{rank:05d}"
     out = open(run.logs / f"{name}.out", "ab")  # noqa: SIM115 - handed to the child
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "core.entrypoint", role],
-            env=child_env(run, epoch=epoch, rank=rank),
+            env=child_env(run, epoch=epoch, rank=rank, generation=generation, supervised=supervised),
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches only us; we end the children in order
         )
@@ -54,27 +77,60 @@ def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None) -> subpro
         out.close()
 
 
-def _end(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM, wait up to grace_s, then SIGKILL: only our own children, by pid."""
+def _spawn_workers(run: RunFolder, cfg: RunConfig, *, epoch: int, generation: int) -> list[Proc]:
+    return [_spawn(run, "worker", epoch=epoch, rank=r, generation=generation) for r in range(cfg.trainer.world_size)]
+
+
+def _kill(procs: list[Proc], why: str) -> None:
+    """SIGKILL whatever is still running of ``procs`` (ours, by pid) and reap it."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            log.warning("ending pid %d: %s", p.pid, why)
             p.kill()
-            p.wait()
+    for p in procs:
+        p.wait()
 
 
-def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
-    """Start the run, wait for the controller, clean up; return the controller's exit code."""
-    controller = _spawn(run, "controller", epoch=epoch, rank=None)
-    workers = [_spawn(run, "worker", epoch=epoch, rank=r) for r in range(cfg.trainer.world_size)]
-    procs = [controller, *workers]
+def _end(controller: Proc, workers: list[Proc], grace_s: float) -> None:
+    """The controller gets SIGTERM (it checkpoints and releases its workers), then grace_s;
+    workers ignore SIGTERM by design, so what remains of everything is SIGKILLed."""
+    if controller.poll() is None:
+        controller.send_signal(signal.SIGTERM)
+        try:
+            controller.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + min(grace_s, 2.0)
+    for w in workers:
+        try:
+            w.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _kill([controller, *workers], "still running as the local run ends")
+
+
+def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int) -> int:
+    """One epoch: the controller and its worker generations; the controller's exit code."""
+    controller = _spawn(run, "controller", epoch=epoch, rank=None, supervised=True)
+    generation = 0
+    workers = _spawn_workers(run, cfg, epoch=epoch, generation=generation)
+    started = list(workers)
     try:
-        code = controller.wait()
+        while True:
+            try:
+                code = controller.wait(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            req = supervise.read_request(run)
+            if req is not None and req.epoch == epoch and req.generation > generation:
+                _kill(workers, f"a worker of generation {generation}, still running after the controller's abort")
+                generation = req.generation
+                log.info("starting generation %d of the workers (epoch %d): %s", generation, epoch, req.reason)
+                workers = _spawn_workers(run, cfg, epoch=epoch, generation=generation)
+                started += workers
+        if run.read_state().get("status") == "running":  # the controller died: its workers are of no use
+            _kill(workers, f"the controller exited ({code}) without a last word")
         # Workers exit on the controller's shutdown/abort, or by themselves once it is silent.
         deadline = time.monotonic() + cfg.timeouts.controller_lost_s + _GRACE_S
         for w in workers:
@@ -83,8 +139,26 @@ def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
             except subprocess.TimeoutExpired:
                 log.warning("worker pid %d still running after the controller exited; ending it", w.pid)
         return code
-    except KeyboardInterrupt:
-        log.warning("interrupted: ending the controller and %d workers", len(workers))
-        return 130
     finally:
-        _end(procs, _GRACE_S)
+        _end(controller, started, _GRACE_S)
+
+
+def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
+    """Run epochs until the controller completes, fails or stops; its last exit code."""
+    first = epoch
+    try:
+        while True:
+            code = _run_epoch(run, cfg, epoch)
+            steps = manifest.committed_steps(run.checkpoints)
+            decision = supervise.after_controller(run, code, max_retries=cfg.recovery.max_retries,
+                                                  committed_step=steps[-1] if steps else None)
+            if decision != "requeue":
+                return code
+            if epoch + 1 - first >= MAX_EPOCHS:
+                log.error("%d epochs in one local run: giving up", MAX_EPOCHS)
+                return code
+            epoch += 1
+            log.info("requeued: starting epoch %d", epoch)
+    except KeyboardInterrupt:
+        log.warning("interrupted: the controller and workers were ended")
+        return 130

@@ -1,0 +1,228 @@
+"""What the controller does when the run fails: restart the workers, requeue, or stop saying why.
+
+    what went wrong (an exception out of Program.run_all)    what happens
+    -------------------------------------------------------  -----------------------------------------
+    a UserError (bad config, a checkpoint that cannot load)  fail at once (exit 2)
+    RemoteError, the same exception on every rank            fail at once: deterministic (a bug, a config)
+    RemoteError, same rank/type/method/step as the last one  fail at once: a restart reproduced it
+    lost worker (exit, silence), missed deadline,            spend one retry (core.supervise.Budget), then
+    registration timeout, any other RemoteError                retries spent            → fail, naming them
+                                                               node failed twice, Slurm → requeue without it
+                                                               supervisor restarts      → new generation
+                                                                 workers here             after a backoff
+                                                               else on Slurm            → requeue
+                                                               else                     → fail, saying why
+    a preemption signal while recovering                     requeue from the latest committed checkpoint
+
+A restart inside the allocation: abort the survivors, forget this generation, back off
+(``recovery.backoff_s`` doubling per retry), ask the supervisor for the next generation
+(core.supervise), then ``run_all`` again: register, setup, resume from the latest
+committed checkpoint, train. Every decision is an event in state.json.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from core.checkpoint import manifest
+from core.errors import CallTimeoutError, RegistrationError, RemoteError, UserError, WorkerLostError
+from core.preemption import StopRequest
+from core.program import Program
+from core.runfolder import event
+from core.supervise import Budget, WorkerRequest, request_workers
+
+log = logging.getLogger(__name__)
+
+NODE_FAILURE_LIMIT = 2  # failures on one node before a requeue excludes it (Slurm)
+MAX_BACKOFF_FACTOR = 8
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+# Exception names a worker reports for bad input: retrying cannot fix them.
+REMOTE_USER_ERRORS = frozenset({"UserError", "ConfigError", "LayoutError", "CheckpointError"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """One failure of the worker group, as recorded and counted."""
+
+    kind: str  # "worker_lost" | "timeout" | "registration" | "remote_error"
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    why: str  # one line
+    step: int
+    signature: tuple[object, ...] = ()  # a RemoteError's (rank, type, method, step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    action: Literal["restart", "requeue", "fail"]
+    reason: str
+    backoff_s: float = 0.0
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """How the controller ends: completed, requeue (exit 85), stopped (checkpointed, Slurm is
+    ending the job: not requeued) or failed (exit 1/2)."""
+
+    status: Literal["completed", "requeue", "stopped", "failed"]
+    reason: str = ""
+    exit_code: int = 0
+    exclude: tuple[str, ...] = ()
+    clean: bool = True  # the workers are in a known state (shutdown) rather than to be aborted
+    stop: StopRequest | None = None
+
+
+def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: float,
+           worker_restarts: bool, on_slurm: bool) -> Decision:
+    """The policy, pure: ``budget`` already counts this failure."""
+    by_node = ", ".join(f"{n}: {c}" for n, c in sorted(budget.node_failures.items())) or "none known"
+    if budget.retries > max_retries:
+        return Decision(action="fail", reason=(
+            f"{failure.why}; gave up after {max_retries} retries (recovery.max_retries); "
+            f"failures by node: {by_node}"))
+    bad = [n for n, c in sorted(budget.node_failures.items()) if c >= NODE_FAILURE_LIMIT and n not in budget.exclude]
+    if on_slurm and bad:
+        exclude = (*budget.exclude, *bad)
+        return Decision(action="requeue", exclude=exclude, reason=(
+            f"node(s) {', '.join(bad)} failed {NODE_FAILURE_LIMIT}+ times: requeue excluding {', '.join(exclude)}"))
+    if worker_restarts:
+        factor = min(2 ** (budget.retries - 1), MAX_BACKOFF_FACTOR)
+        return Decision(action="restart", backoff_s=backoff_s * factor,
+                        reason=f"retry {budget.retries} of {max_retries}: restarting the workers")
+    if on_slurm:
+        return Decision(action="requeue", exclude=budget.exclude,
+                        reason=f"retry {budget.retries} of {max_retries}: requeue (this job script restarts no workers)")
+    return Decision(action="fail", reason=(
+        f"{failure.why}; not retried: nothing restarts workers here (BATON_WORKER_RESTARTS unset: "
+        "no supervisor) and there is no Slurm job to requeue"))
+
+
+def deterministic(exc: RemoteError, step: int, previous: tuple[object, ...]) -> str | None:
+    """Why a remote error would only repeat on a retry, or None when a retry may help.
+    ``previous``: the signature of the last remote error (``signature``), () if none."""
+    if exc.exc_type in REMOTE_USER_ERRORS:
+        return f"{exc.exc_type} is a user error"
+    if exc.same_on_all_ranks:
+        return "every rank raised the same exception: deterministic"
+    if previous and previous == signature(exc, step):
+        return "the same error came back at the same step after a restart"
+    return None
+
+
+def signature(exc: RemoteError, step: int) -> tuple[object, ...]:
+    """What makes two remote errors the same one: rank, exception type, method, step."""
+    return (exc.rank, exc.exc_type, exc.method, step)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+class Recovery:
+    """Runs the program until it completes, stops for a requeue, or fails for good."""
+
+    def __init__(self, program: Program, *, worker_restarts: bool, on_slurm: bool,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.program = program
+        self.worker_restarts = worker_restarts
+        self.on_slurm = on_slurm
+        self._sleep = sleep
+        self._last_signature: tuple[object, ...] = ()
+
+    @property
+    def state(self) -> dict[str, object]:
+        return self.program.state
+
+    def run(self) -> Outcome:
+        while True:
+            try:
+                stop = self.program.run_all()
+            except UserError as exc:
+                return self._fail(f"{_first_line(exc)} (a user error: not retried)", EXIT_USER_ERROR)
+            except RemoteError as exc:
+                step = int(self.state.get("step", 0))
+                why_final = deterministic(exc, step, self._last_signature)
+                if why_final is not None:
+                    return self._fail(f"{_first_line(exc)}; not retried: {why_final}", EXIT_FAILED)
+                self._last_signature = signature(exc, step)
+                failure = self._failure("remote_error", (exc.rank,), _first_line(exc), step)
+            except WorkerLostError as exc:
+                failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc), int(self.state.get("step", 0)))
+            except CallTimeoutError as exc:
+                failure = self._failure("timeout", tuple(exc.missing), _first_line(exc), int(self.state.get("step", 0)))
+            except RegistrationError as exc:
+                failure = self._failure("registration", (), _first_line(exc), int(self.state.get("step", 0)))
+            else:
+                if stop is None:
+                    return Outcome(status="completed")
+                if stop.cause == "ending":
+                    return Outcome(status="stopped", stop=stop, reason=(
+                        f"Slurm is ending the job ({stop.detail}; scancel or the time limit): checkpointed at "
+                        f"step {self.state.get('step', 0)}, not requeued; continue with `baton submit --resume`"))
+                return Outcome(status="requeue", reason=f"{stop.cause} at step {self.state.get('step', 0)}", stop=stop)
+            outcome = self._recover(failure)
+            if outcome is not None:
+                return outcome
+
+    # --- one failure ----------------------------------------------------------------------
+    def _failure(self, kind: str, ranks: tuple[int, ...], why: str, step: int) -> Failure:
+        peers = self.program.group.peers
+        nodes = tuple(sorted({peers[r].node for r in ranks if r in peers}))
+        return Failure(kind=kind, ranks=ranks, nodes=nodes, why=why, step=step)
+
+    def _recover(self, failure: Failure) -> Outcome | None:
+        group, cfg = self.program.group, self.program.cfg
+        for r in failure.ranks or (-1,):
+            peer = group.peers.get(r)
+            event(self.state, "worker_lost", failure=failure.kind, rank=r if r >= 0 else None,
+                  node=peer.node if peer else None, pid=peer.pid if peer else None,
+                  why=(peer.lost if peer and peer.lost else failure.why), step=failure.step,
+                  epoch=group.epoch, generation=group.generation)
+        log.error("failure at step %d (%s): %s", failure.step, failure.kind, failure.why)
+        if self.program.stop.stop_requested():
+            group.abort("controller: preempted while failing")
+            return Outcome(status="requeue", clean=False,
+                           reason=f"preempted during a failure ({failure.why}); resuming from the latest checkpoint")
+        steps = manifest.committed_steps(self.program.run.checkpoints)
+        budget = Budget.of(self.state).spend(nodes=failure.nodes, step=failure.step,
+                                             committed_step=steps[-1] if steps else None)
+        decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
+                          worker_restarts=self.worker_restarts, on_slurm=self.on_slurm)
+        budget.store(self.state)
+        if decision.action == "fail":
+            return self._fail(decision.reason, EXIT_FAILED)
+        if decision.action == "requeue":
+            group.abort(f"controller: {decision.reason}")
+            replace(budget, exclude=decision.exclude).store(self.state)
+            event(self.state, "requeue_decided", reason=decision.reason, exclude=list(decision.exclude),
+                  retry=budget.retries, max_retries=cfg.recovery.max_retries)
+            return Outcome(status="requeue", reason=decision.reason, exclude=decision.exclude, clean=False)
+        return self._restart(decision, budget)
+
+    def _restart(self, decision: Decision, budget: Budget) -> Outcome | None:
+        """Abort what is left, back off, ask for the next generation; None: go round again."""
+        group = self.program.group
+        group.abort(f"controller: {decision.reason}")
+        self.program.forget_async()
+        generation = group.generation + 1
+        group.reset(generation)
+        event(self.state, "restarting_workers", generation=generation, backoff_s=round(decision.backoff_s, 2),
+              retry=budget.retries, max_retries=self.program.cfg.recovery.max_retries)
+        self.program.save_state()
+        log.warning("%s: generation %d after %.1f s", decision.reason, generation, decision.backoff_s)
+        deadline = time.monotonic() + decision.backoff_s
+        while time.monotonic() < deadline:  # sliced, so that a preemption cuts the backoff short
+            if self.program.stop.stop_requested():
+                return Outcome(status="requeue", clean=False, reason="preempted while restarting the workers")
+            self._sleep(min(0.1, deadline - time.monotonic()))
+        request_workers(self.program.run, WorkerRequest(epoch=group.epoch, generation=generation,
+                                                        exclude=budget.exclude, reason=decision.reason))
+        return None
+
+    def _fail(self, reason: str, code: int) -> Outcome:
+        return Outcome(status="failed", reason=reason, exit_code=code, clean=False)

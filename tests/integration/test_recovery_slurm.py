@@ -1,0 +1,149 @@
+"""Recovery on the real local Slurm cluster: a lost worker restarted inside the allocation,
+and a preemption (a job on ``high`` takes node2 from Baton's workers on ``low``) answered
+by a checkpoint at the step boundary, a requeue and a resume with no lost step.
+
+The toy model's losses do not depend on the backend, so the reference curve is a local,
+uninterrupted run of the same config.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # works under any --import-mode
+    sys.path.insert(0, _HERE)
+
+import slurm_helpers as sh  # noqa: E402
+
+from tests.helpers import REPO, baton  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+STEPS = 2000
+COMMON = ["model.kind=toy", "trainer.n_gpus_per_node=4", f"trainer.steps={STEPS}", "optimizer.lr=0.002",
+          "trainer.log_interval_steps=20", "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1",
+          "timeouts.heartbeat_timeout_s=1.5", "timeouts.controller_lost_s=5"]
+RUN_S = 240.0
+
+
+def _losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(len(records))), "steps missing or repeated in metrics"
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    root = tmp_path_factory.mktemp("reference")
+    res = baton("submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON, "--backend", "local", timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return _losses(next((root / "toy").glob("*")))
+
+
+def _submit(root: Path, jobs: list[int], *args: str, env: dict[str, str] | None = None) -> tuple[int, Path]:
+    cmd = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON,
+           "--backend", "slurm", "slurm.controller.partition=cpu", *args]
+    # The job inherits this environment (sbatch --export=ALL), test knobs included.
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = int(re.search(r"submitted job (\d+)", res.stdout).group(1))  # type: ignore[union-attr]
+    jobs.append(job)
+    return job, Path(re.search(r"^run folder: (.+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
+
+
+def _state(run: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _events(run: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in _state(run).get("history", []) if e["event"] == kind]
+
+
+def _finished(run: Path, job: int) -> dict[str, Any]:
+    return sh.wait_until(lambda: _state(run), lambda s: s.get("status") in ("completed", "failed", "stopped"),
+                         RUN_S, awaited=f"job {job} to finish its run in {run}")
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_killed_on_slurm_is_restarted_inside_the_allocation(
+        slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
+    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=100", "--partition", "gpu")
+    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+    victim = _state(run)["ranks"][2]
+    os.kill(int(victim["pid"]), signal.SIGKILL)  # node2 is this host
+    done = _finished(run, job)
+    assert done["status"] == "completed", done.get("reason")
+    assert done["restarts"] == 0, "recovered by a requeue, not inside the allocation"
+    assert _losses(run) == reference
+    (lost,) = _events(run, "worker_lost")
+    assert (lost["rank"], lost["node"], lost["pid"]) == (2, "node2", victim["pid"])
+    assert [e["generation"] for e in _events(run, "workers_ready")] == [0, 1]
+
+
+@pytest.mark.timeout(480)
+def test_a_preempted_run_checkpoints_requeues_and_resumes_with_no_lost_step(
+        slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
+    # 10 ms more per step: ~20 s of training, so the preemption lands mid-run.
+    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=0", "--partition", "low",
+                       env={"BATON_TOY_STEP_S": "0.01"})
+    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+    high = shared_tmp / "high.sbatch"
+    high.write_text(textwrap.dedent("""\
+        #!/bin/bash
+        #SBATCH --job-name=baton-test-high
+        #SBATCH --partition=high
+        #SBATCH --nodes=1
+        #SBATCH --ntasks=16
+        #SBATCH --gpus-per-node=8
+        #SBATCH --exclusive
+        #SBATCH --time=5
+        #SBATCH --output=/dev/null
+        sleep 1
+        """))
+    slurm_jobs.append(sh.sbatch(high))
+    done = _finished(run, job)
+    assert done["status"] == "completed", done.get("reason")
+    assert done["restarts"] >= 1
+    (pre, *_) = _events(run, "preempted")
+    assert (pre["cause"], pre["signal"]) == ("preemption", "SIGUSR2")
+    assert pre["time_left_s"] is not None and pre["time_left_s"] <= 25  # GraceTime=20 on partition low
+    assert any(e["step"] == pre["step"] for e in _events(run, "checkpoint_committed"))
+    (req, *_) = _events(run, "requeued")
+    assert req["step"] == pre["step"] and req["backend"] == "slurm"
+    resumed = _events(run, "resumed")
+    assert resumed[0]["step"] == pre["step"], "steps were lost between the preemption and the resume"
+    assert _losses(run) == reference
+    assert sh.job_field(job, "Restarts") == str(done["restarts"])
+
+
+
+@pytest.mark.timeout(420)
+def test_a_controller_killed_on_slurm_is_requeued_by_the_batch_script(
+        slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
+    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=100", "--partition", "gpu",
+                       env={"BATON_TOY_STEP_S": "0.005"})
+    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+    controller = json.loads((run / "controller.json").read_text())
+    assert controller["node"] == "node1"
+    os.kill(int(controller["pid"]), signal.SIGKILL)  # node1 is this host
+    done = _finished(run, job)
+    assert done["status"] == "completed", done.get("reason")
+    (died,) = _events(run, "controller_died")
+    assert died["retry"] == 1 and died["epoch"] == 0
+    assert [e["epoch"] for e in _events(run, "controller_started")] == [0, 1]
+    assert _events(run, "resumed")[0]["step"] % 100 == 0
+    assert _losses(run) == reference
+    assert sh.job_field(job, "Restarts") == "1"

@@ -1,0 +1,144 @@
+"""core.preemption: the signal flag, the job record (recorded scontrol output), stop
+decisions and the requeue command sequences (a fake runner: no Slurm needed)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from core import preemption
+from core.preemption import JobClock, PreemptionFlag, StopPolicy
+
+# Recorded on the local cluster (slurm 22.05): a running job, the same job 1 s after a
+# preemption (GraceTime=20), and a job after scancel. Times are the controller's local time.
+RUNNING = ("JobId=16 JobName=low UserId=root(0) JobState=RUNNING Reason=None Requeue=1 Restarts=0 "
+           "TimeLimit=00:10:00 StartTime=2026-12-02T18:34:22 EndTime=2026-12-02T18:44:22 Deadline=N/A "
+           "PreemptEligibleTime=2026-12-02T18:34:22 PreemptTime=None Partition=low")
+PREEMPTED = RUNNING.replace("EndTime=2026-12-02T18:44:22", "EndTime=2026-12-02T18:34:43").replace(
+    "PreemptTime=None", "PreemptTime=2026-12-02T18:34:23")
+CANCELLED = RUNNING.replace("JobState=RUNNING", "JobState=COMPLETING").replace(
+    "EndTime=2026-12-02T18:44:22", "EndTime=2026-12-02T18:40:35")
+HET = RUNNING + "\n" + RUNNING.replace("JobId=16", "JobId=17").replace("EndTime=2026-12-02T18:44:22",
+                                                                      "EndTime=2026-12-02T18:43:22")
+
+
+def _t(text: str) -> float:
+    return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+
+
+class FakeRunner:
+    """Records scontrol invocations; answers from a table of (argv[1], rc, stdout, stderr)."""
+
+    def __init__(self, answers: dict[str, tuple[int, str, str]] | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.answers = answers or {}
+
+    def __call__(self, args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        self.calls.append(list(args))
+        rc, out, err = self.answers.get(args[1], (0, "", ""))
+        return subprocess.CompletedProcess(list(args), rc, out, err)
+
+
+def test_parse_show_job_takes_the_earliest_end_of_all_components() -> None:
+    t = preemption.parse_show_job(HET)
+    assert t.end_time == _t("2026-12-02T18:43:22") and t.preempt_time is None and t.state == "RUNNING,RUNNING"
+    p = preemption.parse_show_job(PREEMPTED)
+    assert p.preempt_time == _t("2026-12-02T18:34:23") and p.end_time == _t("2026-12-02T18:34:43")
+
+
+@pytest.mark.parametrize(("record", "now", "cause"), [
+    (PREEMPTED, "2026-12-02T18:34:24", "preemption"),      # PreemptTime set, EndTime = now + grace
+    (RUNNING, "2026-12-02T18:42:52", "walltime"),          # USR2@90 before the end
+    (RUNNING, "2026-12-02T18:35:00", "signal"),            # a signal with the end far away
+    (CANCELLED, "2026-12-02T18:40:35", "ending"),          # scancel: already COMPLETING
+])
+def test_a_signal_is_told_apart_by_the_job_record(record: str, now: str, cause: str) -> None:
+    assert preemption.classify(preemption.parse_show_job(record), _t(now), lead_s=90) == cause
+
+
+def test_without_a_record_a_signal_counts_as_preemption() -> None:
+    assert preemption.classify(None, 0.0, lead_s=90) == "preemption"
+
+
+def test_job_clock_rereads_the_record_only_now_and_then() -> None:
+    now = [_t("2026-12-02T18:40:00")]
+    runner = FakeRunner({"show": (0, RUNNING, "")})
+    clock = JobClock("16", run=runner, now=lambda: now[0])
+    assert clock.time_left_s() == pytest.approx(262.0)
+    now[0] += 10
+    assert clock.time_left_s() == pytest.approx(252.0)
+    assert len(runner.calls) == 1  # cached
+    now[0] += preemption.CLOCK_REFRESH_S
+    clock.time_left_s()
+    assert len(runner.calls) == 2 and runner.calls[0] == ["scontrol", "show", "job", "-o", "16"]
+
+
+def test_should_save_now_compares_time_left_with_a_step_a_save_and_a_margin() -> None:
+    assert not preemption.should_save_now(None, step_s=1, save_s=1)
+    assert not preemption.should_save_now(100, step_s=10, save_s=20, margin_s=30)
+    assert preemption.should_save_now(59, step_s=10, save_s=20, margin_s=30)
+    assert preemption.should_save_now(99, step_s=10, save_s=None, margin_s=30)  # before a first save: 60 s assumed
+
+
+def test_stop_policy_stops_proactively_before_the_walltime() -> None:
+    now = [_t("2026-12-02T18:43:00")]  # 82 s left
+    clock = JobClock("16", run=FakeRunner({"show": (0, RUNNING, "")}), now=lambda: now[0])
+    assert StopPolicy(PreemptionFlag(), clock).check(step_s=1.0, save_s=2.0) is None
+    now[0] = _t("2026-12-02T18:43:50")  # 32 s left < 1 + 2 + 30
+    policy = StopPolicy(PreemptionFlag(), clock)
+    stop = policy.check(step_s=1.0, save_s=2.0)
+    assert stop is not None and stop.cause == "time_running_out" and stop.signal == ""
+
+
+def test_stop_policy_reports_the_signal_and_its_cause() -> None:
+    flag = PreemptionFlag()
+    now = [_t("2026-12-02T18:34:24")]
+    policy = StopPolicy(flag, JobClock("16", run=FakeRunner({"show": (0, PREEMPTED, "")}), now=lambda: now[0]))
+    flag.set_for_test(signal.SIGUSR2)
+    stop = policy.check(step_s=0.1, save_s=0.1)
+    assert stop is not None and (stop.cause, stop.signal) == ("preemption", "SIGUSR2")
+    assert stop.time_left_s == pytest.approx(19.0)
+    assert StopPolicy(flag, None).check(step_s=0, save_s=0).cause == "signal"  # type: ignore[union-attr]
+
+
+def test_the_flag_records_real_signals_and_the_process_survives_them() -> None:
+    old = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+    try:
+        flag = PreemptionFlag.install()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.is_set and flag.signal_name == "SIGUSR2" and flag.count == 2
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def test_requeue_is_one_scontrol_call_without_exclusions() -> None:
+    runner = FakeRunner()
+    assert preemption.requeue("16", run=runner).ok
+    assert runner.calls == [["scontrol", "requeue", "16"]]
+
+
+def test_requeue_with_exclusions_holds_updates_the_workers_component_and_releases() -> None:
+    runner = FakeRunner()
+    result = preemption.requeue("16", exclude=["node2", "node3"], component_id="17", run=runner)
+    assert result.ok and "excluding node2,node3" in result.detail
+    assert runner.calls == [["scontrol", "requeuehold", "16"],
+                            ["scontrol", "update", "JobId=17", "ExcNodeList=node2,node3"],
+                            ["scontrol", "release", "16"]]
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # restored
+
+
+def test_a_job_slurm_is_already_requeueing_counts_as_requeued() -> None:
+    runner = FakeRunner({"requeue": (1, "", "Job is pending execution for job 16")})
+    assert preemption.requeue("16", run=runner).ok
+
+
+def test_a_refused_requeue_says_why() -> None:
+    runner = FakeRunner({"requeue": (1, "", "Requested operation is presently disabled")})
+    result = preemption.requeue("16", run=runner)
+    assert not result.ok and "presently disabled" in result.detail

@@ -1,0 +1,115 @@
+"""core.recovery.decide / deterministic and core.supervise's budget and contract: pure functions."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.errors import RemoteError
+from core.recovery import Failure, decide, deterministic, signature
+from core.runfolder import RunFolder
+from core.supervise import Budget, WorkerRequest, after_controller, read_request, request_workers
+
+
+def _failure(node: str = "n1", step: int = 10) -> Failure:
+    return Failure(kind="worker_lost", ranks=(2,), nodes=(node,), why=f"rank 2 on {node}: process exited", step=step)
+
+
+def _decide(budget: Budget, **kw: object):
+    args = {"max_retries": 3, "backoff_s": 5.0, "worker_restarts": True, "on_slurm": False, **kw}
+    return decide(_failure(), budget, **args)  # type: ignore[arg-type]
+
+
+def test_a_failure_with_retries_left_restarts_the_workers_with_doubling_backoff() -> None:
+    b = Budget().spend(nodes=("n1",), step=10, committed_step=None)
+    d = _decide(b)
+    assert (d.action, d.backoff_s) == ("restart", 5.0)
+    b = b.spend(nodes=("n2",), step=10, committed_step=None).spend(nodes=("n3",), step=10, committed_step=None)
+    assert _decide(b).backoff_s == 20.0
+
+
+def test_retries_spent_fail_naming_the_failure_and_the_nodes() -> None:
+    b = Budget()
+    for _ in range(4):
+        b = b.spend(nodes=("n1",), step=10, committed_step=None)
+    d = _decide(b)
+    assert d.action == "fail" and "gave up after 3 retries" in d.reason
+    assert "rank 2 on n1" in d.reason and "failures by node: n1: 4" in d.reason
+
+
+def test_a_node_that_failed_twice_is_excluded_by_a_requeue_on_slurm() -> None:
+    b = Budget().spend(nodes=("n1",), step=10, committed_step=None).spend(nodes=("n1",), step=12, committed_step=None)
+    d = _decide(b, on_slurm=True)
+    assert d.action == "requeue" and d.exclude == ("n1",)
+    assert _decide(b, on_slurm=False).action == "restart"  # nothing to exclude locally
+
+
+def test_without_worker_restarts_slurm_requeues_and_elsewhere_the_run_fails_saying_why() -> None:
+    b = Budget().spend(nodes=("n1",), step=10, committed_step=None)
+    assert _decide(b, worker_restarts=False, on_slurm=True).action == "requeue"
+    d = _decide(b, worker_restarts=False, on_slurm=False)
+    assert d.action == "fail" and "no supervisor" in d.reason and "rank 2 on n1" in d.reason
+
+
+def test_the_budget_is_forgiven_once_a_newer_checkpoint_commits() -> None:
+    b = Budget().spend(nodes=("n1",), step=57, committed_step=50)
+    b = b.spend(nodes=("n1",), step=58, committed_step=50)
+    assert b.retries == 2 and b.node_failures == {"n1": 2}
+    b = b.spend(nodes=("n1",), step=90, committed_step=60)  # progress since the failure at 58
+    assert b.retries == 1 and b.node_failures == {"n1": 1}
+
+
+def test_the_budget_round_trips_through_state() -> None:
+    b = Budget(retries=2, node_failures={"n1": 2}, exclude=("n1",), last_failure_step=7)
+    state: dict[str, object] = {}
+    b.store(state)
+    assert Budget.of(state) == b and Budget.of({}) == Budget()
+
+
+def _remote(rank: int = 1, exc_type: str = "RuntimeError", same: bool = False) -> RemoteError:
+    return RemoteError("boom", rank=rank, exc_type=exc_type, remote_traceback="", method="train_step",
+                       same_on_all_ranks=same)
+
+
+@pytest.mark.parametrize(("exc", "previous", "final"), [
+    (_remote(same=True), (), True),                                      # every rank: a bug
+    (_remote(exc_type="ConfigError"), (), True),                         # a user error
+    (_remote(), (), False),                                              # one rank: maybe its node
+    (_remote(), (1, "RuntimeError", "train_step", 10), True),            # the same again at step 10
+    (_remote(), (1, "RuntimeError", "train_step", 9), False),            # another step
+])
+def test_deterministic_remote_errors_are_not_retried(exc: RemoteError, previous: tuple, final: bool) -> None:
+    assert (deterministic(exc, 10, previous) is not None) is final
+    assert signature(exc, 10) == (exc.rank, exc.exc_type, "train_step", 10)
+
+
+def _run(tmp_path: Path, status: str) -> RunFolder:
+    run = RunFolder(tmp_path)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    run.write_state({"status": status, "step": 40, "epoch": 0, "history": []})
+    return run
+
+
+def test_a_controller_that_died_is_requeued_within_the_budget_then_failed(tmp_path: Path) -> None:
+    run = _run(tmp_path, "running")
+    assert after_controller(run, -9, max_retries=1, committed_step=None) == "requeue"
+    state = run.read_state()
+    assert state["status"] == "requeued" and state["recovery"]["retries"] == 1
+    assert [e["event"] for e in state["history"]] == ["controller_died", "requeued"]
+    run.write_state({**state, "status": "running"})
+    assert after_controller(run, -9, max_retries=1, committed_step=None) == "stop"
+    state = run.read_state()
+    assert state["status"] == "failed" and "the controller died (signal 9)" in state["reason"]
+
+
+@pytest.mark.parametrize(("status", "decision"), [("requeued", "requeue"), ("completed", "stop"),
+                                                  ("failed", "stop"), ("stopped", "stop")])
+def test_a_controller_that_had_its_last_word_is_followed(tmp_path: Path, status: str, decision: str) -> None:
+    assert after_controller(_run(tmp_path, status), 0, max_retries=3, committed_step=None) == decision
+
+
+def test_worker_requests_round_trip(tmp_path: Path) -> None:
+    run = RunFolder(tmp_path)
+    assert read_request(run) is None
+    request_workers(run, WorkerRequest(epoch=2, generation=3, exclude=("n1",), reason="retry 1", time=5.0))
+    assert read_request(run) == WorkerRequest(epoch=2, generation=3, exclude=("n1",), reason="retry 1", time=5.0)
