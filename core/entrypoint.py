@@ -55,6 +55,13 @@ def run_controller(env: JobEnv) -> int:
     logsetup.configure("controller", run.controller_log)
     signals = preemption.PreemptionFlag.install()  # before anything slow: a signal now is not lost
     cfg = config_mod.load(run.config)
+    metrics = None
+    if cfg.metrics.enabled:  # first: a port in use fails before the run is marked running
+        from core.metrics import Metrics
+
+        metrics = Metrics()
+        metrics.start(run, cfg.metrics.port, host=env.controller_host)
+        metrics.set_restarts(env.epoch)
     state = run.read_state()
     state.update(status="running", epoch=env.epoch, restarts=env.epoch, total_steps=cfg.trainer.steps)
     state.pop("reason", None)
@@ -66,7 +73,7 @@ def run_controller(env: JobEnv) -> int:
     group = WorkerGroup(sock, world_size=cfg.trainer.world_size, epoch=env.epoch, dims=cfg.dims,
                         timeouts=cfg.timeouts, run=run, signals=signals)
     stop = preemption.StopPolicy(signals, preemption.clock_for(os.environ))
-    program = Program(cfg=cfg, run=run, group=group, state=state, stop=stop)
+    program = Program(cfg=cfg, run=run, group=group, state=state, stop=stop, metrics=metrics)
     recovery = Recovery(program, worker_restarts=env.worker_restarts, on_slurm=env.job_id is not None)
     try:
         outcome = recovery.run()
@@ -88,6 +95,8 @@ def run_controller(env: JobEnv) -> int:
         return _failed(state, group, str(exc).splitlines()[0], EXIT_FAILED)
     finally:
         run.write_state(state)
+        if metrics is not None:
+            metrics.close()
         group.close()
         time.sleep(0.05)  # let the last broadcast leave the socket before it closes (linger is 0)
         sock.close()

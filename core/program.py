@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core import config as config_mod
 from core.checkpoint import manifest
@@ -28,6 +28,9 @@ from core.controller import WorkerGroup
 from core.dispatch import collect_all
 from core.preemption import StopPolicy, StopRequest
 from core.runfolder import RunFolder, event, write_atomic
+
+if TYPE_CHECKING:
+    from core.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,11 @@ class Program:
     group: WorkerGroup
     state: dict[str, Any]
     stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
+    metrics: Metrics | None = None  # the Prometheus endpoint (core.metrics); None when metrics.enabled is false
     _pending: tuple[int, Path, float] | None = field(default=None, init=False)
+    _started: float = field(default_factory=time.monotonic, init=False)
+    _useful_s: float = field(default=0.0, init=False)
+    _alloc_base: float | None = field(default=None, init=False)
     _step_s: float = field(default=0.0, init=False)  # a moving average of the step's wall time
     _save_s: float | None = field(default=None, init=False)  # how long the last save took to commit
 
@@ -69,10 +76,13 @@ class Program:
         group = self.group
         group.wait_for_workers()
         addr, port = group.rendezvous
+        t0 = time.perf_counter()
         infos = group.call(
             "setup", config=config_mod.to_dict(self.cfg), master_addr=addr, master_port=port,
             timeout_s=self.cfg.timeouts.setup_s,
         )
+        if self.metrics is not None:
+            self.metrics.observe_dispatch("setup", time.perf_counter() - t0)
         self.state["ranks"] = [
             {"rank": p.rank, "node": p.node, "host": p.host, "pid": p.pid, **(infos[p.rank] or {})}
             for p in sorted(group.peers.values(), key=lambda p: p.rank)
@@ -123,6 +133,7 @@ class Program:
             self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
             record = self._record(step, results, owners, wall)
             self.run.append_metrics(record)
+            self._observe(record, wall)
             self.state.update(step=step + 1, last_loss=record["loss"], updated=time.time())
             if self._pending is not None:
                 self._poll_async()
@@ -202,6 +213,8 @@ class Program:
         event(self.state, "checkpoint_committed", step=step, folder=final.name, seconds=round(seconds, 3),
               bytes=nbytes)
         log.info("checkpoint of step %d committed in %.2f s (%.1f MB)", step, seconds, nbytes / 1e6)
+        if self.metrics is not None:
+            self.metrics.observe_checkpoint(seconds, nbytes)
         self.save_state()
 
     # --- metrics ------------------------------------------------------------------------
@@ -212,6 +225,24 @@ class Program:
         keep = [line for line in self.run.metrics.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) < step]
         write_atomic(self.run.metrics, "".join(line + "\n" for line in keep))
+        # Goodput counts the steps that survive: work redone after a requeue was not useful.
+        self._useful_s = sum(float(json.loads(line).get("step_time_s", 0.0)) for line in keep)
+
+    def _observe(self, record: dict[str, Any], wall: float) -> None:
+        """Feed the Prometheus endpoint. Allocated time carries across requeues in state.json."""
+        goodput = self.state.setdefault("goodput", {"allocated_s": 0.0})
+        if self._alloc_base is None:  # what earlier epochs (before a requeue) were allocated
+            self._alloc_base = float(goodput.get("allocated_s", 0.0))
+        self._useful_s += wall
+        goodput.update(useful_s=self._useful_s, allocated_s=self._alloc_base + time.monotonic() - self._started)
+        if self.metrics is None:
+            return
+        self.metrics.observe_step(record)
+        self.metrics.observe_dispatch("train_step", wall)
+        self.metrics.observe_goodput(goodput["useful_s"], goodput["allocated_s"])
+        now = time.monotonic()
+        for peer in self.group.peers.values():
+            self.metrics.observe_heartbeat_lag(peer.rank, now - peer.last_seen)
 
     def _record(self, step: int, results: list[Any], owners: list[int], wall: float) -> dict[str, Any]:
         losses = [results[r]["loss"] for r in owners]
@@ -226,7 +257,8 @@ class Program:
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "step_time_s": wall,
             "rank_step_time_s": [float(r.get("step_time_s", 0.0)) for r in results],
-            "rss_mb": [float(r.get("rss_mb", 0.0)) for r in results],
+            # A task that does not measure its memory gets the worker's last heartbeat figure.
+            "rss_mb": [float(r.get("rss_mb") or self.group.peers[i].rss_mb) for i, r in enumerate(results)],
             "time": time.time(),
         }
         for key in ("data_wait_s", "cuda_peak_mb", "grad_sync_s"):
