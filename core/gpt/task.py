@@ -98,6 +98,8 @@ class GPTTask:
         if tconfig.fp16:
             tconfig.grad_scale_func = optimizer.scale_loss
         coords = dims.coords(self.ctx.rank)
+        if cfg.training.micro_batch_size == "auto":
+            cfg = _with_auto_micro_batch(cfg, on_cuda=on_cuda)
         source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.cfg = cfg
@@ -201,3 +203,28 @@ def assemble(items: list[tuple[TensorSlice, np.ndarray]]) -> dict[str, np.ndarra
         full = out.setdefault(s.name, np.zeros(s.global_shape, dtype=data.dtype))
         full[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = data.reshape(s.shape)
     return out
+
+
+def _with_auto_micro_batch(cfg: Any, *, on_cuda: bool) -> Any:
+    """``micro_batch_size: auto``: max(1, floor(free memory × 0.9 / memory per sample)),
+    from this rank's free memory less the static state ``core.plan`` estimates; the
+    smallest answer over all ranks wins, so every stage runs the same schedule."""
+    import dataclasses
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from core.plan import resolve_micro_batch, static_bytes
+
+    if on_cuda:
+        free = float(torch.cuda.mem_get_info()[0])
+    else:  # the workers of a node share its memory
+        free = psutil.virtual_memory().available / cfg.trainer.n_gpus_per_node
+    micro = resolve_micro_batch(cfg, free - static_bytes(cfg))
+    if dist.is_initialized():
+        t = torch.tensor([micro], dtype=torch.int64, device="cuda" if on_cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        micro = int(t.item())
+    logging.getLogger(__name__).info("micro_batch_size auto: %d", micro)
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch_size=micro))

@@ -192,3 +192,14 @@ def test_schedule_data_and_task_modules_load_without_torch() -> None:
             "print(sorted({'torch', 'megatron'} & {m.split('.')[0] for m in sys.modules}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_auto_micro_batch_is_the_memory_formula_reduced_to_a_divisor() -> None:
+    from core import config
+    from core.plan import memory_per_sample, resolve_micro_batch
+
+    cfg = config.from_data({"trainer": {"n_gpus_per_node": 2}, "training": {"micro_batch_size": "auto"}})
+    per_sample = memory_per_sample(cfg)
+    assert resolve_micro_batch(cfg, per_sample * 3 / 0.9 + 1) == 2  # floor(3) → largest divisor of 8 ≤ 3
+    assert resolve_micro_batch(cfg, per_sample * 100) == 8
+    assert resolve_micro_batch(cfg, 0) == 1
