@@ -59,7 +59,8 @@ def wait_for_controller(run: RunFolder, epoch: int, timeout_s: float) -> dict[st
     )
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (Linux; 0 where /proc is missing)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -101,7 +102,7 @@ class _HeartbeatThread(threading.Thread):
             now = time.monotonic()
             if now >= next_beat:
                 seq += 1
-                hb = protocol.Heartbeat(seq=seq, busy=self.busy, rss_mb=_rss_mb(),
+                hb = protocol.Heartbeat(seq=seq, busy=self.busy, rss_mb=rss_mb(),
                                         signal=self.signals.signal_name if self.signals is not None else "")
                 WorkerSocket.send(self.sock.sock, protocol.encode(hb, epoch=self.epoch))
                 next_beat = now + self.interval_s

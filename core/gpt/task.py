@@ -9,7 +9,6 @@ them into the checkpoint calls.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,17 +19,9 @@ from core import config as config_mod
 from core.checkpoint.spec import TensorSlice
 from core.config import RunConfig
 from core.task import WorkerContext
+from core.worker import rss_mb
 
 log = logging.getLogger(__name__)
-
-
-def rss_mb() -> float:
-    """Resident memory of this process in MiB (Linux; 0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
 
 
 class GPTTask:
