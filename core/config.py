@@ -324,16 +324,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"override {dotted}: unknown key{hint}")
-        node = out
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {dotted}: {part!r} is not a section")
-            node = child
-        node[parts[-1]] = value
+        set_dotted(out, parts, value, where=f"override {dotted}")
     return out
+
+
+def set_dotted(data: dict[str, Any], parts: list[str], value: Any, *, where: str) -> None:
+    """Set ``data[a][b]...[z] = value``, creating sections; ``where`` names it in errors."""
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{where}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core import config as config_mod
-from core.config import RunConfig
+from core.config import RunConfig, set_dotted
 from core.errors import ConfigError
 from core.schema import build, field_paths, to_data
 
@@ -299,16 +299,7 @@ def make_point(index: int, params: dict[str, Any], base: dict[str, Any]) -> Poin
 
 
 def _set(data: dict[str, Any], key: str, value: Any) -> None:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{key}: {part!r} is not a section in the base config")
-        node = child
-    node[parts[-1]] = copy.deepcopy(value)
+    set_dotted(data, key.split("."), copy.deepcopy(value), where=f"{key} (in the base config)")
 
 
 def _get(data: dict[str, Any], key: str) -> Any:

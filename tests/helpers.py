@@ -81,3 +81,18 @@ def baton(*args: str, cwd: Path | None = None, timeout: float = 600) -> subproce
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=timeout)
+
+
+def scrape(address: str) -> dict[str, list[Any]]:
+    """{sample name: [samples]} of one Prometheus scrape, parsed by prometheus_client itself."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(address, timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out

@@ -3,15 +3,13 @@ Prometheus endpoint answers and carries the run's numbers."""
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import LocalRun, make_run, wait_for
+from tests.helpers import LocalRun, make_run, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3", "timeouts.controller_lost_s=5"]
@@ -38,41 +36,32 @@ def _published(r: LocalRun) -> str | None:
         return None
 
 
-def _scrape(address: str) -> dict[str, list[Any]]:
-    with urllib.request.urlopen(address, timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[Any]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
 
-
-def _value(scrape: dict[str, list[Any]], name: str) -> float:
-    return float(scrape[name][0].value) if name in scrape else 0.0
+def _value(samples: dict[str, list[Any]], name: str) -> float:
+    return float(samples[name][0].value) if name in samples else 0.0
 
 
 def test_endpoint_serves_the_live_run(toy) -> None:
     r = toy("trainer.steps=1000000")
     address = wait_for(lambda: _published(r), 30, f"{r.run.path}/metrics.json (is core.metrics wired into the controller?)")
     assert address.startswith("http://127.0.0.1:")
-    scrape = wait_for(lambda: (s := _scrape(address)) and _value(s, "baton_step") >= 10 and s, 60,
+    first = wait_for(lambda: (s := scrape(address)) and _value(s, "baton_step") >= 10 and s, 60,
                       "baton_step >= 10 on the endpoint")
     world = r.cfg.trainer.world_size
     ranks = {str(i) for i in range(world)}
-    assert {s.labels["rank"] for s in scrape["baton_rank_step_time_seconds"]} == ranks
-    assert {s.labels["rank"] for s in scrape["baton_straggler_score"]} == ranks
-    assert {s.labels["rank"] for s in scrape["baton_heartbeat_lag_seconds"]} == ranks
-    assert all(s.value > 0 for s in scrape["baton_rank_rss_bytes"])
-    step = _value(scrape, "baton_step")
+    assert {s.labels["rank"] for s in first["baton_rank_step_time_seconds"]} == ranks
+    assert {s.labels["rank"] for s in first["baton_straggler_score"]} == ranks
+    assert {s.labels["rank"] for s in first["baton_heartbeat_lag_seconds"]} == ranks
+    assert all(s.value > 0 for s in first["baton_rank_rss_bytes"])
+    step = _value(first, "baton_step")
     # The histogram saw every step this controller ran; the scrape raced at most a few more.
-    assert _value(scrape, "baton_step_time_seconds_count") >= step - 1
-    train_calls = {s.labels["method"]: s.value for s in scrape["baton_dispatch_latency_seconds_count"]}
+    assert _value(first, "baton_step_time_seconds_count") >= step - 1
+    train_calls = {s.labels["method"]: s.value for s in first["baton_dispatch_latency_seconds_count"]}
     assert train_calls.get("train_step", 0) >= step - 1 and train_calls.get("setup") == 1
-    assert 0 < _value(scrape, "baton_goodput_ratio") <= 1
+    assert 0 < _value(first, "baton_goodput_ratio") <= 1
     # The loss on the endpoint is one of the losses the run recorded.
     losses = [json.loads(line)["loss"] for line in r.run.metrics.read_text().splitlines() if line.strip()]
-    later = _scrape(address)
+    later = scrape(address)
     assert _value(later, "baton_loss") in losses or _value(later, "baton_step") > len(losses)
     assert losses[-1] < losses[0]  # the toy learns
 

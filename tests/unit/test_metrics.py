@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from core.errors import UserError
 from core.metrics import Metrics
@@ -17,6 +15,8 @@ from core.runfolder import RunFolder
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "grafana" / "baton-dashboard.json"
+
+from tests.helpers import scrape
 
 
 def _record(step: int, **extra: Any) -> dict[str, Any]:
@@ -36,16 +36,6 @@ def served(tmp_path: Path) -> Iterator[tuple[Metrics, RunFolder, str]]:
     m.close()
 
 
-def _scrape(address: str) -> dict[str, list[Any]]:
-    """{sample name: [samples]} of one scrape."""
-    with urllib.request.urlopen(address, timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[Any]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
 
 def _by_rank(samples: list[Any]) -> dict[str, float]:
     return {s.labels["rank"]: s.value for s in samples}
@@ -56,14 +46,14 @@ def test_start_on_port_zero_publishes_a_reachable_address(served) -> None:
     published = json.loads((run.path / "metrics.json").read_text())
     assert published["address"] == address
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", address) and published["port"] > 0
-    assert _scrape(address) is not None  # reachable before any step
+    assert scrape(address) is not None  # reachable before any step
 
 
 def test_step_record_becomes_gauges_with_the_values_fed(served) -> None:
     m, _, address = served
     for step in range(3):
         m.observe_step(_record(step, cuda_peak_mb=[1000.0, 1000.0, 2000.0, 1000.0], data_wait_s=[0.01, 0.02, 0.0, 0.05]))
-    got = _scrape(address)
+    got = scrape(address)
     assert got["baton_step"][0].value == 3
     assert got["baton_loss"][0].value == pytest.approx(1.8)
     assert got["baton_learning_rate"][0].value == pytest.approx(1e-3)
@@ -81,7 +71,7 @@ def test_step_time_histogram_counts_every_step_into_its_bucket(served) -> None:
     m, _, address = served
     for step, wall in enumerate([0.003, 0.2, 0.2, 7.0]):
         m.observe_step(_record(step) | {"step_time_s": wall})
-    got = _scrape(address)
+    got = scrape(address)
     assert got["baton_step_time_seconds_count"][0].value == 4
     assert got["baton_step_time_seconds_sum"][0].value == pytest.approx(7.403)
     buckets = {s.labels["le"]: s.value for s in got["baton_step_time_seconds_bucket"]}
@@ -91,7 +81,7 @@ def test_step_time_histogram_counts_every_step_into_its_bucket(served) -> None:
 def test_optional_fields_absent_leave_their_series_empty(served) -> None:
     m, _, address = served
     m.observe_step({"step": 0, "loss": 1.0, "grad_norm": None, "rank_step_time_s": [0.0, 0.0], "rss_mb": [0.0, 0.0]})
-    got = _scrape(address)
+    got = scrape(address)
     assert "baton_rank_cuda_peak_bytes" not in got and "baton_rank_data_wait_seconds" not in got
     assert "baton_rank_rss_bytes" not in got  # 0 MiB means "not measured"
     assert _by_rank(got["baton_straggler_score"]) == {"0": 1.0, "1": 1.0}  # no timing: nobody straggles
@@ -108,7 +98,7 @@ def test_heartbeat_dispatch_checkpoint_restarts_and_goodput(served) -> None:
     m.observe_checkpoint(2.0, 4_000_000_000)
     m.set_restarts(2)
     m.observe_goodput(90.0, 120.0)
-    got = _scrape(address)
+    got = scrape(address)
     assert _by_rank(got["baton_heartbeat_lag_seconds"]) == pytest.approx({"0": 0.05, "1": 2.5})
     counts = {s.labels["method"]: s.value for s in got["baton_dispatch_latency_seconds_count"]}
     assert counts == {"train_step": 3, "setup": 1}
@@ -128,8 +118,8 @@ def test_two_instances_in_one_process_do_not_collide(tmp_path: Path) -> None:
         addr_b = b.start(RunFolder(tmp_path / "b"), 0, host="127.0.0.1", bind="127.0.0.1")
         a.observe_step(_record(0))
         assert addr_a != addr_b
-        assert _scrape(addr_a)["baton_loss"][0].value == 2.0
-        assert _scrape(addr_b)["baton_loss"][0].value == 0.0
+        assert scrape(addr_a)["baton_loss"][0].value == 2.0
+        assert scrape(addr_b)["baton_loss"][0].value == 0.0
     finally:
         a.close()
         b.close()
@@ -164,7 +154,7 @@ def test_every_metric_the_dashboard_queries_is_exposed(served) -> None:
     m.observe_goodput(1.0, 2.0)
     names = _dashboard_names()
     assert len(names) >= 15, names  # the parse found the queries
-    missing = sorted(names - set(_scrape(address)))
+    missing = sorted(names - set(scrape(address)))
     assert missing == [], f"dashboard queries metrics the endpoint does not expose: {missing}"
 
 
