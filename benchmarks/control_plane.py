@@ -1,10 +1,17 @@
 """Control-plane latency: one dispatch-and-collect round trip of a no-op call.
 
 Baton (CURVE-authenticated ROUTER/DEALER, msgpack protocol, WorkerGroup.call) beside raw
-pyzmq ROUTER/DEALER (no auth, bytes in, bytes out) doing the same exchange in the same run.
-N = 1, 8, 64 are real worker processes (Baton: the real worker runtime with the toy task);
-N = 256 and 1024 are sockets hosted by a few processes. Also: controller CPU time per
-heartbeat while N workers heartbeat at 4 Hz (process CPU, zmq's I/O and CURVE threads included).
+pyzmq ROUTER/DEALER (no auth, bytes in, bytes out) doing the same exchange in the same run,
+with the same number of processes. N = 1, 8, 64 are real worker processes (Baton: the real
+worker runtime with the toy task; raw: one DEALER process each); N = 256 and 1024 are
+sockets hosted by 4 processes (one zmq context each) on both sides. For reference, raw
+pyzmq with CURVE alone is measured too (what authentication costs before any Baton code).
+
+Controller CPU per heartbeat, while N workers heartbeat at 4 Hz and no call runs: process
+CPU (zmq's I/O and CURVE threads included) with heartbeats flowing, minus the same with
+every worker stopped (SIGSTOP) for as long, divided by the heartbeats handled: what each
+heartbeat costs, without the fixed timers of an idle controller. The plain quotient
+(idle CPU / heartbeats, timers included) is printed beside it.
 
     python benchmarks/control_plane.py [--quick] [--json PATH]
 """
@@ -15,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import signal
 import statistics
 import sys
 import tempfile
@@ -28,7 +36,7 @@ import zmq  # noqa: E402
 from core import config as config_mod  # noqa: E402
 from core import protocol  # noqa: E402
 from core.controller import WorkerGroup, publish_address  # noqa: E402
-from core.transport import ControllerSocket, WorkerSocket  # noqa: E402
+from core.transport import ControllerSocket, WorkerSocket, generate_keys  # noqa: E402
 from launcher import local, runprep  # noqa: E402
 
 HB_INTERVAL = 0.25
@@ -40,13 +48,27 @@ def pct(xs: list[float], q: float) -> float:
 
 
 # --- raw pyzmq --------------------------------------------------------------------------
-def raw_host(address: str, n: int) -> None:
+def _curve(sock: zmq.Socket, keys: str | None, *, server: bool) -> None:
+    if keys is None:
+        return
+    import zmq.auth
+
+    pub, sec = zmq.auth.load_certificate(os.path.join(keys, "controller.key_secret"))
+    if server:
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = sec, pub, True
+    else:
+        wpub, wsec = zmq.auth.load_certificate(os.path.join(keys, "worker.key_secret"))
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = pub, wpub, wsec
+
+
+def raw_host(address: str, n: int, keys: str | None) -> None:
     ctx = zmq.Context()
     socks = []
     poller = zmq.Poller()
     for _ in range(n):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        _curve(s, keys, server=False)
         s.connect(address)
         s.send(b"hello")
         poller.register(s, zmq.POLLIN)
@@ -59,18 +81,25 @@ def raw_host(address: str, n: int) -> None:
             s.send(b"ok")
 
 
-def bench_raw(n: int, hosts: int, reps: int) -> list[float]:
+def bench_raw(n: int, procs: int, reps: int, *, curve: bool = False) -> list[float]:
+    """Raw ROUTER/DEALER round trips; ``curve``: with CURVE encryption (no ZAP check)."""
+    keys = None
+    if curve:
+        keys = tempfile.mkdtemp(prefix="baton-bench-keys-")
+        generate_keys(Path(keys))
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    _curve(router, keys, server=True)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    per = [n // hosts + (1 if i < n % hosts else 0) for i in range(hosts)]
-    procs = [mp.Process(target=raw_host, args=(f"tcp://127.0.0.1:{port}", k), daemon=True) for k in per if k]
-    for p in procs:
+    per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    children = [mp.Process(target=raw_host, args=(f"tcp://127.0.0.1:{port}", k, keys), daemon=True)
+                for k in per if k]
+    for p in children:
         p.start()
     ids = [router.recv_multipart()[0] for _ in range(n)]
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 5):
         t0 = time.perf_counter()
         for i in ids:
             router.send_multipart([i, b"call"])
@@ -79,19 +108,21 @@ def bench_raw(n: int, hosts: int, reps: int) -> list[float]:
         times.append(time.perf_counter() - t0)
     for i in ids:
         router.send_multipart([i, b"quit"])
-    for p in procs:
+    for p in children:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
     ctx.destroy(linger=0)
-    return times
+    return times[5:]
 
 
 # --- Baton ------------------------------------------------------------------------------
 def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
     """Many Baton workers in one process: register, answer calls, heartbeat."""
     keys = Path(run_dir) / "keys"
-    hosts = [WorkerSocket(address, keys, identity=f"h{first_rank + i}".encode()) for i in range(n)]
+    first = WorkerSocket(address, keys, identity=f"h{first_rank}".encode())
+    hosts = [first] + [WorkerSocket(address, keys, identity=f"h{first_rank + i}".encode(), share_context_with=first)
+                       for i in range(1, n)]
     poller = zmq.Poller()
     by_sock = {}
     for i, h in enumerate(hosts):
@@ -116,11 +147,17 @@ def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
                 return
 
 
-def bench_baton(n: int, hosts: int, reps: int, idle_s: float) -> tuple[list[float], float]:
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def bench_baton(n: int, hosts: int, reps: int, idle_s: float) -> tuple[list[float], float, float]:
     tmp = tempfile.mkdtemp(prefix="baton-bench-")
     cfg = config_mod.from_data({
         "name": "bench", "runs_root": tmp, "model": {"kind": "toy"}, "trainer": {"n_gpus_per_node": n},
-        "timeouts": {"heartbeat_interval_s": HB_INTERVAL, "heartbeat_timeout_s": 10.0, "register_s": 300},
+        "timeouts": {"heartbeat_interval_s": HB_INTERVAL, "heartbeat_timeout_s": 10.0, "register_s": 300,
+                     "controller_lost_s": 60.0},
     })
     run = runprep.prepare_run(cfg, backend="local")
     sock = ControllerSocket(run.keys, bind_host="127.0.0.1")
@@ -142,52 +179,75 @@ def bench_baton(n: int, hosts: int, reps: int, idle_s: float) -> tuple[list[floa
         t0 = time.perf_counter()
         group.call("noop")
         times.append(time.perf_counter() - t0)
-    # Controller CPU per heartbeat, while idle: the pump answers and records them.
-    r0, h0 = resource.getrusage(resource.RUSAGE_SELF), group.heartbeats_handled
+    # Controller CPU per heartbeat, while idle: the pump receives and records them.
+    c0, h0 = _cpu(), group.heartbeats_handled
     time.sleep(idle_s)  # measuring a rate over a fixed interval
-    r1, h1 = resource.getrusage(resource.RUSAGE_SELF), group.heartbeats_handled
-    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
-    per_hb = cpu / max(1, h1 - h0)
+    c1, h1 = _cpu(), group.heartbeats_handled
+    for p in procs:
+        os.kill(p.pid, signal.SIGSTOP)
+    time.sleep(0.3)  # let what was in flight drain before the baseline window
+    c2, h2 = _cpu(), group.heartbeats_handled
+    time.sleep(idle_s)  # the same interval with every worker stopped: no heartbeats arrive
+    c3, h3 = _cpu(), group.heartbeats_handled
+    for p in procs:
+        os.kill(p.pid, signal.SIGCONT)
+    beats = max(1, (h1 - h0) - (h3 - h2))
+    plain = (c1 - c0) / max(1, h1 - h0)
+    marginal = ((c1 - c0) - (c3 - c2)) / beats
     group.shutdown("benchmark done")
     for p in procs:
         (p.wait if hasattr(p, "wait") else p.join)(timeout=30)
     group.close()
     sock.close()
-    return times, per_hb
+    return times, marginal, plain
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 1, 8, 256 with fewer repetitions")
     ap.add_argument("--json", type=Path, help="write the numbers here")
+    ap.add_argument("--trials", type=int, default=3, help="interleaved trials per N (the table shows medians)")
     args = ap.parse_args()
-    cases = [(1, 0, 1), (8, 0, 4), (64, 0, 4), (256, 4, 4), (1024, 4, 4)]
+    cases = [(1, 0), (8, 0), (64, 0), (256, 4), (1024, 4)]  # (N, hosting processes; 0 = one per worker)
     if args.quick:
-        cases = [(1, 0, 1), (8, 0, 4), (256, 4, 4)]
+        cases = [(1, 0), (8, 0), (256, 4)]
     reps = 100 if args.quick else 300
+    trials = 1 if args.quick else args.trials
     rows = []
-    for n, hosts, raw_hosts in cases:
+    for n, hosts in cases:
         r = reps if n <= 64 else reps // 3
-        raw = bench_raw(n, raw_hosts if hosts == 0 else hosts, r) if hosts == 0 and n <= 8 else bench_raw(n, raw_hosts, r)
-        bat, per_hb = bench_baton(n, hosts, r, idle_s=2.0 if args.quick else 4.0)
-        row = {"n": n, "hosting": "processes" if hosts == 0 else f"{hosts} processes",
-               "raw_p50_us": pct(raw, 0.5) * 1e6, "raw_p99_us": pct(raw, 0.99) * 1e6,
-               "baton_p50_us": pct(bat, 0.5) * 1e6, "baton_p99_us": pct(bat, 0.99) * 1e6,
-               "heartbeat_cpu_us": per_hb * 1e6}
+        procs = hosts or n
+        raw, raw_curve, bat, marginal, plain = [], [], [], [], []
+        for _ in range(trials):  # interleaved, so that a noisy spell hits all three alike
+            raw.append(bench_raw(n, procs, r))
+            raw_curve.append(bench_raw(n, procs, r, curve=True))
+            t, m, q = bench_baton(n, hosts, r, idle_s=2.0 if args.quick else 4.0)
+            bat.append(t)
+            marginal.append(m)
+            plain.append(q)
+        p50 = lambda runs: statistics.median(pct(t, 0.5) for t in runs)  # noqa: E731
+        p99 = lambda runs: pct([x for t in runs for x in t], 0.99)  # noqa: E731
+        row = {"n": n, "hosting": "processes" if hosts == 0 else f"{hosts} processes", "trials": trials,
+               "raw_p50_us": p50(raw) * 1e6, "raw_p99_us": p99(raw) * 1e6,
+               "raw_curve_p50_us": p50(raw_curve) * 1e6,
+               "baton_p50_us": p50(bat) * 1e6, "baton_p99_us": p99(bat) * 1e6,
+               "heartbeat_cpu_us": statistics.median(marginal) * 1e6,
+               "heartbeat_cpu_with_timers_us": statistics.median(plain) * 1e6}
         row["ratio_p50"] = row["baton_p50_us"] / row["raw_p50_us"]
         rows.append(row)
         print(f"  done N={n}", file=sys.stderr, flush=True)
-    print(f"\nno-op dispatch+collect round trip (medians of {reps} reps; 2-core VM, one run)")
-    print(f"{'N':>5} {'workers as':>12} {'raw p50':>10} {'raw p99':>10} {'baton p50':>10} {'baton p99':>10} "
-          f"{'p50 ratio':>9} {'ctl CPU/heartbeat':>18}")
+    print(f"\nno-op dispatch+collect round trip: p50 = median over {trials} interleaved trials of each trial's p50 "
+          f"({reps} reps, {reps // 3} for N > 64); p99 over all reps")
+    print(f"{'N':>5} {'workers as':>12} {'raw p50':>9} {'raw p99':>9} {'+CURVE p50':>10} {'baton p50':>10} "
+          f"{'baton p99':>10} {'p50 ratio':>9} {'CPU/heartbeat':>13} {'(with timers)':>13}")
     for row in rows:
-        print(f"{row['n']:>5} {row['hosting']:>12} {row['raw_p50_us']:>8.0f}us {row['raw_p99_us']:>8.0f}us "
-              f"{row['baton_p50_us']:>8.0f}us {row['baton_p99_us']:>8.0f}us {row['ratio_p50']:>8.2f}x "
-              f"{row['heartbeat_cpu_us']:>15.1f}us")
-    print("targets: p50 ratio ≤ 1.5x at N=8, ≤ 2x at N=1024; controller CPU per heartbeat < 20 µs")
+        print(f"{row['n']:>5} {row['hosting']:>12} {row['raw_p50_us']:>7.0f}us {row['raw_p99_us']:>7.0f}us "
+              f"{row['raw_curve_p50_us']:>8.0f}us {row['baton_p50_us']:>8.0f}us {row['baton_p99_us']:>8.0f}us "
+              f"{row['ratio_p50']:>8.2f}x {row['heartbeat_cpu_us']:>11.1f}us {row['heartbeat_cpu_with_timers_us']:>11.1f}us")
+    print("targets: p50 ratio (Baton / raw without CURVE) ≤ 1.5x at N=8, ≤ 2x at N=1024; "
+          "controller CPU per heartbeat < 20 µs")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
-    _ = statistics
     return 0
 
 

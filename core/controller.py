@@ -324,15 +324,16 @@ class WorkerGroup:
             log.warning("dropped a message of epoch %d from rank %d (run is at %d)", env.epoch, peer.rank, self.epoch)
             return
         peer.last_seen = time.monotonic()
-        if isinstance(msg, protocol.Heartbeat):
+        kind = type(msg)
+        if kind is protocol.Result:
+            results = self._inflight.get(env.req_id)
+            if results is not None:
+                results[peer.rank] = msg.value
+        elif kind is protocol.Heartbeat:
             peer.busy, peer.rss_mb = msg.busy, msg.rss_mb
             self.heartbeats_handled += 1
             if msg.signal and self.signals is not None and not self.signals.is_set:
                 self.signals.relay(msg.signal, f"rank {peer.rank} on {peer.node}")
-        elif isinstance(msg, protocol.Result):
-            results = self._inflight.get(env.req_id)
-            if results is not None:
-                results[peer.rank] = msg.value
         elif isinstance(msg, protocol.Error):
             if env.req_id in self._inflight:
                 self._errors.setdefault(env.req_id, {})[peer.rank] = msg

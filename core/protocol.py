@@ -32,7 +32,7 @@ _ARRAY_EXT = 1
 _MAX_DIMS = 32
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Register:
     """Worker → controller: I exist; here is where I run."""
 
@@ -44,7 +44,7 @@ class Register:
     generation: int = 0  # which start of the worker step within this epoch (restarts after a loss)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Welcome:
     """Controller → worker: your rank, the world, and the rendezvous of torch.distributed."""
 
@@ -56,25 +56,25 @@ class Welcome:
     master_port: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Refuse:
     """Controller → worker: you may not join (stale epoch or generation, duplicate rank, full group)."""
 
     reason: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Call:
     method: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Result:
     value: Any = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Error:
     """A call raised on the worker; the controller re-raises it with the remote traceback."""
 
@@ -83,7 +83,7 @@ class Error:
     traceback: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Heartbeat:
     """Both ways: workers send it from their own thread; the controller answers in bulk."""
 
@@ -93,21 +93,21 @@ class Heartbeat:
     signal: str = ""  # worker → controller: a preemption signal this worker received ("SIGUSR2")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Abort:
     """Controller → worker: stop now (the step is abandoned); exit without cleanup."""
 
     reason: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Shutdown:
     """Controller → worker: finish, release resources, exit 0."""
 
     reason: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Log:
     level: int
     message: str
@@ -130,7 +130,7 @@ KINDS: dict[str, type] = {
 KIND_OF: dict[type, str] = {cls: kind for kind, cls in KINDS.items()}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Envelope:
     """A decoded message with its routing header."""
 
@@ -159,21 +159,47 @@ def _checker(tp: Any) -> tuple[type, ...] | None:
     return (tp,)
 
 
-_FIELDS: dict[type, list[tuple[str, tuple[type, ...] | None, bool]]] = {
-    cls: [
-        (
-            f.name,
-            _checker(get_type_hints(cls)[f.name]),
-            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-        )
-        for f in dataclasses.fields(cls)
-    ]
-    for cls in KINDS.values()
-}
+@dataclass(frozen=True)
+class _Spec:
+    """What decode checks for one message kind (precomputed once)."""
+
+    kind: str
+    names: frozenset[str]
+    required: frozenset[str]
+    typed: tuple[tuple[str, tuple[type, ...]], ...]  # fields whose type is checked
+    fields: tuple[str, ...]
+
+
+def _spec(kind: str, cls: type) -> _Spec:
+    hints = get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    typed = []
+    for f in fields:
+        c = _checker(hints[f.name])
+        if c is not None:
+            typed.append((f.name, c))
+    return _Spec(
+        kind=kind,
+        names=frozenset(f.name for f in fields),
+        required=frozenset(f.name for f in fields
+                           if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING),
+        typed=tuple(typed),
+        fields=tuple(f.name for f in fields),
+    )
+
+
+_SPECS: dict[type, _Spec] = {cls: _spec(kind, cls) for kind, cls in KINDS.items()}
 
 
 def encode(msg: Message, *, req_id: int = 0, epoch: int = 0) -> list[bytes | memoryview]:
     """Message → frames. Arrays become side frames (no copy of their data)."""
+    spec = _SPECS[type(msg)]
+    payload = {name: getattr(msg, name) for name in spec.fields}
+    header = {"v": PROTOCOL_VERSION, "k": spec.kind, "id": req_id, "e": epoch, "p": payload}
+    try:
+        return [msgpack.packb(header, use_bin_type=True)]  # the common case: no arrays, no numpy scalars
+    except (TypeError, ValueError, OverflowError):
+        pass
     frames: list[bytes | memoryview] = [b""]
 
     def default(obj: Any) -> Any:
@@ -188,14 +214,12 @@ def encode(msg: Message, *, req_id: int = 0, epoch: int = 0) -> list[bytes | mem
             return obj.item()
         if isinstance(obj, tuple):
             return list(obj)
-        raise ProtocolError(f"cannot send a {type(obj).__name__} in a {KIND_OF[type(msg)]} message")
+        raise ProtocolError(f"cannot send a {type(obj).__name__} in a {spec.kind} message")
 
-    payload = {name: getattr(msg, name) for name, _, _ in _FIELDS[type(msg)]}
-    header = {"v": PROTOCOL_VERSION, "k": KIND_OF[type(msg)], "id": req_id, "e": epoch, "p": payload}
     try:
         frames[0] = msgpack.packb(header, default=default, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"cannot encode {KIND_OF[type(msg)]}: {exc}") from None
+        raise ProtocolError(f"cannot encode {spec.kind}: {exc}") from None
     return frames
 
 
@@ -209,35 +233,58 @@ def decode(frames: Sequence[Any]) -> Envelope:
         raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from None
 
 
-def _decode(frames: Sequence[Any]) -> Envelope:
-    if not frames:
-        raise ProtocolError("empty message")
-    buffers = [f if isinstance(f, bytes) else memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames]
-    used: set[int] = set()
+class _Arrays:
+    """msgpack ext hook: rebuilds array references over the side frames, each used once."""
 
-    def ext_hook(code: int, data: bytes) -> Any:
+    __slots__ = ("buffers", "used")
+
+    def __init__(self, frames: Sequence[Any]) -> None:
+        self.buffers = [f if isinstance(f, bytes) else memoryview(f.buffer if hasattr(f, "buffer") else f)
+                        for f in frames]
+        self.used: set[int] = set()
+
+    def __call__(self, code: int, data: bytes) -> Any:
         if code != _ARRAY_EXT:
             raise ProtocolError(f"unknown msgpack extension type {code}")
         meta = msgpack.unpackb(data)
         if not (isinstance(meta, list) and len(meta) == 3):
             raise ProtocolError("bad array header")
         index, dtype_str, shape = meta
-        if not (isinstance(index, int) and 1 <= index < len(buffers)) or index in used:
+        buffers = self.buffers
+        if not (isinstance(index, int) and 1 <= index < len(buffers)) or index in self.used:
             raise ProtocolError(f"array frame index {index!r} invalid for {len(buffers)} frames")
         if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise ProtocolError(f"bad array shape {shape!r}")
         dtype = np.dtype(dtype_str)
         if dtype.hasobject:
             raise ProtocolError("object arrays are refused")
-        used.add(index)
+        self.used.add(index)
         buf = buffers[index]
         expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        if len(memoryview(buf).cast("B")) != expected:
-            raise ProtocolError(f"array frame {index} has {len(memoryview(buf).cast('B'))} bytes, header says {expected}")
+        nbytes = len(memoryview(buf).cast("B"))
+        if nbytes != expected:
+            raise ProtocolError(f"array frame {index} has {nbytes} bytes, header says {expected}")
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
-    header = msgpack.unpackb(buffers[0], ext_hook=ext_hook, raw=False, strict_map_key=True)
-    if not isinstance(header, dict):
+
+def _no_side_frames(code: int, data: bytes) -> Any:
+    """ext hook of a one-frame message: any array reference points past the end."""
+    if code != _ARRAY_EXT:
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+    meta = msgpack.unpackb(data)
+    index = meta[0] if isinstance(meta, list) and meta else meta
+    raise ProtocolError(f"array frame index {index!r} invalid for 1 frames")
+
+
+def _decode(frames: Sequence[Any]) -> Envelope:
+    if not frames:
+        raise ProtocolError("empty message")
+    arrays = _Arrays(frames) if len(frames) > 1 else None
+    first = frames[0] if arrays is None else arrays.buffers[0]
+    if arrays is None and not isinstance(first, bytes):
+        first = memoryview(first.buffer if hasattr(first, "buffer") else first)
+    header = msgpack.unpackb(first, ext_hook=arrays or _no_side_frames, raw=False, strict_map_key=True)
+    if type(header) is not dict:
         raise ProtocolError(f"header is a {type(header).__name__}, not a map")
     version = header.get("v")
     if version != PROTOCOL_VERSION:
@@ -248,27 +295,23 @@ def _decode(frames: Sequence[Any]) -> Envelope:
     cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    if not isinstance(req_id, int) or isinstance(req_id, bool):
+    if type(req_id) is not int:
         raise ProtocolError(f"{kind}: request id {req_id!r} is not an integer")
-    if not isinstance(epoch, int) or isinstance(epoch, bool):
+    if type(epoch) is not int:
         raise ProtocolError(f"{kind}: epoch {epoch!r} is not an integer")
-    if not isinstance(payload, dict):
+    if type(payload) is not dict:
         raise ProtocolError(f"{kind}: payload is not a map")
-    spec = _FIELDS[cls]
-    names = {name for name, _, _ in spec}
-    extra = set(payload) - names
-    if extra:
-        raise ProtocolError(f"{kind}: unknown fields {sorted(map(str, extra))}")
-    kwargs = {}
-    for name, types_, required in spec:
-        if name not in payload:
-            if required:
-                raise ProtocolError(f"{kind}: missing field {name!r}")
-            continue
-        value = payload[name]
-        if types_ is not None and (not isinstance(value, types_) or (isinstance(value, bool) and bool not in types_)):
-            raise ProtocolError(f"{kind}.{name}: {value!r} has the wrong type")
-        kwargs[name] = value
-    if len(used) != len(buffers) - 1:
-        raise ProtocolError(f"{kind}: {len(buffers) - 1 - len(used)} unreferenced array frames")
-    return Envelope(msg=cls(**kwargs), req_id=req_id, epoch=epoch)
+    spec = _SPECS[cls]
+    keys = payload.keys()
+    if not keys <= spec.names:
+        raise ProtocolError(f"{kind}: unknown fields {sorted(map(str, keys - spec.names))}")
+    if not spec.required <= keys:
+        raise ProtocolError(f"{kind}: missing field {sorted(spec.required - keys)[0]!r}")
+    for name, types_ in spec.typed:
+        if name in payload:
+            value = payload[name]
+            if not isinstance(value, types_) or (value.__class__ is bool and bool not in types_):
+                raise ProtocolError(f"{kind}.{name}: {value!r} has the wrong type")
+    if arrays is not None and len(arrays.used) != len(arrays.buffers) - 1:
+        raise ProtocolError(f"{kind}: {len(arrays.buffers) - 1 - len(arrays.used)} unreferenced array frames")
+    return Envelope(msg=cls(**payload), req_id=req_id, epoch=epoch)

@@ -111,9 +111,10 @@ class _HeartbeatThread(threading.Thread):
             if now - self.last_heard > self.controller_lost_s:
                 log.error("controller silent for %.1f s (limit %.1f s); exiting", now - self.last_heard, self.controller_lost_s)
                 _hard_exit(EXIT_CONTROLLER_LOST)
-            if self.sock.sock.poll(max(1, int((next_beat - time.monotonic()) * 1000))):
-                while (frames := WorkerSocket.recv_nowait(self.sock.sock)) is not None:
-                    self._incoming(frames)
+            frames = self.sock.recv_within(max(0.001, next_beat - time.monotonic()))
+            while frames is not None:
+                self._incoming(frames)
+                frames = WorkerSocket.recv_nowait(self.sock.sock)
 
     def _incoming(self, frames: list[Any]) -> None:
         try:
@@ -160,7 +161,8 @@ class WorkerRuntime:
         identity = f"{self.env.node}:{os.getpid()}:{secrets.token_hex(3)}".encode()
         self.address = info["address"]
         self.sock = WorkerSocket(self.address, self.run_folder.keys, identity=identity)
-        self.hb_sock = WorkerSocket(self.address, self.run_folder.keys, identity=identity + b"/hb")
+        self.hb_sock = WorkerSocket(self.address, self.run_folder.keys, identity=identity + b"/hb",
+                                    share_context_with=self.sock)
         self.heartbeat: _HeartbeatThread | None = None
         try:
             return self._serve()
@@ -168,8 +170,8 @@ class WorkerRuntime:
             if self.heartbeat is not None:
                 self.heartbeat.stopping.set()
                 self.heartbeat.join(timeout=2)
-            self.sock.close()
             self.hb_sock.close()
+            self.sock.close()
 
     def _send(self, msg: protocol.Message, req_id: int = 0) -> None:
         WorkerSocket.send(self.sock.sock, protocol.encode(msg, req_id=req_id, epoch=self.env.epoch))
@@ -179,10 +181,11 @@ class WorkerRuntime:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.sock.sock.poll(max(1, int(remaining * 1000))):
+            frames = self.sock.recv_within(remaining) if remaining > 0 else None
+            if frames is None:
                 return None
             try:
-                return protocol.decode(WorkerSocket.recv(self.sock.sock))
+                return protocol.decode(frames)
             except protocol.ProtocolError as exc:
                 log.warning("dropped a malformed message from the controller: %s", exc)
 

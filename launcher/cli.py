@@ -11,7 +11,18 @@ import os
 import sys
 
 from core.errors import UserError
-from launcher import cmd_cancel, cmd_ckpt, cmd_data, cmd_doctor, cmd_logs, cmd_plan, cmd_report, cmd_status, cmd_submit, cmd_sweep
+from launcher import (
+    cmd_cancel,
+    cmd_ckpt,
+    cmd_data,
+    cmd_doctor,
+    cmd_logs,
+    cmd_plan,
+    cmd_report,
+    cmd_status,
+    cmd_submit,
+    cmd_sweep,
+)
 
 COMMANDS = [cmd_submit, cmd_plan, cmd_status, cmd_logs, cmd_cancel, cmd_ckpt, cmd_data, cmd_sweep, cmd_report, cmd_doctor]
 

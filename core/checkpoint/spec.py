@@ -22,6 +22,6 @@ class TensorSlice:
     def __post_init__(self) -> None:
         if not (len(self.global_shape) == len(self.offset) == len(self.shape)):
             raise ValueError(f"{self.name}: rank mismatch {self.global_shape} {self.offset} {self.shape}")
-        for g, o, s in zip(self.global_shape, self.offset, self.shape):
+        for g, o, s in zip(self.global_shape, self.offset, self.shape, strict=True):
             if o < 0 or s < 0 or o + s > g:
                 raise ValueError(f"{self.name}: slice {self.offset}+{self.shape} outside {self.global_shape}")

@@ -50,7 +50,7 @@ def test_resume_is_exact_in_the_same_layout(runs: dict[str, Path]) -> None:
     _resume(run, "trainer.steps=20")
     full, resumed = _losses(runs["full"]), _losses(run)
     assert len(resumed) == 20
-    assert max(abs(a - b) for a, b in zip(full, resumed)) <= 1e-7, list(zip(full, resumed))[10:]
+    assert max(abs(a - b) for a, b in zip(full, resumed, strict=True)) <= 1e-7, list(zip(full, resumed, strict=True))[10:]
 
 
 @pytest.mark.parametrize("layout", [("1", "4"), ("1", "1")], ids=["tp1pp4", "tp1pp1"])
@@ -61,7 +61,7 @@ def test_resume_in_another_layout_continues_the_curve(runs: dict[str, Path], lay
     _resume(run, "trainer.steps=20", f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.n_gpus_per_node={workers}")
     full, resumed = _losses(runs["full"]), _losses(run)
     assert len(resumed) == 20
-    assert max(abs(a - b) for a, b in zip(full[10:], resumed[10:])) <= 1e-6, list(zip(full, resumed))[10:]
+    assert max(abs(a - b) for a, b in zip(full[10:], resumed[10:], strict=True)) <= 1e-6, list(zip(full, resumed, strict=True))[10:]
     state = json.loads((run / "state.json").read_text())
     resumed_ev = [e for e in state["history"] if e["event"] == "resumed"][-1]
     assert resumed_ev["saved_layout"] == "tp2pp2dp1" and resumed_ev["layout"] == f"tp{tp}pp{pp}dp1"

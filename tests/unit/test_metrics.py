@@ -12,11 +12,10 @@ import pytest
 from core.errors import UserError
 from core.metrics import Metrics
 from core.runfolder import RunFolder
+from tests.helpers import scrape
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "grafana" / "baton-dashboard.json"
-
-from tests.helpers import scrape
 
 
 def _record(step: int, **extra: Any) -> dict[str, Any]:
