@@ -220,12 +220,23 @@ class WorkerRuntime:
             run_dir=Path(self.env.run_dir), host=self.env.host, log=logging.getLogger("baton.task"),
         )
         table = dict(self.task_factory(ctx).rpc_table())
+        # The serving loop is the control plane's hot path on this side: kept flat, with
+        # the message kinds tested by identity and the socket read directly.
+        recv, decode, call_kind = self.sock.recv_within, protocol.decode, protocol.Call
         while True:
-            env = self._recv(1.0)
-            if env is None:
+            frames = recv(1.0)
+            if frames is None:
                 continue  # the heartbeat thread's watchdog ends us if the controller is gone
+            try:
+                env = decode(frames)
+            except protocol.ProtocolError as exc:
+                log.warning("dropped a malformed message from the controller: %s", exc)
+                continue
             hb.last_heard = time.monotonic()
             msg = env.msg
+            if type(msg) is call_kind:
+                self._execute(hb, table, msg, env.req_id)
+                continue
             if isinstance(msg, protocol.Shutdown):
                 log.info("shutdown: %s", msg.reason)
                 closer = table.get("shutdown")
@@ -235,10 +246,7 @@ class WorkerRuntime:
                     except Exception:  # noqa: BLE001 - logged; we are exiting anyway
                         log.exception("task shutdown failed")
                 return EXIT_OK
-            if not isinstance(msg, protocol.Call):
-                log.warning("ignored a %s message from the controller", type(msg).__name__)
-                continue
-            self._execute(hb, table, msg, env.req_id)
+            log.warning("ignored a %s message from the controller", type(msg).__name__)
 
     def _execute(self, hb: _HeartbeatThread, table: dict[str, Callable[..., Any]], msg: protocol.Call, req_id: int) -> None:
         fn = table.get(msg.method)
