@@ -11,7 +11,9 @@ Controller CPU per heartbeat, while N workers heartbeat at 4 Hz and no call runs
 CPU (zmq's I/O and CURVE threads included) with heartbeats flowing, minus the same with
 every worker stopped (SIGSTOP) for as long, divided by the heartbeats handled: what each
 heartbeat costs, without the fixed timers of an idle controller. The plain quotient
-(idle CPU / heartbeats, timers included) is printed beside it.
+(idle CPU / heartbeats, timers included) is printed beside it, and so is raw pyzmq's own
+cost for the same heartbeat stream, measured the same way (a ROUTER drained at 10 Hz): the
+floor set by zmq's I/O thread and the kernel, which dominates when few workers beat.
 
     python benchmarks/control_plane.py [--quick] [--json PATH]
 """
@@ -116,6 +118,77 @@ def bench_raw(n: int, procs: int, reps: int, *, curve: bool = False) -> list[flo
     return times[5:]
 
 
+def raw_beater(address: str, n: int) -> None:
+    """n raw DEALERs, each sending a heartbeat-sized message every HB_INTERVAL."""
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(n):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(address)
+        socks.append(s)
+    beat = protocol.encode(protocol.Heartbeat(seq=1, busy="", rss_mb=123.4))[0]
+    next_beat = time.monotonic()
+    while True:
+        for s in socks:
+            s.send(beat)
+        next_beat += HB_INTERVAL
+        time.sleep(max(0.0, next_beat - time.monotonic()))  # a fixed-rate sender
+
+
+def raw_heartbeat_cpu(n: int, procs: int, idle_s: float) -> float:
+    """Raw pyzmq's own CPU per heartbeat: a ROUTER drained at 10 Hz by a thread (as
+    Baton's pump does), same marginal method as Baton's figure."""
+    import threading
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    children = [mp.Process(target=raw_beater, args=(f"tcp://127.0.0.1:{port}", k), daemon=True) for k in per if k]
+    for p in children:
+        p.start()
+    count = [0]
+    stop = threading.Event()
+
+    def pump() -> None:
+        while not stop.wait(0.1):
+            while True:
+                try:
+                    router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                count[0] += 1
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while count[0] < n and time.monotonic() < deadline:  # every sender connected and beating
+        stop.wait(0.05)
+    c0, h0 = _cpu(), count[0]
+    time.sleep(idle_s)  # measuring a rate over a fixed interval
+    c1, h1 = _cpu(), count[0]
+    for p in children:
+        os.kill(p.pid, signal.SIGSTOP)
+    time.sleep(0.3)  # let what was in flight drain before the baseline window
+    c2, h2 = _cpu(), count[0]
+    time.sleep(idle_s)  # the same interval with no heartbeats arriving
+    c3, h3 = _cpu(), count[0]
+    stop.set()
+    thread.join(timeout=5)
+    for p in children:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(timeout=10)
+    ctx.destroy(linger=0)
+    return ((c1 - c0) - (c3 - c2)) / max(1, (h1 - h0) - (h3 - h2))
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 # --- Baton ------------------------------------------------------------------------------
 def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
     """Many Baton workers in one process: register, answer calls, heartbeat."""
@@ -145,11 +218,6 @@ def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
                 WorkerSocket.send(s, protocol.encode(protocol.Result(value=None), req_id=env.req_id))
             elif isinstance(env.msg, protocol.Shutdown):
                 return
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def bench_baton(n: int, hosts: int, reps: int, idle_s: float) -> tuple[list[float], float, float]:
@@ -217,7 +285,7 @@ def main() -> int:
     for n, hosts in cases:
         r = reps if n <= 64 else reps // 3
         procs = hosts or n
-        raw, raw_curve, bat, marginal, plain = [], [], [], [], []
+        raw, raw_curve, bat, marginal, plain, raw_hb = [], [], [], [], [], []
         for _ in range(trials):  # interleaved, so that a noisy spell hits all three alike
             raw.append(bench_raw(n, procs, r))
             raw_curve.append(bench_raw(n, procs, r, curve=True))
@@ -225,6 +293,7 @@ def main() -> int:
             bat.append(t)
             marginal.append(m)
             plain.append(q)
+            raw_hb.append(raw_heartbeat_cpu(n, procs, idle_s=2.0 if args.quick else 4.0))
         p50 = lambda runs: statistics.median(pct(t, 0.5) for t in runs)  # noqa: E731
         p99 = lambda runs: pct([x for t in runs for x in t], 0.99)  # noqa: E731
         row = {"n": n, "hosting": "processes" if hosts == 0 else f"{hosts} processes", "trials": trials,
@@ -232,18 +301,20 @@ def main() -> int:
                "raw_curve_p50_us": p50(raw_curve) * 1e6,
                "baton_p50_us": p50(bat) * 1e6, "baton_p99_us": p99(bat) * 1e6,
                "heartbeat_cpu_us": statistics.median(marginal) * 1e6,
-               "heartbeat_cpu_with_timers_us": statistics.median(plain) * 1e6}
+               "heartbeat_cpu_with_timers_us": statistics.median(plain) * 1e6,
+               "raw_heartbeat_cpu_us": statistics.median(raw_hb) * 1e6}
         row["ratio_p50"] = row["baton_p50_us"] / row["raw_p50_us"]
         rows.append(row)
         print(f"  done N={n}", file=sys.stderr, flush=True)
     print(f"\nno-op dispatch+collect round trip: p50 = median over {trials} interleaved trials of each trial's p50 "
           f"({reps} reps, {reps // 3} for N > 64); p99 over all reps")
     print(f"{'N':>5} {'workers as':>12} {'raw p50':>9} {'raw p99':>9} {'+CURVE p50':>10} {'baton p50':>10} "
-          f"{'baton p99':>10} {'p50 ratio':>9} {'CPU/heartbeat':>13} {'(with timers)':>13}")
+          f"{'baton p99':>10} {'p50 ratio':>9} {'CPU/heartbeat':>13} {'(with timers)':>13} {'raw CPU/hb':>10}")
     for row in rows:
         print(f"{row['n']:>5} {row['hosting']:>12} {row['raw_p50_us']:>7.0f}us {row['raw_p99_us']:>7.0f}us "
               f"{row['raw_curve_p50_us']:>8.0f}us {row['baton_p50_us']:>8.0f}us {row['baton_p99_us']:>8.0f}us "
-              f"{row['ratio_p50']:>8.2f}x {row['heartbeat_cpu_us']:>11.1f}us {row['heartbeat_cpu_with_timers_us']:>11.1f}us")
+              f"{row['ratio_p50']:>8.2f}x {row['heartbeat_cpu_us']:>11.1f}us {row['heartbeat_cpu_with_timers_us']:>11.1f}us "
+              f"{row['raw_heartbeat_cpu_us']:>8.1f}us")
     print("targets: p50 ratio (Baton / raw without CURVE) ≤ 1.5x at N=8, ≤ 2x at N=1024; "
           "controller CPU per heartbeat < 20 µs")
     if args.json:
