@@ -5,6 +5,10 @@ A task that can be checkpointed offers two functions:
     checkpoint_state() -> (items: list[(TensorSlice, np.ndarray)], blobs: dict)
     restore_state(read, blobs) -> None   # read(name, offset, shape) -> np.ndarray
 
+The arrays ``checkpoint_state`` returns are private copies (host memory the task never
+touches again), never views of live training state: that copy is the snapshot, so an
+async save writes them in the background as they are, without copying them a second time.
+
 ``CheckpointService`` turns them into ``ckpt_save`` / ``ckpt_poll`` / ``ckpt_wait`` /
 ``ckpt_load``. The controller owns the commit (core.checkpoint.manifest.commit): a rank
 only writes into the temporary step folder it is given and acknowledges with its ack.
@@ -64,7 +68,7 @@ class CheckpointService:
 
         if self._writer is None:
             self._writer = AsyncWriter()
-        self._pending = self._writer.submit(path, items, blobs, attrs)
+        self._pending = self._writer.submit(path, items, blobs, attrs, copy=False)
         self._pending_step = step
         return {"pending": step}
 

@@ -60,6 +60,11 @@ class SaveHandle:
         self._finished.set()
 
 
+def _check_shape(item: TensorSlice, array: np.ndarray) -> None:
+    if tuple(array.shape) != tuple(item.shape):
+        raise CheckpointError(f"{item.name}: array shape {tuple(array.shape)} is not the slice shape {item.shape}")
+
+
 class AsyncWriter:
     """Writes one rank's shards in the background from reusable snapshot buffers."""
 
@@ -75,17 +80,24 @@ class AsyncWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: dict[str, Any],
-               attrs: dict[str, Any]) -> SaveHandle:
+               attrs: dict[str, Any], *, copy: bool = True) -> SaveHandle:
         """Snapshot ``items``, ``blobs`` and ``attrs`` now and write them to ``path`` in the background.
 
         When this returns, the caller may change its arrays. Arguments as for
         ``write_shard``; a blob that is not JSON-able raises here, on the caller's thread.
+        ``copy=False``: the arrays are already private copies that nobody changes (what a
+        task's ``checkpoint_state`` returns): they are written as they are, without a second copy.
         """
         self._wait_previous()
         blobs = json.loads(json.dumps(blobs, allow_nan=True))
         attrs = json.loads(json.dumps(attrs))
-        snapshot = [(item, self._copy(i, item, array)) for i, (item, array) in enumerate(items)]
-        del self._buffers[len(items):]  # a smaller state than last time: drop buffers no item uses
+        if copy:
+            snapshot = [(item, self._copy(i, item, array)) for i, (item, array) in enumerate(items)]
+            del self._buffers[len(items):]  # a smaller state than last time: drop buffers no item uses
+        else:
+            for item, array in items:
+                _check_shape(item, array)
+            snapshot = list(items)
         handle = SaveHandle(Path(path))
         self._pending = handle
         if self._thread is None:
@@ -109,8 +121,7 @@ class AsyncWriter:
     def _copy(self, index: int, item: TensorSlice, array: np.ndarray) -> np.ndarray:
         """Copy ``array`` into the reusable buffer for item ``index``; return the snapshot view."""
         dtype = np.dtype(item.dtype)
-        if tuple(array.shape) != tuple(item.shape):
-            raise CheckpointError(f"{item.name}: array shape {tuple(array.shape)} is not the slice shape {item.shape}")
+        _check_shape(item, array)
         nbytes = dtype.itemsize * int(np.prod(item.shape, dtype=np.int64))
         if index < len(self._buffers) and self._buffers[index].nbytes == nbytes:
             buffer = self._buffers[index]

@@ -84,7 +84,9 @@ def is_writer(sh: ShardedTensor) -> bool:
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.float32).numpy().copy()
+    """A private fp32 host copy of ``t`` (one copy: the cast or transfer, or else a copy)."""
+    out = t.detach().to("cpu", torch.float32)
+    return out.numpy().copy() if out.data_ptr() == t.data_ptr() else out.numpy()
 
 
 def load_model_slices(model_chunks: list[Any], read: ReadFn) -> None:

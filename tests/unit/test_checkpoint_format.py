@@ -176,6 +176,24 @@ def test_async_save_writes_the_same_file_as_a_sync_save(tmp_path: Path) -> None:
         assert np.array_equal(out, expected[0][1] + 1.0) and second["checksum"] != async_ack["checksum"]
 
 
+def test_async_save_of_private_copies_writes_them_without_another_copy(tmp_path: Path) -> None:
+    """What CheckpointService does: a task's checkpoint_state returns private copies."""
+    items = _state(4)
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "async").mkdir()
+    attrs = {"step": 6, "rank": 0, "layout": {"dp": 1}, "config_hash": "x"}
+    sync_ack = write_shard(tmp_path / "sync" / "rank_00000.h5", items, {"lr": 0.1}, attrs)
+    writer = AsyncWriter()
+    handle = writer.submit(tmp_path / "async" / "rank_00000.h5", items, {"lr": 0.1}, attrs, copy=False)
+    assert handle.result(timeout=30) == sync_ack
+    assert writer._buffers == []  # nothing was copied into snapshot buffers
+    assert filecmp.cmp(tmp_path / "sync" / "rank_00000.h5", tmp_path / "async" / "rank_00000.h5", shallow=False)
+    bad = [(items[0][0], items[0][1].reshape(-1))]
+    with pytest.raises(CheckpointError, match="emb: array shape"):
+        writer.submit(tmp_path / "async" / "rank_00001.h5", bad, {}, attrs, copy=False)
+    writer.close()
+
+
 def test_async_background_failure_surfaces_from_result_and_never_acks(tmp_path: Path) -> None:
     target = tmp_path / "step_00000001.tmp-dead"
     target.mkdir()
