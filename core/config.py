@@ -193,10 +193,14 @@ class TimeoutsConfig:
 class RecoveryConfig:
     max_retries: int = 3
     backoff_s: float = 5.0
+    node_failure_limit: int = 2  # failures on one node before a requeue excludes it (Slurm)
+    walltime_margin_s: float = 30.0  # slack beyond one step and one save before the walltime
 
     def __post_init__(self) -> None:
         _positive("recovery.max_retries", self.max_retries, allow_zero=True)
         _positive("recovery.backoff_s", self.backoff_s, allow_zero=True)
+        _positive("recovery.node_failure_limit", self.node_failure_limit)
+        _positive("recovery.walltime_margin_s", self.walltime_margin_s, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True)

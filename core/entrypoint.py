@@ -72,7 +72,8 @@ def run_controller(env: JobEnv) -> int:
     run.write_state(state)
     group = WorkerGroup(sock, world_size=cfg.trainer.world_size, epoch=env.epoch, dims=cfg.dims,
                         timeouts=cfg.timeouts, run=run, signals=signals)
-    stop = preemption.StopPolicy(signals, preemption.clock_for(os.environ))
+    stop = preemption.StopPolicy(signals, preemption.clock_for(os.environ),
+                                 margin_s=cfg.recovery.walltime_margin_s)
     program = Program(cfg=cfg, run=run, group=group, state=state, stop=stop, metrics=metrics)
     recovery = Recovery(program, worker_restarts=env.worker_restarts, on_slurm=env.job_id is not None)
     try:

@@ -221,9 +221,11 @@ def should_save_now(time_left_s: float | None, *, step_s: float, save_s: float |
 class StopPolicy:
     """Asked at every step boundary: stop now? (a signal arrived, or the walltime is near)."""
 
-    def __init__(self, flag: PreemptionFlag | None, clock: JobClock | None) -> None:
+    def __init__(self, flag: PreemptionFlag | None, clock: JobClock | None,
+                 *, margin_s: float = PROACTIVE_MARGIN_S) -> None:
         self.flag = flag
         self.clock = clock
+        self.margin_s = margin_s  # recovery.walltime_margin_s
         self._decided: StopRequest | None = None
 
     def check(self, *, step_s: float, save_s: float | None) -> StopRequest | None:
@@ -238,12 +240,13 @@ class StopPolicy:
                                         signal_at=self.flag.received_at)
         elif self.clock is not None:
             left = self.clock.time_left_s()
-            if should_save_now(left, step_s=step_s, save_s=save_s):
+            if should_save_now(left, step_s=step_s, save_s=save_s, margin_s=self.margin_s):
                 assert left is not None
                 self._decided = StopRequest(
                     cause="time_running_out", signal="", time_left_s=left,
                     detail=f"{left:.0f} s left < step {step_s:.1f} s + save "
-                           f"{UNKNOWN_SAVE_S if save_s is None else save_s:.1f} s + margin {PROACTIVE_MARGIN_S:.0f} s")
+                           f"{UNKNOWN_SAVE_S if save_s is None else save_s:.1f} s + margin {self.margin_s:.0f} s "
+                           "(recovery.walltime_margin_s)")
         return self._decided
 
     def stop_requested(self) -> bool:

@@ -78,18 +78,19 @@ class Outcome:
 
 
 def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: float,
-           worker_restarts: bool, on_slurm: bool) -> Decision:
+           worker_restarts: bool, on_slurm: bool, node_failure_limit: int = NODE_FAILURE_LIMIT) -> Decision:
     """The policy, pure: ``budget`` already counts this failure."""
     by_node = ", ".join(f"{n}: {c}" for n, c in sorted(budget.node_failures.items())) or "none known"
     if budget.retries > max_retries:
         return Decision(action="fail", reason=(
             f"{failure.why}; gave up after {max_retries} retries (recovery.max_retries); "
             f"failures by node: {by_node}"))
-    bad = [n for n, c in sorted(budget.node_failures.items()) if c >= NODE_FAILURE_LIMIT and n not in budget.exclude]
+    bad = [n for n, c in sorted(budget.node_failures.items()) if c >= node_failure_limit and n not in budget.exclude]
     if on_slurm and bad:
         exclude = (*budget.exclude, *bad)
         return Decision(action="requeue", exclude=exclude, reason=(
-            f"node(s) {', '.join(bad)} failed {NODE_FAILURE_LIMIT}+ times: requeue excluding {', '.join(exclude)}"))
+            f"node(s) {', '.join(bad)} failed {node_failure_limit}+ times (recovery.node_failure_limit): "
+            f"requeue excluding {', '.join(exclude)}"))
     if worker_restarts:
         factor = min(2 ** (budget.retries - 1), MAX_BACKOFF_FACTOR)
         return Decision(action="restart", backoff_s=backoff_s * factor,
@@ -192,7 +193,8 @@ class Recovery:
         budget = Budget.of(self.state).spend(nodes=failure.nodes, step=failure.step,
                                              committed_step=steps[-1] if steps else None)
         decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
-                          worker_restarts=self.worker_restarts, on_slurm=self.on_slurm)
+                          worker_restarts=self.worker_restarts, on_slurm=self.on_slurm,
+                          node_failure_limit=cfg.recovery.node_failure_limit)
         budget.store(self.state)
         if decision.action == "fail":
             return self._fail(decision.reason, EXIT_FAILED)

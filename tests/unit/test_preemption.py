@@ -94,6 +94,14 @@ def test_stop_policy_stops_proactively_before_the_walltime() -> None:
     assert stop is not None and stop.cause == "time_running_out" and stop.signal == ""
 
 
+def test_stop_policy_uses_the_configured_walltime_margin() -> None:
+    now = [_t("2026-12-02T18:43:00")]  # 82 s left: enough with the 30 s default, not with 90 s
+    clock = JobClock("16", run=FakeRunner({"show": (0, RUNNING, "")}), now=lambda: now[0])
+    assert StopPolicy(PreemptionFlag(), clock).check(step_s=1.0, save_s=2.0) is None
+    stop = StopPolicy(PreemptionFlag(), clock, margin_s=90.0).check(step_s=1.0, save_s=2.0)
+    assert stop is not None and stop.cause == "time_running_out" and "margin 90 s" in stop.detail
+
+
 def test_stop_policy_reports_the_signal_and_its_cause() -> None:
     flag = PreemptionFlag()
     now = [_t("2026-12-02T18:34:24")]

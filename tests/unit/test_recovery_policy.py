@@ -113,3 +113,22 @@ def test_worker_requests_round_trip(tmp_path: Path) -> None:
     assert read_request(run) is None
     request_workers(run, WorkerRequest(epoch=2, generation=3, exclude=("n1",), reason="retry 1", time=5.0))
     assert read_request(run) == WorkerRequest(epoch=2, generation=3, exclude=("n1",), reason="retry 1", time=5.0)
+
+
+def test_node_failure_limit_is_the_config_key_recovery_node_failure_limit() -> None:
+    from core import config as config_mod
+    from core.errors import ConfigError
+
+    b = Budget().spend(nodes=("n1",), step=10, committed_step=None).spend(nodes=("n1",), step=12, committed_step=None)
+    assert _decide(b, on_slurm=True, node_failure_limit=3).action == "restart"  # 2 < 3: not excluded yet
+    d = _decide(b.spend(nodes=("n1",), step=13, committed_step=None), on_slurm=True, node_failure_limit=3,
+                max_retries=5)
+    assert d.action == "requeue" and d.exclude == ("n1",) and "recovery.node_failure_limit" in d.reason
+    cfg = config_mod.from_data({"name": "x", "model": {"kind": "toy"}, "recovery": {"node_failure_limit": 3}})
+    assert cfg.recovery.node_failure_limit == 3
+    try:
+        config_mod.from_data({"name": "x", "model": {"kind": "toy"}, "recovery": {"node_failure_limit": 0}})
+    except ConfigError as exc:
+        assert "recovery.node_failure_limit" in str(exc)
+    else:
+        raise AssertionError("recovery.node_failure_limit=0 was accepted")
