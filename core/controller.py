@@ -276,9 +276,10 @@ class WorkerGroup:
                 )
             until = deadline if error_deadline is None else error_deadline
             item = self.sock.recv(max(0.0, min(until - now, check)))
+            errors_of = self._errors
             while item is not None:
                 self._handle(*item)
-                if answered() >= n:
+                if len(results) >= n or (errors_of and answered() >= n):
                     break
                 item = self.sock.recv_nowait()
 
@@ -305,8 +306,10 @@ class WorkerGroup:
             return None
 
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
-        env = self._decode(identity, frames)
-        if env is None:
+        try:
+            env = protocol.decode(frames)
+        except protocol.ProtocolError:
+            self._decode(identity, frames)  # logs what was dropped
             return
         peer = self._by_identity.get(identity)
         msg = env.msg
