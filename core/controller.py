@@ -53,16 +53,34 @@ class Peer:
         return self.identity + HB_SUFFIX
 
 
-def _diagnose(peer: Peer) -> str:
-    """Say more than 'silent' when the worker runs on this host."""
+def _proc_state(pid: int) -> str:
+    """The kernel's one-letter state of a local pid; "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _diagnose(peer: Peer, *, settle_s: float = 0.0) -> str:
+    """Say more than 'silent' when the worker runs on this host.
+
+    ``settle_s``: a dying process closes its sockets before the kernel marks it a
+    zombie, so a closed connection is seen while /proc still says running. When the
+    connection is known closed, wait up to ``settle_s`` for the pid to finish exiting
+    before calling it hung.
+    """
     if peer.host != socket.gethostname():
         return "exited or hung"
-    try:
-        with open(f"/proc/{peer.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "process exited"
-    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)", "Z": "process exited"}.get(
+    deadline = time.monotonic() + settle_s
+    while True:
+        state = _proc_state(peer.pid)
+        if state in ("", "Z", "X"):
+            return "process exited"
+        if state in ("T", "t") or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)"}.get(
         state, "process alive but unresponsive (hung)"
     )
 
@@ -236,7 +254,7 @@ class WorkerGroup:
                             protocol.Call(method=method, kwargs=kw), req_id=req, epoch=self.epoch)
                     peer = self.peers[rank]
                     if not self.sock.send(peer.identity, frames):
-                        self._declare_lost(peer, f"connection closed: {_diagnose(peer)}")
+                        self._declare_lost(peer, f"connection closed: {_diagnose(peer, settle_s=2.0)}")
                 self._wait(req, method, results, set(per_rank), timeout_s)
             finally:
                 del self._inflight[req]
