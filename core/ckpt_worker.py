@@ -2,12 +2,16 @@
 
 A task that can be checkpointed offers two functions:
 
-    checkpoint_state() -> (items: list[(TensorSlice, np.ndarray)], blobs: dict)
+    checkpoint_state() -> (items: list[(TensorSlice, np.ndarray | LiveArray)], blobs: dict)
     restore_state(read, blobs) -> None   # read(name, offset, shape) -> np.ndarray
 
-The arrays ``checkpoint_state`` returns are private copies (host memory the task never
-touches again), never views of live training state: that copy is the snapshot, so an
-async save writes them in the background as they are, without copying them a second time.
+and, optionally, ``bind_checkpoint_fence(fence)``. A task that binds the fence may export
+its live state (views, ``core.checkpoint.spec.LiveArray``) and promises to call
+``fence()`` before it next changes that state (before its optimizer step, before a
+load): an async save then takes its snapshot on the writer thread while the next step's
+forward and backward run, and training waits only if the copy is not done by the update.
+A task without the fence must return private copies (host memory it never touches
+again): an async save writes them as they are; LiveArrays are then copied at once.
 
 ``CheckpointService`` turns them into ``ckpt_save`` / ``ckpt_poll`` / ``ckpt_wait`` /
 ``ckpt_load``. The controller owns the commit (core.checkpoint.manifest.commit): a rank
@@ -16,6 +20,7 @@ only writes into the temporary step folder it is given and acknowledges with its
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,12 +28,13 @@ from typing import Any
 import numpy as np
 
 from core.checkpoint.manifest import rank_file_name
-from core.checkpoint.spec import TensorSlice
+from core.checkpoint.spec import TensorSlice, current
+from core.errors import BatonRuntimeError
 from core.task import WorkerContext
 
 log = logging.getLogger(__name__)
 
-Items = list[tuple[TensorSlice, np.ndarray]]
+Items = list[tuple[TensorSlice, Any]]  # np.ndarray or LiveArray
 ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
 
 
@@ -46,6 +52,8 @@ class CheckpointService:
         self._pending: Any = None  # handle of the async save in flight
         self._pending_step = -1
         self._acks: dict[int, dict[str, Any]] = {}  # step → ack of a finished async save
+        self.fenced = False  # set by CheckpointedTask when the task calls fence() before it updates
+        self.snapshot_timeout_s = 600.0
 
     def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
         return {"ckpt_save": self.save, "ckpt_poll": self.poll, "ckpt_wait": self.wait, "ckpt_load": self.load}
@@ -63,14 +71,34 @@ class CheckpointService:
         path = Path(tmp_dir) / rank_file_name(self.ctx.rank)
         attrs = {**attrs, "rank": self.ctx.rank}
         if not async_save:
-            return hdf5.write_shard(path, items, blobs, attrs)  # type: ignore[no-any-return]
+            return hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs)  # type: ignore[no-any-return]
         from core.checkpoint.async_writer import AsyncWriter
 
         if self._writer is None:
             self._writer = AsyncWriter()
-        self._pending = self._writer.submit(path, items, blobs, attrs, copy=False)
+        live = any(hasattr(a, "snapshot_into") for _, a in items)
+        mode = "background" if self.fenced else ("now" if live else "none")
+        self._pending = self._writer.submit(path, items, blobs, attrs, snapshot=mode)
         self._pending_step = step
         return {"pending": step}
+
+    def fence(self) -> None:
+        """Return once the state an async save exported may change (its snapshot is taken).
+
+        The task calls this right before it changes its state. Normally the snapshot is long
+        done by then; if not, training waits for it, and a wait over 10 ms is logged.
+        """
+        handle = self._pending
+        if handle is None or handle.snapshot_taken():
+            return
+        start = time.monotonic()
+        if not handle.wait_snapshot(self.snapshot_timeout_s):
+            raise BatonRuntimeError(f"rank {self.ctx.rank}: the checkpoint snapshot of step {self._pending_step} "
+                                    f"is not taken after {self.snapshot_timeout_s:.0f} s; training cannot go on "
+                                    "without overwriting it")
+        waited = time.monotonic() - start
+        if waited > 0.01:
+            log.info("training waited %.3f s for the checkpoint snapshot of step %d", waited, self._pending_step)
 
     def poll(self, step: int) -> dict[str, Any] | None:
         """The ack of the async save of ``step`` if it is durable, else None (repeatable)."""
@@ -95,6 +123,7 @@ class CheckpointService:
         """Read the slices this rank owns (in its current layout) from a committed checkpoint."""
         from core.checkpoint.hdf5 import CheckpointReader
 
+        self.fence()  # restoring changes the state a pending async save may still be copying
         reader = CheckpointReader(Path(step_dir))
         try:
             saved_ranks = {f.rank for f in reader.manifest.files}
@@ -124,6 +153,10 @@ class CheckpointedTask:
     def __init__(self, task: Any, ctx: WorkerContext) -> None:
         self.task = task
         self.service = CheckpointService(ctx, task.checkpoint_state, task.restore_state)
+        bind = getattr(task, "bind_checkpoint_fence", None)
+        if bind is not None:
+            bind(self.service.fence)
+            self.service.fenced = True
 
     def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
         table = {**self.task.rpc_table(), **self.service.rpc_table()}

@@ -1,13 +1,22 @@
-"""Asynchronous shard saves: snapshot on the training thread, write on a background thread.
+"""Asynchronous shard saves: the snapshot and the write both off the training thread.
 
-``submit`` copies every array into host buffers that are allocated once and reused by
-every later save of the same state (fresh memory is slow to touch; a warm buffer copies
-at memory speed), then returns; the background thread runs the very same
-``write_shard`` as a synchronous save, so the files are byte-identical. Training is
-blocked only for the copy.
+``submit`` hands one rank's items to a long-lived writer thread and returns. How the
+snapshot (the values the file will hold) is taken is the caller's choice:
+
+  "background"  the writer thread copies every item (an array or a ``LiveArray``) into
+                host buffers while training goes on; the caller must not change its state
+                until ``SaveHandle.wait_snapshot()`` returns, which it calls right before
+                its next update (the optimizer step). Training is blocked only for what
+                is left of the copy at that point: usually nothing.
+  "now"         the copy is made on the caller's thread before ``submit`` returns.
+  "none"        the arrays are already private copies nobody changes: written as they are.
+
+Snapshot buffers are allocated once and reused by every later save of the same state
+(fresh memory is slow to touch; a warm buffer copies at memory speed). The writer thread
+runs the very same ``write_shard`` as a synchronous save, so the files are byte-identical.
 
 At most one save is in flight: the next ``submit`` first waits (with a deadline) for the
-previous write, because it reuses the same buffers. A failed background write never
+previous write, because it reuses the same buffers. A failed snapshot or write never
 yields an ack: ``result()`` re-raises its error (``write_shard`` removes the partial file).
 """
 from __future__ import annotations
@@ -18,12 +27,12 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from core.checkpoint.hdf5 import write_shard
-from core.checkpoint.spec import TensorSlice
+from core.checkpoint.spec import TensorSlice, current
 from core.errors import BatonRuntimeError, CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +43,7 @@ class SaveHandle:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._snapshot = threading.Event()  # set once the values to write are copied (or failed to be)
         self._finished = threading.Event()
         self._ack: dict[str, Any] | None = None
         self._error: BaseException | None = None
@@ -41,6 +51,17 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the write has finished, successfully or not."""
         return self._finished.is_set()
+
+    def snapshot_taken(self) -> bool:
+        """True once the caller may change the state it submitted."""
+        return self._snapshot.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds until the caller may change its state; True when it may.
+
+        Also True when the snapshot failed: its error comes from ``result()``, never an ack.
+        """
+        return self._snapshot.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the write to finish; True when it has."""
@@ -57,12 +78,17 @@ class SaveHandle:
 
     def _finish(self, ack: dict[str, Any] | None, error: BaseException | None) -> None:
         self._ack, self._error = ack, error
+        self._snapshot.set()
         self._finished.set()
 
 
-def _check_shape(item: TensorSlice, array: np.ndarray) -> None:
-    if tuple(array.shape) != tuple(item.shape):
-        raise CheckpointError(f"{item.name}: array shape {tuple(array.shape)} is not the slice shape {item.shape}")
+def _check_shape(item: TensorSlice, data: Any) -> None:
+    if tuple(data.shape) != tuple(item.shape):
+        raise CheckpointError(f"{item.name}: array shape {tuple(data.shape)} is not the slice shape {item.shape}")
+
+
+Snapshot = Literal["background", "now", "none"]
+Job = tuple[SaveHandle, list[tuple[TensorSlice, Any]], dict[str, Any], dict[str, Any], bool]
 
 
 class AsyncWriter:
@@ -75,35 +101,37 @@ class AsyncWriter:
         self._pending: SaveHandle | None = None
         # One long-lived thread fed by a queue: starting a thread per save costs the caller a
         # GIL hand-off (up to the 5 ms switch interval) before start() returns.
-        self._jobs: queue.SimpleQueue[tuple[SaveHandle, list[tuple[TensorSlice, np.ndarray]], dict[str, Any],
-                                            dict[str, Any]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: dict[str, Any],
-               attrs: dict[str, Any], *, copy: bool = True) -> SaveHandle:
-        """Snapshot ``items``, ``blobs`` and ``attrs`` now and write them to ``path`` in the background.
+    def submit(self, path: Path, items: list[tuple[TensorSlice, Any]], blobs: dict[str, Any],
+               attrs: dict[str, Any], *, snapshot: Snapshot = "now") -> SaveHandle:
+        """Write ``items``, ``blobs`` and ``attrs`` to ``path`` in the background.
 
-        When this returns, the caller may change its arrays. Arguments as for
-        ``write_shard``; a blob that is not JSON-able raises here, on the caller's thread.
-        ``copy=False``: the arrays are already private copies that nobody changes (what a
-        task's ``checkpoint_state`` returns): they are written as they are, without a second copy.
+        Arguments as for ``write_shard``, except that an item's data may be a ``LiveArray``;
+        ``blobs`` and ``attrs`` are captured now (one that is not JSON-able raises here, on
+        the caller's thread). ``snapshot`` says when the item values are taken (module
+        docstring): with "background", change nothing submitted before ``wait_snapshot()``.
         """
+        if snapshot not in ("background", "now", "none"):
+            raise ValueError(f"snapshot={snapshot!r}; use 'background', 'now' or 'none'")
         self._wait_previous()
         blobs = json.loads(json.dumps(blobs, allow_nan=True))
         attrs = json.loads(json.dumps(attrs))
-        if copy:
-            snapshot = [(item, self._copy(i, item, array)) for i, (item, array) in enumerate(items)]
-            del self._buffers[len(items):]  # a smaller state than last time: drop buffers no item uses
-        else:
-            for item, array in items:
-                _check_shape(item, array)
-            snapshot = list(items)
+        for item, data in items:
+            _check_shape(item, data)
         handle = SaveHandle(Path(path))
+        if snapshot == "now":
+            items = self._snapshot(items)
+        elif snapshot == "none":
+            items = [(item, current(data)) for item, data in items]
+        if snapshot != "background":
+            handle._snapshot.set()
         self._pending = handle
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="ckpt-writer", daemon=True)
             self._thread.start()
-        self._jobs.put((handle, snapshot, blobs, attrs))
+        self._jobs.put((handle, items, blobs, attrs, snapshot == "background"))
         return handle
 
     def _wait_previous(self) -> None:
@@ -118,10 +146,15 @@ class AsyncWriter:
         if waited > 0.01:
             logger.info("checkpoint submit waited %.2f s for the previous write to %s", waited, previous.path)
 
-    def _copy(self, index: int, item: TensorSlice, array: np.ndarray) -> np.ndarray:
-        """Copy ``array`` into the reusable buffer for item ``index``; return the snapshot view."""
+    def _snapshot(self, items: list[tuple[TensorSlice, Any]]) -> list[tuple[TensorSlice, np.ndarray]]:
+        """Copy every item into its reusable buffer; the snapshot views, in order."""
+        out = [(item, self._copy(i, item, data)) for i, (item, data) in enumerate(items)]
+        del self._buffers[len(items):]  # a smaller state than last time: drop buffers no item uses
+        return out
+
+    def _copy(self, index: int, item: TensorSlice, data: Any) -> np.ndarray:
+        """Copy ``data`` into the reusable buffer for item ``index``; return the snapshot view."""
         dtype = np.dtype(item.dtype)
-        _check_shape(item, array)
         nbytes = dtype.itemsize * int(np.prod(item.shape, dtype=np.int64))
         if index < len(self._buffers) and self._buffers[index].nbytes == nbytes:
             buffer = self._buffers[index]
@@ -132,15 +165,23 @@ class AsyncWriter:
             else:
                 self._buffers.append(buffer)
         view = buffer.view(dtype).reshape(item.shape)
-        np.copyto(view, array, casting="same_kind")
+        if hasattr(data, "snapshot_into"):
+            data.snapshot_into(view)
+        else:
+            np.copyto(view, data, casting="same_kind")
         return view
 
     def _serve(self) -> None:
-        """The background thread: write each submitted snapshot; None ends it."""
+        """The background thread: snapshot (when asked) and write each submitted save; None ends it."""
         while (job := self._jobs.get()) is not None:
-            handle, snapshot, blobs, attrs = job
+            handle, items, blobs, attrs, background = job
             try:
-                ack = write_shard(handle.path, snapshot, blobs, attrs)
+                if background:
+                    try:
+                        items = self._snapshot(items)
+                    finally:
+                        handle._snapshot.set()  # the caller may go on, also when the copy failed
+                ack = write_shard(handle.path, items, blobs, attrs)
             except BaseException as exc:  # reported through the handle, never as an ack
                 logger.error("background checkpoint write to %s failed: %s", handle.path, exc)
                 handle._finish(None, exc)

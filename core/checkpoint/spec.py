@@ -7,6 +7,7 @@ rectangular slice ``[offset[i] : offset[i] + shape[i]]`` in every dimension.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,3 +26,26 @@ class TensorSlice:
         for g, o, s in zip(self.global_shape, self.offset, self.shape, strict=True):
             if o < 0 or s < 0 or o + s > g:
                 raise ValueError(f"{self.name}: slice {self.offset}+{self.shape} outside {self.global_shape}")
+
+
+class LiveArray(Protocol):
+    """State a checkpoint reads when it writes, not when it is asked for (a live tensor).
+
+    A task may export its live training state this way instead of copying it: a
+    synchronous save writes ``current()`` at once; an asynchronous one lets its writer
+    thread ``snapshot_into`` reusable buffers while training goes on, and the task waits
+    for that snapshot (``CheckpointService.fence``) before it next changes the state.
+    """
+
+    shape: tuple[int, ...]  # the slice's shape
+
+    def snapshot_into(self, out: Any) -> None:
+        """Copy the current value into ``out`` (an array of the slice's shape and dtype)."""
+
+    def current(self) -> Any:
+        """The current value as an array of the slice's shape (a view where it can be)."""
+
+
+def current(data: Any) -> Any:
+    """``data`` as an array: a LiveArray's current value, or ``data`` itself."""
+    return data.current() if hasattr(data, "snapshot_into") else data

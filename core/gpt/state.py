@@ -40,7 +40,7 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params,
 from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
 
-Items = list[tuple[TensorSlice, np.ndarray]]
+Items = list[tuple[TensorSlice, Any]]  # LiveTensor items on export
 ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORMAT = 1
@@ -87,6 +87,33 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     """A private fp32 host copy of ``t`` (one copy: the cast or transfer, or else a copy)."""
     out = t.detach().to("cpu", torch.float32)
     return out.numpy().copy() if out.data_ptr() == t.data_ptr() else out.numpy()
+
+
+class LiveTensor:
+    """A live tensor as a checkpoint item (core.checkpoint.spec.LiveArray), read at write time.
+
+    ``snapshot_into`` casts and copies it (device to host too) into the writer's fp32
+    buffer; torch's copy releases the GIL, so the writer thread does it beside training.
+    ``current`` is a zero-copy view for an fp32 host tensor, else a private fp32 copy.
+    """
+
+    __slots__ = ("tensor", "shape")
+
+    def __init__(self, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tensor.numel() != int(np.prod(shape, dtype=np.int64)):
+            raise CheckpointError(f"tensor of shape {tuple(tensor.shape)} does not fill the slice shape {shape}")
+        self.tensor = tensor.detach()
+        self.shape = tuple(shape)
+
+    def snapshot_into(self, out: np.ndarray) -> None:
+        with torch.no_grad():
+            torch.from_numpy(out).copy_(self.tensor.reshape(out.shape))
+
+    def current(self) -> np.ndarray:
+        t = self.tensor
+        if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+            return t.numpy().reshape(self.shape)
+        return _numpy(t).reshape(self.shape)
 
 
 def load_model_slices(model_chunks: list[Any], read: ReadFn) -> None:
@@ -232,6 +259,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def export_state(model_chunks: list[Any], optimizer: Any, step: int) -> tuple[Items, dict[str, Any]]:
     """Every slice this rank writes for a checkpoint after ``step`` steps, and its blobs.
 
+    The items are ``LiveTensor``s of the live state, not copies: valid until the next
+    optimizer step or load (core.ckpt_worker's fence). The blobs are taken now.
+
     Collective over the DP group when the optimizer is distributed: every rank must call it.
     """
     view = _OptimizerView(optimizer)
@@ -246,10 +276,10 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int) -> tuple[It
             continue
         s = slice_of(sh)
         # The array carries the slice's shape: stacked layers add a leading axis of 1.
-        items.append((s, _numpy(param).reshape(s.shape)))
+        items.append((s, LiveTensor(param, s.shape)))
         for kind in kinds:
             tensor = state["param" if kind == "main_param" else kind]
-            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), _numpy(tensor).reshape(s.shape)))
+            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), LiveTensor(tensor, s.shape)))
     blobs = {
         "format": FORMAT,
         "step": int(step),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,12 @@ def _run_schedule(ctx: StepContext, batches: list[MicroBatch], *, forward_only: 
     return float(mean) / parallel_state.get_data_parallel_world_size()
 
 
-def train_step(ctx: StepContext, step: int) -> dict[str, Any]:
-    """One optimizer step on the global batch of ``step``; metrics for this rank."""
+def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One optimizer step on the global batch of ``step``; metrics for this rank.
+
+    ``before_update`` runs after forward and backward, right before the optimizer changes
+    the weights (an async checkpoint's fence: its snapshot is read until then).
+    """
     t0 = time.perf_counter()
     lr = set_lr(ctx.optimizer, step, ctx.cfg)
     for chunk in ctx.model_chunks:
@@ -97,6 +101,8 @@ def train_step(ctx: StepContext, step: int) -> dict[str, Any]:
     for chunk in ctx.model_chunks:
         chunk.train()
     loss = _run_schedule(ctx, ctx.source.micro_batches(step, "train"), forward_only=False)
+    if before_update is not None:
+        before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if not update_ok:
         log.warning("step %d: optimizer skipped the update (inf/nan gradients under loss scaling)", step)

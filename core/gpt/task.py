@@ -32,6 +32,7 @@ class GPTTask:
         self.cfg: RunConfig | None = None
         self._step_ctx: Any = None  # core.gpt.step.StepContext once set up
         self._next_step = 0  # steps done: what a checkpoint taken now is "after"
+        self._fence: Callable[[], None] = lambda: None  # core.ckpt_worker's, once bound
 
     def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
         return {
@@ -109,7 +110,7 @@ class GPTTask:
         ``loss``, ``grad_norm``, ``lr``, ``tokens`` (global tokens of the step)."""
         from core.gpt.step import train_step
 
-        out = train_step(self._ready(), int(step))
+        out = train_step(self._ready(), int(step), before_update=self._fence)
         self._next_step = int(step) + 1
         out["rss_mb"] = rss_mb()
         return out
@@ -126,6 +127,7 @@ class GPTTask:
         """Load this rank's slices of an .npz of full global tensors (global name → array)."""
         from core.gpt.state import load_model_slices
 
+        self._fence()
         with np.load(path) as arrays:
             def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
                 return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
@@ -161,8 +163,13 @@ class GPTTask:
             self._step_ctx = None
 
     # --- checkpoint hooks (core.ckpt_worker) ------------------------------------------------
-    def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, np.ndarray]], dict[str, Any]]:
-        """This rank's slices and blobs (collective over DP with the distributed optimizer)."""
+    def bind_checkpoint_fence(self, fence: Callable[[], None]) -> None:
+        """``fence`` runs before every change of the exported state: the optimizer step, a load."""
+        self._fence = fence
+
+    def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, Any]], dict[str, Any]]:
+        """This rank's slices (live: read until the next update) and blobs (collective over
+        DP with the distributed optimizer)."""
         from core.gpt.state import export_state
 
         ctx = self._ready()
@@ -173,6 +180,7 @@ class GPTTask:
         """Load this rank's slices of a checkpoint, in this rank's layout."""
         from core.gpt.state import import_state
 
+        self._fence()
         ctx = self._ready()
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
 

@@ -188,11 +188,13 @@ class RankGroup:
 
 # --- rank-side functions for RankGroup.apply ------------------------------------------------
 def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
-    """``core.gpt.state.export_state`` of this rank."""
+    """``core.gpt.state.export_state`` of this rank, its live items as arrays (to send)."""
+    from core.checkpoint.spec import current
     from core.gpt.state import export_state
 
     ctx = task._ready()
-    return export_state(ctx.model_chunks, ctx.optimizer, step)
+    items, blobs = export_state(ctx.model_chunks, ctx.optimizer, step)
+    return [(s, np.array(current(a))) for s, a in items], blobs
 
 
 def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:

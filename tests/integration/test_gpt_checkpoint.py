@@ -5,9 +5,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from core.checkpoint import manifest
+from core.checkpoint.hdf5 import CheckpointReader
 from tests.helpers import baton
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -65,3 +67,19 @@ def test_resume_in_another_layout_continues_the_curve(runs: dict[str, Path], lay
     state = json.loads((run / "state.json").read_text())
     resumed_ev = [e for e in state["history"] if e["event"] == "resumed"][-1]
     assert resumed_ev["saved_layout"] == "tp2pp2dp1" and resumed_ev["layout"] == f"tp{tp}pp{pp}dp1"
+
+
+def test_async_checkpoints_taken_while_training_goes_on_hold_the_state_of_their_step(runs: dict[str, Path]) -> None:
+    """The async snapshot is read on the writer thread during the next step: its fence must
+    hold the optimizer step until the copy is done, or step 10's file would hold step 11."""
+    run = _submit("experiments/tiny_gpt.yaml", f"runs_root={runs['root']}/async", "trainer.steps=20", *BASE,
+                  "checkpoint.interval_steps=5", "checkpoint.keep_last=4", "checkpoint.async=true")
+    assert manifest.committed_steps(run / "checkpoints") == [5, 10, 15, 20]
+    assert _losses(run) == _losses(runs["full"])  # training itself is unchanged by the saves beside it
+    sync, overlapped = runs["half"] / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010"
+    with CheckpointReader(sync) as want, CheckpointReader(overlapped) as got:
+        assert got.names() == want.names()
+        diffs = {n: float(np.max(np.abs(got.read(n) - want.read(n)))) for n in want.names()}
+        assert max(diffs.values()) == 0.0, {n: d for n, d in diffs.items() if d}
+        assert [got.blobs(r)["optimizer_step"] for r in range(4)] == [10] * 4
+    assert manifest.verify(overlapped) == []

@@ -184,13 +184,13 @@ def test_async_save_of_private_copies_writes_them_without_another_copy(tmp_path:
     attrs = {"step": 6, "rank": 0, "layout": {"dp": 1}, "config_hash": "x"}
     sync_ack = write_shard(tmp_path / "sync" / "rank_00000.h5", items, {"lr": 0.1}, attrs)
     writer = AsyncWriter()
-    handle = writer.submit(tmp_path / "async" / "rank_00000.h5", items, {"lr": 0.1}, attrs, copy=False)
+    handle = writer.submit(tmp_path / "async" / "rank_00000.h5", items, {"lr": 0.1}, attrs, snapshot="none")
     assert handle.result(timeout=30) == sync_ack
     assert writer._buffers == []  # nothing was copied into snapshot buffers
     assert filecmp.cmp(tmp_path / "sync" / "rank_00000.h5", tmp_path / "async" / "rank_00000.h5", shallow=False)
     bad = [(items[0][0], items[0][1].reshape(-1))]
     with pytest.raises(CheckpointError, match="emb: array shape"):
-        writer.submit(tmp_path / "async" / "rank_00001.h5", bad, {}, attrs, copy=False)
+        writer.submit(tmp_path / "async" / "rank_00001.h5", bad, {}, attrs, snapshot="none")
     writer.close()
 
 
