@@ -94,26 +94,46 @@ class LiveTensor:
 
     ``snapshot_into`` casts and copies it (device to host too) into the writer's fp32
     buffer; torch's copy releases the GIL, so the writer thread does it beside training.
-    ``current`` is a zero-copy view for an fp32 host tensor, else a private fp32 copy.
+    On a GPU the copy runs on a side stream, after ``ready`` (an event recorded on the
+    training stream at export), so it neither waits for nor holds up the next step's
+    kernels. ``current`` is a zero-copy view for an fp32 host tensor, else an fp32 copy.
     """
 
-    __slots__ = ("tensor", "shape")
+    __slots__ = ("tensor", "shape", "ready")
 
-    def __init__(self, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def __init__(self, tensor: torch.Tensor, shape: tuple[int, ...], ready: Any = None) -> None:
         if tensor.numel() != int(np.prod(shape, dtype=np.int64)):
             raise CheckpointError(f"tensor of shape {tuple(tensor.shape)} does not fill the slice shape {shape}")
         self.tensor = tensor.detach()
         self.shape = tuple(shape)
+        self.ready = ready
 
     def snapshot_into(self, out: np.ndarray) -> None:
+        t = self.tensor.reshape(out.shape)
         with torch.no_grad():
-            torch.from_numpy(out).copy_(self.tensor.reshape(out.shape))
+            if not t.is_cuda:
+                torch.from_numpy(out).copy_(t)
+                return
+            stream = _side_stream(t.device)
+            with torch.cuda.stream(stream):
+                if self.ready is not None:
+                    stream.wait_event(self.ready)
+                torch.from_numpy(out).copy_(t)  # pageable host memory: returns once the data is there
 
     def current(self) -> np.ndarray:
         t = self.tensor
         if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
             return t.numpy().reshape(self.shape)
         return _numpy(t).reshape(self.shape)
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
 
 
 def load_model_slices(model_chunks: list[Any], read: ReadFn) -> None:
@@ -270,16 +290,20 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int) -> tuple[It
     if view.distributed:
         _gather_over_dp([s[k] for s in states for k in ("param", *MOMENTS)])
     kinds = [*MOMENTS, "main_param"] if view.separate_main else list(MOMENTS)
+    ready = None  # on a GPU: the point of the training stream the snapshot copies must follow
+    if params and params[0][1].is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
     items: Items = []
     for (sh, param), state in zip(params, states, strict=True):
         if not is_writer(sh):
             continue
         s = slice_of(sh)
         # The array carries the slice's shape: stacked layers add a leading axis of 1.
-        items.append((s, LiveTensor(param, s.shape)))
+        items.append((s, LiveTensor(param, s.shape, ready)))
         for kind in kinds:
             tensor = state["param" if kind == "main_param" else kind]
-            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), LiveTensor(tensor, s.shape)))
+            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), LiveTensor(tensor, s.shape, ready)))
     blobs = {
         "format": FORMAT,
         "step": int(step),
