@@ -147,3 +147,21 @@ def test_a_controller_killed_on_slurm_is_requeued_by_the_batch_script(
     assert _events(run, "resumed")[0]["step"] % 100 == 0
     assert _losses(run) == reference
     assert sh.job_field(job, "Restarts") == "1"
+
+
+@pytest.mark.timeout(420)
+def test_a_deterministic_error_on_slurm_fails_the_job_once_with_the_reason_and_no_requeue(
+        slurm_cluster, slurm_jobs, shared_tmp) -> None:
+    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=100", "--partition", "gpu",
+                       env={"BATON_TOY_FAIL_AT_STEP": "250"})
+    done = _finished(run, job)
+    assert done["status"] == "failed" and done["step"] == 250, done.get("reason")
+    assert "toy failure at step 250" in done["reason"] and "the same on all 4 ranks" in done["reason"]
+    assert "not retried" in done["reason"]
+    assert _events(run, "requeued") == [] and _events(run, "restarting_workers") == []
+    # the controller component ends FAILED (its exit code), once: sacct -D lists no earlier run
+    sh.wait_for_sacct(job, {f"{job}+0": "FAILED"}, 60)
+    assert [jid for jid, _ in sh.sacct_states(job, duplicates=True)].count(f"{job}+0") == 1
+    assert sh.job_field(job, "Restarts") in ("0", None)  # no requeue loop
+    status = baton("status", str(run))
+    assert "toy failure at step 250" in status.stdout, status.stdout + status.stderr
