@@ -15,10 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from launcher import slurm
+    from launcher import slurm_jobs
 
-    run_folder = slurm.resolve_status_target(args.run_dir)
-    states = slurm.cancel(run_folder, timeout_s=args.timeout)
+    run_folder = slurm_jobs.resolve_status_target(args.run_dir)
+    states = slurm_jobs.cancel(run_folder, timeout_s=args.timeout)
     shown = ", ".join(f"{comp} {state}" for comp, state in states.items()) or "no longer known to Slurm"
     print(f"cancelled {run_folder.path}: {shown}")
     return 0

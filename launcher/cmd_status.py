@@ -40,12 +40,12 @@ def format_status(state: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launcher import slurm  # a job id → its run folder; the Slurm states of both components
+    from launcher import slurm_jobs  # a job id → its run folder; the Slurm states of both components
 
-    run_folder = slurm.resolve_status_target(args.run_dir)
+    run_folder = slurm_jobs.resolve_status_target(args.run_dir)
     if args.watch:
         from launcher.cmd_watch import watch
 
         return watch(run_folder.path, args.interval, stream=sys.stdout)
-    print("\n".join([format_status(run_folder.read_state()), *slurm.slurm_status_lines(run_folder)]))
+    print("\n".join([format_status(run_folder.read_state()), *slurm_jobs.slurm_status_lines(run_folder)]))
     return 0

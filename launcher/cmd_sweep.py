@@ -22,7 +22,7 @@ from core.config import RunConfig
 from core.errors import UserError
 from core.runfolder import RunFolder
 from launcher import ledger as ledger_mod
-from launcher import local, runprep
+from launcher import local, runprep, slurm_jobs
 from launcher import sweep as sweep_mod
 from launcher.cmd_submit import pick_backend
 from launcher.ledger import Entry, Ledger, PointStatus
@@ -92,7 +92,7 @@ class SlurmBackend:
         """The leader's state of each job; answers are cached in the run folder for a few seconds."""
         out = {}
         for job_id, run_dir in jobs.items():
-            states = self._slurm.job_states(job_id, run_dir / ".slurm_states.json")
+            states = slurm_jobs.job_states(job_id, run_dir / ".slurm_states.json")
             state = states.get(f"{job_id}+0") or next(iter(states.values()), None)
             if state:
                 out[job_id] = state.split()[0]

@@ -169,7 +169,7 @@ def point_state(entry: Entry, run_status: str | None, job_state: str | None, *, 
         return SLURM_STATES.get(job_state, FAILED if job_state == "COMPLETED" else entry.state)
     if run_status == "running":
         return RUNNING
-    if run_status == "cancelled":  # launcher.slurm.cancel records it
+    if run_status == "cancelled":  # launcher.slurm_jobs.cancel records it
         return CANCELLED
     return entry.state if entry.state != UNSUBMITTED else QUEUED
 

@@ -9,7 +9,7 @@
 Steps, in order: ``component_options`` (YAML + CLI flags → two option dicts), ``render``
 (pure: the exact script, for ``--dry-run`` and golden tests), ``preflight`` (checks
 against ``sinfo`` and the file system; nothing is submitted when one fails), ``submit``
-(the one side effect). Then ``job_states`` / ``slurm_status_lines`` / ``cancel``.
+(the one side effect). Then ``launcher.slurm_jobs``: states, status lines, cancel.
 
 submitit has no heterogeneous jobs. Its private seam ``_make_submission_file_text`` is
 overridden here and only here (``HetJobExecutor``); tests/unit/test_slurm_render.py fails
@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,9 @@ from submitit.slurm import slurm as submitit_slurm
 
 from core.config import RunConfig, SlurmComponentConfig
 from core.errors import UserError
-from core.runfolder import RunFolder, event, read_json, write_atomic, write_json
+from core.runfolder import RunFolder, event, write_atomic, write_json
+from launcher import slurm_jobs
+from launcher.slurm_jobs import job_record, submitit_folder
 
 log = logging.getLogger(__name__)
 
@@ -48,31 +49,10 @@ DEFAULT_TIME_MIN = 60
 # step, 2 min to write and commit a checkpoint.
 MIN_WALLTIME_MIN = 2 + 1 + 2
 WORKERS_GRACE_S = 30.0  # after the controller exits, on top of timeouts.controller_lost_s
-STATE_CACHE_S = 3.0  # job_states answers from the run folder's cache for this long
-CLI_TIMEOUT_S = 30.0
 OPTION_KEYS = ("partition", "account", "qos", "time", "nodes", "ntasks_per_node", "gpus_per_node",
                "cpus_per_task", "mem", "constraint", "exclude", "reservation", "signal", "extra")
 _CLI_OPTIONS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem",
                 "constraint", "exclude", "reservation", "signal")
-
-# Slurm job state → Baton's word for it. Anything else is "unknown".
-SLURM_TO_BATON = {
-    "PENDING": "pending", "CONFIGURING": "pending", "RESV_DEL_HOLD": "held", "REQUEUE_HOLD": "held",
-    "REQUEUED": "requeued", "REQUEUE_FED": "requeued", "SUSPENDED": "suspended", "STOPPED": "suspended",
-    "RUNNING": "running", "SIGNALING": "running", "RESIZING": "running",
-    "COMPLETING": "ending", "STAGE_OUT": "ending",
-    "COMPLETED": "completed", "CANCELLED": "cancelled", "REVOKED": "cancelled",
-    "FAILED": "failed", "BOOT_FAIL": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
-    "SPECIAL_EXIT": "failed", "TIMEOUT": "timeout", "DEADLINE": "timeout", "PREEMPTED": "preempted",
-}
-ACTIVE = {"pending", "held", "requeued", "suspended", "running", "ending"}
-
-
-def baton_state(slurm_state: str) -> str:
-    """Baton's name for a Slurm state (``CANCELLED by 0`` → ``cancelled``)."""
-    word = slurm_state.split()[0] if slurm_state.split() else ""
-    return SLURM_TO_BATON.get(word.rstrip("+"), "unknown")
-
 
 # ------------------------------------------------------------------------------- options
 
@@ -168,11 +148,6 @@ def _flag(key: str, value: Any) -> str:
 def _raw_flag(raw: str) -> tuple[str, Any]:
     key, sep, value = raw[2:].partition("=")
     return key, (value if sep else True)
-
-
-def submitit_folder(run: RunFolder) -> Path:
-    """submitit's job folder (pickled call, result, the controller's output)."""
-    return run.path / "submitit"
 
 
 def controller_command(folder: Path, python: str) -> str:
@@ -338,15 +313,6 @@ def core_controller_main(run_dir: str) -> int:
 # ------------------------------------------------------------------------------ preflight
 
 
-def _slurm(args: list[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-    except FileNotFoundError:
-        raise UserError(f"{args[0]}: not found; run on a Slurm login node or use --backend local") from None
-    except subprocess.TimeoutExpired:
-        raise UserError(f"{' '.join(args)}: no answer within {CLI_TIMEOUT_S:.0f} s; is slurmctld up?") from None
-
-
 def _gpus(gres: str) -> int:
     gres = re.sub(r"\([^)]*\)", "", gres)  # gpu:a100:4(S:0-1) → gpu:a100:4
     return sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,]+)?:(\d+)", gres))
@@ -368,7 +334,7 @@ def preflight(cfg: RunConfig, controller_opts: dict[str, Any] | None = None, wor
     """
     controller_opts, worker_opts = _resolve(cfg, controller_opts, worker_opts, ())
     run_root = run_root or Path(cfg.runs_root).expanduser().resolve()
-    proc = _slurm(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%c|%l"])
+    proc = slurm_jobs.run_cli(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%c|%l"])
     if proc.returncode != 0:
         raise UserError(f"preflight: sinfo failed: {proc.stderr.strip() or proc.stdout.strip()}")
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 4]
@@ -409,11 +375,6 @@ def preflight(cfg: RunConfig, controller_opts: dict[str, Any] | None = None, wor
 # --------------------------------------------------------------------------------- submit
 
 
-def job_record(run: RunFolder) -> Path:
-    """slurm.json: the job id, written once at submit (state.json is the controller's)."""
-    return run.path / "slurm.json"
-
-
 def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | None = None,
            worker_opts: dict[str, Any] | None = None, *, epoch: int = 0,
            extra_sbatch: list[str] | tuple[str, ...] = (), python: str | None = None) -> str:
@@ -447,130 +408,3 @@ def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | Non
     run.write_state(state)
     log.debug("submitted job %s for %s", job_id, run.path)
     return job_id
-
-
-# ---------------------------------------------------------------------- states and cancel
-
-
-def _squeue(job_id: str) -> dict[str, str]:
-    proc = _slurm(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i %T"])  # -t all: ended jobs too
-    if proc.returncode != 0:  # "Invalid job id specified" once the job has left the queue
-        return {}
-    return dict(line.split(None, 1) for line in proc.stdout.splitlines() if len(line.split()) == 2)
-
-
-def _sacct(job_id: str) -> dict[str, str]:
-    proc = _slurm(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State"])
-    if proc.returncode != 0:  # no accounting storage
-        return {}
-    rows = [line.split("|", 1) for line in proc.stdout.splitlines() if "|" in line]
-    return {jid.strip(): (state.split() or [""])[0] for jid, state in rows}
-
-
-def job_states(job_id: str, cache: Path | None = None, max_age_s: float = STATE_CACHE_S) -> dict[str, str]:
-    """{"ID+0": Slurm state, "ID+1": ...} from squeue, sacct for components squeue no longer
-    lists. With ``cache``, answers younger than ``max_age_s`` come from that file: many
-    `baton status` calls cost one squeue."""
-    if cache is not None and max_age_s > 0:
-        try:
-            cached = read_json(cache)
-            if cached.get("job_id") == job_id and time.time() - float(cached["time"]) < max_age_s:
-                return dict(cached["states"])
-        except (FileNotFoundError, UserError, KeyError, ValueError, TypeError):
-            pass
-    wanted = (f"{job_id}+0", f"{job_id}+1")
-    states = {k: v for k, v in _squeue(job_id).items() if k in wanted}
-    if len(states) < len(wanted):
-        states = {**{k: v for k, v in _sacct(job_id).items() if k in wanted}, **states}
-    if cache is not None:
-        write_json(cache, {"job_id": job_id, "time": time.time(), "states": states})
-    return dict(sorted(states.items()))
-
-
-def job_id_of(run: RunFolder) -> str | None:
-    """The run's Slurm job id (slurm.json, else state.json), None for a run not on Slurm."""
-    try:
-        return str(read_json(job_record(run))["job_id"])
-    except (FileNotFoundError, KeyError, UserError):
-        job_id = run.read_state().get("slurm", {}).get("job_id")
-        return str(job_id) if job_id else None
-
-
-def _cache(run: RunFolder) -> Path:
-    return run.path / ".slurm_states.json"
-
-
-def slurm_status_lines(run: RunFolder) -> list[str]:
-    """Lines for `baton status`: the job id and both components' Slurm states ([] off Slurm)."""
-    job_id = job_id_of(run)
-    if job_id is None:
-        return []
-    states = job_states(job_id, _cache(run))
-    lines = [f"slurm:    job {job_id}"]
-    for name, comp in (("controller", f"{job_id}+0"), ("workers", f"{job_id}+1")):
-        s = states.get(comp)
-        lines.append(f"  {name + ':':<11} {comp} {s} ({baton_state(s)})" if s else
-                     f"  {name + ':':<11} {comp} not known to squeue or sacct")
-    recorded = run.read_state().get("status")
-    if states and not any(baton_state(s) in ACTIVE for s in states.values()) and \
-            recorded in ("submitting", "submitted", "running", "resuming"):
-        lines.append(f"  note: the job has ended but the controller last recorded {recorded!r}; "
-                     f"see {run.controller_log} and {submitit_folder(run)}")
-    return lines
-
-
-def cancel(run: RunFolder, timeout_s: float = 60.0) -> dict[str, str]:
-    """scancel the leader id (both components end), wait for Slurm to say so, record it."""
-    job_id = job_id_of(run)
-    if job_id is None:
-        raise UserError(f"{run.path}: not a Slurm run (no job id in slurm.json or state.json)")
-    states = job_states(job_id, max_age_s=0)
-    if states and not any(baton_state(s) in ACTIVE for s in states.values()):
-        return states
-    proc = _slurm(["scancel", job_id])
-    if proc.returncode != 0:
-        raise UserError(f"scancel {job_id}: {proc.stderr.strip() or proc.stdout.strip()}")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = job_states(job_id, max_age_s=0)
-        if not any(baton_state(s) in ACTIVE for s in states.values()):
-            break
-        if time.monotonic() >= deadline:
-            raise UserError(f"scancel {job_id}: still {states} after {timeout_s:.0f} s; see squeue -j {job_id}")
-        time.sleep(1.0)
-    state = run.read_state()
-    if state.get("status") not in ("completed", "failed"):
-        state.update(status="cancelled")
-    event(state, "cancelled", job_id=job_id, slurm=states)
-    run.write_state(state)
-    write_json(_cache(run), {"job_id": job_id, "time": time.time(), "states": states})
-    return states
-
-
-def _job_folder(job_id: str) -> str | None:
-    """The job's run folder: its comment or working directory (squeue while Slurm still
-    holds the job, then sacct; the accounting database stores '"' as '`')."""
-    for args in (["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%k"],
-                 ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%Z"],
-                 ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "WorkDir"]):
-        proc = _slurm(args)
-        found = [x.strip() for x in proc.stdout.splitlines() if x.strip() not in ("", "(null)")] if proc.returncode == 0 else []
-        for candidate in dict.fromkeys(c for f in found[:1] for c in (f, f.replace("`", '"'))):
-            if (Path(candidate) / "config.yaml").is_file():
-                return candidate
-    return None
-
-
-def resolve_status_target(arg: str) -> RunFolder:
-    """A run folder path, or a Slurm job id (``123`` or ``123+1``) → its RunFolder.
-
-    The job's ``--comment`` and working directory are its run folder (see render).
-    """
-    path = Path(arg).expanduser()
-    if path.is_dir() or not re.fullmatch(r"\d+(\+\d+)?", arg):
-        return RunFolder.open(path.resolve())
-    job_id = arg.split("+")[0]
-    folder = _job_folder(job_id)
-    if folder is None:
-        raise UserError(f"job {job_id}: no Baton run folder found via squeue or sacct; pass the run folder instead")
-    return RunFolder.open(Path(folder))

@@ -23,7 +23,7 @@ from submitit.slurm import slurm as submitit_slurm
 from core import config
 from core.errors import UserError
 from core.runfolder import RunFolder
-from launcher import slurm
+from launcher import slurm, slurm_jobs
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -119,10 +119,10 @@ def test_submitit_private_seam_is_unchanged(monkeypatch: pytest.MonkeyPatch, tmp
     ctl, wrk = slurm.component_options(cfg)
     expected = slurm.render(run, cfg, ctl, wrk, python=PYTHON)
     py = shlex.quote(PYTHON)
-    ex = slurm.HetJobExecutor(slurm.submitit_folder(run), fields=slurm._fields(run, cfg, wrk, py, str(slurm.REPO)),
+    ex = slurm.HetJobExecutor(slurm_jobs.submitit_folder(run), fields=slurm._fields(run, cfg, wrk, py, str(slurm.REPO)),
                               expected=expected, python=py)
     ex.update_parameters(**slurm._submitit_parameters(run, cfg, ctl))
-    assert ex._submitit_command_str == slurm.controller_command(slurm.submitit_folder(run), py)
+    assert ex._submitit_command_str == slurm.controller_command(slurm_jobs.submitit_folder(run), py)
     assert ex._make_submission_file_text(ex._submitit_command_str, "uid") == expected
 
 
@@ -186,7 +186,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         out = answers[args[0]]
         return subprocess.CompletedProcess(args, 1 if out is None else 0, out or "", "")
 
-    monkeypatch.setattr(slurm, "_slurm", fake)
+    monkeypatch.setattr(slurm_jobs, "run_cli", fake)
     return answers
 
 
@@ -227,33 +227,33 @@ def test_preflight_refuses_a_runs_root_it_cannot_write(recorded: dict[str, Any],
 
 
 def test_every_mapped_slurm_state_has_a_baton_state() -> None:
-    assert set(slurm.SLURM_TO_BATON.values()) - {"completed", "cancelled", "failed", "timeout", "preempted"} == slurm.ACTIVE
-    assert slurm.baton_state("CANCELLED by 0") == "cancelled"
-    assert slurm.baton_state("WEIRD") == "unknown"
+    assert set(slurm_jobs.SLURM_TO_BATON.values()) - {"completed", "cancelled", "failed", "timeout", "preempted"} == slurm_jobs.ACTIVE
+    assert slurm_jobs.baton_state("CANCELLED by 0") == "cancelled"
+    assert slurm_jobs.baton_state("WEIRD") == "unknown"
 
 
 def test_job_states_reads_both_components_and_answers_from_the_cache(recorded: dict[str, Any], tmp_path: Path) -> None:
     recorded["squeue"] = "7+0 RUNNING\n7+1 COMPLETING\n"
     cache = tmp_path / ".slurm_states.json"
-    assert slurm.job_states("7", cache) == {"7+0": "RUNNING", "7+1": "COMPLETING"}
+    assert slurm_jobs.job_states("7", cache) == {"7+0": "RUNNING", "7+1": "COMPLETING"}
     recorded["squeue"] = "7+0 COMPLETED\n"
-    assert slurm.job_states("7", cache) == {"7+0": "RUNNING", "7+1": "COMPLETING"}  # fresh cache: no squeue
+    assert slurm_jobs.job_states("7", cache) == {"7+0": "RUNNING", "7+1": "COMPLETING"}  # fresh cache: no squeue
     assert recorded["calls"] == ["squeue"]
 
 
 def test_job_states_falls_back_to_sacct_once_squeue_forgets_the_job(recorded: dict[str, Any]) -> None:
     recorded["squeue"] = None  # squeue exits 1: "Invalid job id specified"
     recorded["sacct"] = "7+0|COMPLETED\n7+1|CANCELLED by 0\n"
-    assert slurm.job_states("7") == {"7+0": "COMPLETED", "7+1": "CANCELLED"}
+    assert slurm_jobs.job_states("7") == {"7+0": "COMPLETED", "7+1": "CANCELLED"}
 
 
 def test_status_target_may_be_a_run_folder_path(tmp_path: Path) -> None:
     run = tmp_path / "a run"
     run.mkdir()
     (run / "config.yaml").write_text("name: x\n")
-    assert slurm.resolve_status_target(str(run)).path == run.resolve()
+    assert slurm_jobs.resolve_status_target(str(run)).path == run.resolve()
     with pytest.raises(UserError, match="not a Baton run folder"):
-        slurm.resolve_status_target(str(tmp_path / "missing"))
+        slurm_jobs.resolve_status_target(str(tmp_path / "missing"))
 
 
 def test_status_target_job_id_resolves_from_sacct_workdir_despite_its_quote_mangling(
@@ -263,7 +263,7 @@ def test_status_target_job_id_resolves_from_sacct_workdir_despite_its_quote_mang
     (run / "config.yaml").write_text("name: x\n")
     recorded["squeue"] = ""  # Slurm has forgotten the job; the accounting database stores '"' as '`'
     recorded["sacct"] = f"{str(run).replace(chr(34), '`')}\n"
-    assert slurm.resolve_status_target("7").path == run
+    assert slurm_jobs.resolve_status_target("7").path == run
     recorded["sacct"] = ""
     with pytest.raises(UserError, match="job 7: no Baton run folder found"):
-        slurm.resolve_status_target("7+1")
+        slurm_jobs.resolve_status_target("7+1")
