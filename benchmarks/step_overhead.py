@@ -23,8 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 EXP = REPO / "experiments" / "tiny_gpt.yaml"
 
 
+def _pythonpath() -> str:
+    """The repo first, then what the caller had (packages installed outside site-packages)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
 def baton_run(overrides: list[str], root: Path) -> tuple[list[float], int]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(EXP), f"runs_root={root}",
                           "checkpoint.at_end=false", "checkpoint.interval_steps=0", *overrides, "--backend", "local"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=1200, check=True)
@@ -35,7 +40,7 @@ def baton_run(overrides: list[str], root: Path) -> tuple[list[float], int]:
 
 def plain_run(overrides: list[str], root: Path, nproc: int) -> tuple[list[float], int]:
     out = root / f"plain-{len(list(root.iterdir()))}.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1")
     with socket.socket() as s:  # torchrun's --master_port=0 hangs the gloo rendezvous: pick one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

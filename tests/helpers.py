@@ -78,7 +78,7 @@ def make_run(tmp_path: Path, experiment: str, overrides: list[str]) -> LocalRun:
 
 def baton(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=timeout)
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks as one prepared script, for a session that is lent a GPU machine.
+#
+#   bash benchmarks/gpu_check.sh fetch   # on this machine: the wheels the GPU image lacks
+#                                        # (megatron-core, pyzmq, submitit for its Python 3.12)
+#                                        # into .whl/ (git-ignored), ~3.5 MiB
+#   bash benchmarks/gpu_check.sh run     # on the GPU machine (device run, carry [".whl"]):
+#                                        # install them into /tmp/site, then run the checks;
+#                                        # everything lands under $OUT (default ./gpu-out)
+#
+# The checks: the CUDA tests (tests/gpu: the side-stream snapshot copy, bf16 casts, the
+# tiny GPT in bf16 on one GPU with an async checkpoint and a resume), then
+# benchmarks/step_overhead.py --quick on the GPU. About 5 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=("megatron-core==0.16.1" "pyzmq==27.3.0" "submitit==1.5.4")
+
+case "${1:-}" in
+fetch)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}" || exit 1
+    ls -l .whl
+    ;;
+run)
+    out=${OUT:-gpu-out}
+    mkdir -p "$out"
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in .whl/; run 'bash $0 fetch' first and carry .whl" >&2; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    rc=0
+    { nvidia-smi -L
+      python3 -c "import torch, megatron.core, zmq, h5py; print('torch', torch.__version__, torch.cuda.get_device_name(),
+      '| megatron-core', megatron.core.__version__, '| pyzmq', zmq.__version__, '| h5py', h5py.__version__)"
+    } 2>&1 | tee "$out/versions.txt"
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" -rA tests/gpu 2>&1 | tee "$out/tests_gpu.txt" || rc=1
+    timeout 300 python3 benchmarks/step_overhead.py --quick --json "$out/step_overhead.json" \
+        parallel.tp=1 parallel.pp=1 trainer.n_gpus_per_node=1 trainer.device=cuda 2>&1 | tee "$out/step_overhead.txt" || rc=1
+    exit $rc
+    ;;
+*)
+    echo "usage: bash $0 fetch | run" >&2
+    exit 2
+    ;;
+esac
