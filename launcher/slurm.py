@@ -36,7 +36,6 @@ from core.config import RunConfig, SlurmComponentConfig
 from core.errors import UserError
 from core.runfolder import RunFolder, event, write_atomic, write_json
 from launcher import slurm_jobs
-from launcher.slurm_jobs import job_record, submitit_folder
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +252,7 @@ def render(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | Non
     """
     ctl, wrk = _resolve(cfg, controller_opts, worker_opts, extra_sbatch)
     py = shlex.quote(python or sys.executable)
-    folder = submitit_folder(run)
+    folder = slurm_jobs.submitit_folder(run)
     text = submitit_slurm._make_sbatch_string(command=controller_command(folder, py), folder=folder,
                                               **_submitit_parameters(run, cfg, ctl))
     return compose(text, _fields(run, cfg, wrk, py, pythonpath or str(REPO), epoch))
@@ -386,7 +385,7 @@ def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | Non
     py = shlex.quote(python or sys.executable)
     script = render(run, cfg, ctl, wrk, epoch=epoch, python=python)
     write_atomic(run.sbatch, script)
-    executor = HetJobExecutor(submitit_folder(run), fields=_fields(run, cfg, wrk, py, str(REPO), epoch),
+    executor = HetJobExecutor(slurm_jobs.submitit_folder(run), fields=_fields(run, cfg, wrk, py, str(REPO), epoch),
                               expected=script, python=py)
     executor.update_parameters(**_submitit_parameters(run, cfg, ctl))
     try:
@@ -399,7 +398,7 @@ def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | Non
         run.write_state(state)
         raise UserError(f"sbatch refused the job: {reason}") from None
     job_id = str(job.job_id)
-    write_json(job_record(run), {"job_id": job_id, "backend": "slurm", "submitted": time.time(),
+    write_json(slurm_jobs.job_record(run), {"job_id": job_id, "backend": "slurm", "submitted": time.time(),
                                  "components": {"controller": f"{job_id}+0", "workers": f"{job_id}+1"}})
     state = run.read_state()
     state.update(status="submitted", backend="slurm")

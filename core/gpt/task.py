@@ -164,7 +164,8 @@ class GPTTask:
 
     # --- checkpoint hooks (core.ckpt_worker) ------------------------------------------------
     def bind_checkpoint_fence(self, fence: Callable[[], None]) -> None:
-        """``fence`` runs before every change of the exported state: the optimizer step, a load."""
+        """``fence`` runs before every change of the exported state: the optimizer step, a
+        weights load (a checkpoint load is fenced by CheckpointService.load itself)."""
         self._fence = fence
 
     def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, Any]], dict[str, Any]]:
@@ -180,8 +181,7 @@ class GPTTask:
         """Load this rank's slices of a checkpoint, in this rank's layout."""
         from core.gpt.state import import_state
 
-        self._fence()
-        ctx = self._ready()
+        ctx = self._ready()  # CheckpointService.load has passed the fence already
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
 
     # --- helpers -----------------------------------------------------------------------------
