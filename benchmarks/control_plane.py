@@ -15,7 +15,7 @@ heartbeat costs, without the fixed timers of an idle controller. The plain quoti
 cost for the same heartbeat stream, measured the same way (a ROUTER drained at 10 Hz): the
 floor set by zmq's I/O thread and the kernel, which dominates when few workers beat.
 
-    python benchmarks/control_plane.py [--quick] [--json PATH]
+    python benchmarks/control_plane.py [--quick] [--n N ...] [--trials T] [--json PATH]
 """
 from __future__ import annotations
 
@@ -83,39 +83,45 @@ def raw_host(address: str, n: int, keys: str | None) -> None:
             s.send(b"ok")
 
 
-def bench_raw(n: int, procs: int, reps: int, *, curve: bool = False) -> list[float]:
-    """Raw ROUTER/DEALER round trips; ``curve``: with CURVE encryption (no ZAP check)."""
-    keys = None
-    if curve:
-        keys = tempfile.mkdtemp(prefix="baton-bench-keys-")
-        generate_keys(Path(keys))
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    _curve(router, keys, server=True)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
-    children = [mp.Process(target=raw_host, args=(f"tcp://127.0.0.1:{port}", k, keys), daemon=True)
-                for k in per if k]
-    for p in children:
-        p.start()
-    ids = [router.recv_multipart()[0] for _ in range(n)]
-    times = []
-    for _ in range(reps + 5):
+class RawGroup:
+    """Raw ROUTER/DEALER: ``procs`` processes hosting n DEALERs; ``curve``: with CURVE
+    encryption (no ZAP check)."""
+
+    def __init__(self, n: int, procs: int, *, curve: bool = False) -> None:
+        keys = None
+        if curve:
+            keys = tempfile.mkdtemp(prefix="baton-bench-keys-")
+            generate_keys(Path(keys))
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        _curve(self.router, keys, server=True)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        per = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+        self.children = [mp.Process(target=raw_host, args=(f"tcp://127.0.0.1:{port}", k, keys), daemon=True)
+                         for k in per if k]
+        for p in self.children:
+            p.start()
+        self.ids = [self.router.recv_multipart()[0] for _ in range(n)]
+        for _ in range(5):
+            self.round()
+
+    def round(self) -> float:
         t0 = time.perf_counter()
-        for i in ids:
-            router.send_multipart([i, b"call"])
-        for _ in range(n):
-            router.recv_multipart()
-        times.append(time.perf_counter() - t0)
-    for i in ids:
-        router.send_multipart([i, b"quit"])
-    for p in children:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    ctx.destroy(linger=0)
-    return times[5:]
+        for i in self.ids:
+            self.router.send_multipart([i, b"call"])
+        for _ in self.ids:
+            self.router.recv_multipart()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for i in self.ids:
+            self.router.send_multipart([i, b"quit"])
+        for p in self.children:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self.ctx.destroy(linger=0)
 
 
 def raw_beater(address: str, n: int) -> None:
@@ -220,94 +226,138 @@ def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
                 return
 
 
-def bench_baton(n: int, hosts: int, reps: int, idle_s: float) -> tuple[list[float], float, float]:
-    tmp = tempfile.mkdtemp(prefix="baton-bench-")
-    cfg = config_mod.from_data({
-        "name": "bench", "runs_root": tmp, "model": {"kind": "toy"}, "trainer": {"n_gpus_per_node": n},
-        "timeouts": {"heartbeat_interval_s": HB_INTERVAL, "heartbeat_timeout_s": 10.0, "register_s": 300,
-                     "controller_lost_s": 60.0},
-    })
-    run = runprep.prepare_run(cfg, backend="local")
-    sock = ControllerSocket(run.keys, bind_host="127.0.0.1")
-    info = publish_address(run, sock, host="127.0.0.1", epoch=0)
-    group = WorkerGroup(sock, world_size=n, epoch=0, dims=cfg.dims, timeouts=cfg.timeouts, run=run)
-    if hosts == 0:  # one real worker process per rank
-        procs = [local._spawn(run, "worker", epoch=0, rank=r) for r in range(n)]
-    else:
-        per = n // hosts
-        procs = [mp.Process(target=baton_host, args=(str(run.path), info["address"], h * per, per), daemon=True)
-                 for h in range(hosts)]
-        for p in procs:
-            p.start()
-    group.wait_for_workers(300)
-    for _ in range(5):
-        group.call("noop")
-    times = []
-    for _ in range(reps):
+class BatonGroup:
+    """A real controller socket and WorkerGroup with n workers: real worker processes
+    (hosts == 0) or sockets hosted by ``hosts`` processes."""
+
+    def __init__(self, n: int, hosts: int) -> None:
+        tmp = tempfile.mkdtemp(prefix="baton-bench-")
+        cfg = config_mod.from_data({
+            "name": "bench", "runs_root": tmp, "model": {"kind": "toy"}, "trainer": {"n_gpus_per_node": n},
+            "timeouts": {"heartbeat_interval_s": HB_INTERVAL, "heartbeat_timeout_s": 10.0, "register_s": 300,
+                         "controller_lost_s": 60.0},
+        })
+        run = runprep.prepare_run(cfg, backend="local")
+        self.sock = ControllerSocket(run.keys, bind_host="127.0.0.1")
+        info = publish_address(run, self.sock, host="127.0.0.1", epoch=0)
+        self.group = WorkerGroup(self.sock, world_size=n, epoch=0, dims=cfg.dims, timeouts=cfg.timeouts, run=run)
+        if hosts == 0:  # one real worker process per rank
+            self.procs: list = [local._spawn(run, "worker", epoch=0, rank=r) for r in range(n)]
+        else:
+            per = n // hosts
+            self.procs = [mp.Process(target=baton_host, args=(str(run.path), info["address"], h * per, per),
+                                     daemon=True) for h in range(hosts)]
+            for p in self.procs:
+                p.start()
+        self.group.wait_for_workers(300)
+        for _ in range(5):
+            self.round()
+
+    def round(self) -> float:
         t0 = time.perf_counter()
-        group.call("noop")
-        times.append(time.perf_counter() - t0)
-    # Controller CPU per heartbeat, while idle: the pump receives and records them.
-    c0, h0 = _cpu(), group.heartbeats_handled
-    time.sleep(idle_s)  # measuring a rate over a fixed interval
-    c1, h1 = _cpu(), group.heartbeats_handled
-    for p in procs:
-        os.kill(p.pid, signal.SIGSTOP)
-    time.sleep(0.3)  # let what was in flight drain before the baseline window
-    c2, h2 = _cpu(), group.heartbeats_handled
-    time.sleep(idle_s)  # the same interval with every worker stopped: no heartbeats arrive
-    c3, h3 = _cpu(), group.heartbeats_handled
-    for p in procs:
-        os.kill(p.pid, signal.SIGCONT)
-    beats = max(1, (h1 - h0) - (h3 - h2))
-    plain = (c1 - c0) / max(1, h1 - h0)
-    marginal = ((c1 - c0) - (c3 - c2)) / beats
-    group.shutdown("benchmark done")
-    for p in procs:
-        (p.wait if hasattr(p, "wait") else p.join)(timeout=30)
-    group.close()
-    sock.close()
-    return times, marginal, plain
+        self.group.call("noop")
+        return time.perf_counter() - t0
+
+    def heartbeat_cpu(self, idle_s: float) -> tuple[float, float]:
+        """Controller CPU per heartbeat while idle (the pump receives and records them):
+        (marginal, plain); see the module's docstring."""
+        group = self.group
+        c0, h0 = _cpu(), group.heartbeats_handled
+        time.sleep(idle_s)  # measuring a rate over a fixed interval
+        c1, h1 = _cpu(), group.heartbeats_handled
+        for p in self.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.3)  # let what was in flight drain before the baseline window
+        c2, h2 = _cpu(), group.heartbeats_handled
+        time.sleep(idle_s)  # the same interval with every worker stopped: no heartbeats arrive
+        c3, h3 = _cpu(), group.heartbeats_handled
+        for p in self.procs:
+            os.kill(p.pid, signal.SIGCONT)
+        beats = max(1, (h1 - h0) - (h3 - h2))
+        return ((c1 - c0) - (c3 - c2)) / beats, (c1 - c0) / max(1, h1 - h0)
+
+    def close(self) -> None:
+        self.group.shutdown("benchmark done")
+        for p in self.procs:
+            (p.wait if hasattr(p, "wait") else p.join)(timeout=30)
+        self.group.close()
+        self.sock.close()
+
+
+def measure(n: int, hosts: int, reps: int, blocks: int) -> tuple[dict[str, list[list[float]]], BatonGroup]:
+    """Round trips of raw, raw+CURVE and Baton, all three set up at once and run in
+    alternating blocks (the order rotating), so that a noisy spell hits all alike.
+    Returns the times per block and the Baton group, still running (the caller closes it)."""
+    procs = hosts or n
+    raw, curve = RawGroup(n, procs), RawGroup(n, procs, curve=True)
+    baton = BatonGroup(n, hosts)
+    groups: dict[str, RawGroup | BatonGroup] = {"raw": raw, "curve": curve, "baton": baton}
+    out: dict[str, list[list[float]]] = {name: [] for name in groups}
+    try:
+        order = list(groups)
+        for b in range(blocks):
+            for name in order[b % 3:] + order[:b % 3]:
+                g = groups[name]
+                out[name].append([g.round() for _ in range(max(1, reps // blocks))])
+    except BaseException:
+        baton.close()
+        raise
+    finally:
+        raw.close()
+        curve.close()
+    return out, baton
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N = 1, 8, 256 with fewer repetitions")
     ap.add_argument("--json", type=Path, help="write the numbers here")
-    ap.add_argument("--trials", type=int, default=3, help="interleaved trials per N (the table shows medians)")
+    ap.add_argument("--trials", type=int, default=2, help="set-ups per N (each runs all three methods)")
+    ap.add_argument("--blocks", type=int, default=10, help="alternating blocks per trial")
+    ap.add_argument("--n", type=int, action="append", choices=[1, 8, 64, 256, 1024],
+                    help="measure only this N (repeatable)")
     args = ap.parse_args()
     cases = [(1, 0), (8, 0), (64, 0), (256, 4), (1024, 4)]  # (N, hosting processes; 0 = one per worker)
     if args.quick:
         cases = [(1, 0), (8, 0), (256, 4)]
+    if args.n:
+        cases = [c for c in [(1, 0), (8, 0), (64, 0), (256, 4), (1024, 4)] if c[0] in args.n]
     reps = 100 if args.quick else 300
-    trials = 1 if args.quick else args.trials
+    trials = 1 if args.quick and args.trials == 2 else args.trials
     rows = []
     for n, hosts in cases:
         r = reps if n <= 64 else reps // 3
         procs = hosts or n
-        raw, raw_curve, bat, marginal, plain, raw_hb = [], [], [], [], [], []
-        for _ in range(trials):  # interleaved, so that a noisy spell hits all three alike
-            raw.append(bench_raw(n, procs, r))
-            raw_curve.append(bench_raw(n, procs, r, curve=True))
-            t, m, q = bench_baton(n, hosts, r, idle_s=2.0 if args.quick else 4.0)
-            bat.append(t)
-            marginal.append(m)
+        raw, raw_curve, bat, ratios, marginal, plain, raw_hb = [], [], [], [], [], [], []
+        idle_s = 2.0 if args.quick else 4.0
+        for _ in range(trials):
+            m, group = measure(n, hosts, r, args.blocks)
+            try:
+                mh, q = group.heartbeat_cpu(idle_s)
+            finally:
+                group.close()
+            raw += m["raw"]
+            raw_curve += m["curve"]
+            bat += m["baton"]
+            ratios += [statistics.median(b) / statistics.median(a) for a, b in zip(m["raw"], m["baton"], strict=True)]
+            marginal.append(mh)
             plain.append(q)
-            raw_hb.append(raw_heartbeat_cpu(n, procs, idle_s=2.0 if args.quick else 4.0))
-        p50 = lambda runs: statistics.median(pct(t, 0.5) for t in runs)  # noqa: E731
-        p99 = lambda runs: pct([x for t in runs for x in t], 0.99)  # noqa: E731
+            raw_hb.append(raw_heartbeat_cpu(n, procs, idle_s=idle_s))
+        flat = lambda blocks: [x for blk in blocks for x in blk]  # noqa: E731
         row = {"n": n, "hosting": "processes" if hosts == 0 else f"{hosts} processes", "trials": trials,
-               "raw_p50_us": p50(raw) * 1e6, "raw_p99_us": p99(raw) * 1e6,
-               "raw_curve_p50_us": p50(raw_curve) * 1e6,
-               "baton_p50_us": p50(bat) * 1e6, "baton_p99_us": p99(bat) * 1e6,
+               "blocks": len(bat),
+               "raw_p50_us": pct(flat(raw), 0.5) * 1e6, "raw_p99_us": pct(flat(raw), 0.99) * 1e6,
+               "raw_curve_p50_us": pct(flat(raw_curve), 0.5) * 1e6,
+               "baton_p50_us": pct(flat(bat), 0.5) * 1e6, "baton_p99_us": pct(flat(bat), 0.99) * 1e6,
+               "ratio_p50": statistics.median(ratios),
                "heartbeat_cpu_us": statistics.median(marginal) * 1e6,
                "heartbeat_cpu_with_timers_us": statistics.median(plain) * 1e6,
                "raw_heartbeat_cpu_us": statistics.median(raw_hb) * 1e6}
-        row["ratio_p50"] = row["baton_p50_us"] / row["raw_p50_us"]
         rows.append(row)
         print(f"  done N={n}", file=sys.stderr, flush=True)
-    print(f"\nno-op dispatch+collect round trip: p50 = median over {trials} interleaved trials of each trial's p50 "
-          f"({reps} reps, {reps // 3} for N > 64); p99 over all reps")
+    print(f"\nno-op dispatch+collect round trip, {reps} per method ({reps // 3} for N > 64) in {args.blocks} alternating "
+          f"blocks per trial, {trials} trial(s); p50/p99 over all; ratio = median over blocks of Baton's block p50 / "
+          f"raw's block p50")
     print(f"{'N':>5} {'workers as':>12} {'raw p50':>9} {'raw p99':>9} {'+CURVE p50':>10} {'baton p50':>10} "
           f"{'baton p99':>10} {'p50 ratio':>9} {'CPU/heartbeat':>13} {'(with timers)':>13} {'raw CPU/hb':>10}")
     for row in rows:

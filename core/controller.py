@@ -270,22 +270,26 @@ class WorkerGroup:
         def answered() -> int:
             return len(results) + len(self._errors.get(req, ()))
 
+        # The control plane's hot path on this side: one pass per answer received.
+        recv, handle, monotonic, errors_of = self.sock.recv, self._handle, time.monotonic, self._errors
         while True:
-            errors = self._errors.get(req)
+            errors = errors_of.get(req)
             if errors:
                 # Give the other ranks a moment to answer too: the same exception from every
                 # rank marks a deterministic error (a bug, a bad config), not a sick node.
                 if error_deadline is None:
-                    error_deadline = min(deadline, time.monotonic() + self.timeouts.heartbeat_timeout_s)
-                if answered() >= n or time.monotonic() >= error_deadline:
+                    error_deadline = min(deadline, monotonic() + self.timeouts.heartbeat_timeout_s)
+                if answered() >= n or monotonic() >= error_deadline:
                     raise self._remote_error(method, errors, n)
             elif len(results) >= n:
                 return
-            self._housekeeping()
-            self._raise_if_lost()
-            now = time.monotonic()
+            now = monotonic()
+            if now >= self._next_check:
+                self._housekeeping()
+            if self._n_lost:
+                self._raise_if_lost()
             if now >= deadline:
-                missing = sorted(expected - set(results) - set(self._errors.get(req, ())))
+                missing = sorted(expected - set(results) - set(errors_of.get(req, ())))
                 raise CallTimeoutError(
                     f"{method}: ranks {missing} did not answer within {timeout_s:.1f} s "
                     f"({n - len(missing)} of {n} did); logs: "
@@ -293,13 +297,11 @@ class WorkerGroup:
                     missing=missing,
                 )
             until = deadline if error_deadline is None else error_deadline
-            item = self.sock.recv(max(0.0, min(until - now, check)))
-            errors_of = self._errors
-            while item is not None:
-                self._handle(*item)
-                if len(results) >= n or (errors_of and answered() >= n):
-                    break
-                item = self.sock.recv_nowait()
+            # One blocking receive per answer, never a non-blocking one that raises when
+            # the queue is empty.
+            item = recv(min(until - now, check))
+            if item is not None:
+                handle(*item)
 
     def _remote_error(self, method: str, errors: dict[int, protocol.Error], n: int) -> RemoteError:
         rank = min(errors)

@@ -67,6 +67,25 @@ def _recv_frames(sock: Any, flags: int = 0, *, routed: bool = False) -> list[Any
     return parts
 
 
+def recv_or_none(sock: Any) -> list[Any] | None:
+    """A DEALER's next message, waiting at most its receive timeout (``set_timeout``), or
+    None. The serving loops call this directly: one Python frame per message."""
+    try:
+        frame = _recv(sock, 0, False)
+    except zmq.Again:
+        return None
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _recv(sock, 0, False)
+        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+    return parts
+
+
+def send_frames(sock: Any, frames: Frames) -> None:
+    """Send one message on a DEALER (see ``_send_frames``)."""
+    _send_frames(sock, frames)
+
+
 class _Timeout:
     """RCVTIMEO set only when it changes: a blocking recv with a timeout is cheaper than
     a poll followed by a recv."""
@@ -192,10 +211,11 @@ class WorkerSocket:
     def recv_within(self, timeout_s: float) -> list[Any] | None:
         """Next message's frames, or None after ``timeout_s`` (only from the owning thread)."""
         self._timeout.set(timeout_s)
-        try:
-            return _recv_frames(self.sock)
-        except zmq.Again:
-            return None
+        return recv_or_none(self.sock)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """How long ``recv_or_none(self.sock)`` waits for a message."""
+        self._timeout.set(timeout_s)
 
     @staticmethod
     def send(sock: Any, frames: Frames) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core import protocol
+from core import protocol, transport
 from core.errors import RegistrationError
 from core.jobenv import JobEnv
 from core.preemption import PreemptionFlag
@@ -220,11 +220,16 @@ class WorkerRuntime:
             run_dir=Path(self.env.run_dir), host=self.env.host, log=logging.getLogger("baton.task"),
         )
         table = dict(self.task_factory(ctx).rpc_table())
-        # The serving loop is the control plane's hot path on this side: kept flat, with
-        # the message kinds tested by identity and the socket read directly.
-        recv, decode, call_kind = self.sock.recv_within, protocol.decode, protocol.Call
+        # The serving loop is the control plane's hot path on this side. Each message meets
+        # cold caches (the process slept since the last one), so what runs per message is
+        # kept small: the socket read directly, kinds tested by identity, the result
+        # encoded without a Result object, no method calls but the task's.
+        sock, epoch = self.sock.sock, self.env.epoch
+        self.sock.set_timeout(1.0)
+        recv, send = transport.recv_or_none, transport.send_frames
+        decode, encode_result, call_kind, monotonic = protocol.decode, protocol.encode_result, protocol.Call, time.monotonic
         while True:
-            frames = recv(1.0)
+            frames = recv(sock)
             if frames is None:
                 continue  # the heartbeat thread's watchdog ends us if the controller is gone
             try:
@@ -232,10 +237,20 @@ class WorkerRuntime:
             except protocol.ProtocolError as exc:
                 log.warning("dropped a malformed message from the controller: %s", exc)
                 continue
-            hb.last_heard = time.monotonic()
+            hb.last_heard = monotonic()
             msg = env.msg
             if type(msg) is call_kind:
-                self._execute(hb, table, msg, env.req_id)
+                fn = table.get(msg.method)
+                if fn is None:
+                    send(sock, self._unknown_method(msg.method, table, env.req_id))
+                    continue
+                hb.busy = msg.method
+                try:
+                    out = encode_result(fn(**msg.kwargs), req_id=env.req_id, epoch=epoch)
+                except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
+                    out = self._failure(msg.method, exc, env.req_id)
+                hb.busy = ""
+                send(sock, out)
                 continue
             if isinstance(msg, protocol.Shutdown):
                 log.info("shutdown: %s", msg.reason)
@@ -248,22 +263,13 @@ class WorkerRuntime:
                 return EXIT_OK
             log.warning("ignored a %s message from the controller", type(msg).__name__)
 
-    def _execute(self, hb: _HeartbeatThread, table: dict[str, Callable[..., Any]], msg: protocol.Call, req_id: int) -> None:
-        fn = table.get(msg.method)
-        if fn is None:
-            self._send(protocol.Error(
-                exc_type="AttributeError",
-                message=f"no method {msg.method!r} on this worker; known: {sorted(table)}",
-                traceback="",
-            ), req_id)
-            return
-        hb.busy = msg.method
-        try:
-            frames = protocol.encode(protocol.Result(value=fn(**msg.kwargs)), req_id=req_id, epoch=self.env.epoch)
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
-            log.exception("call %s failed", msg.method)
-            err = protocol.Error(exc_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())
-            frames = protocol.encode(err, req_id=req_id, epoch=self.env.epoch)
-        finally:
-            hb.busy = ""
-        WorkerSocket.send(self.sock.sock, frames)
+    def _unknown_method(self, method: str, table: dict[str, Callable[..., Any]], req_id: int) -> list[Any]:
+        err = protocol.Error(exc_type="AttributeError", traceback="",
+                             message=f"no method {method!r} on this worker; known: {sorted(table)}")
+        return protocol.encode(err, req_id=req_id, epoch=self.env.epoch)
+
+    def _failure(self, method: str, exc: Exception, req_id: int) -> list[Any]:
+        """The frames of an Error for a call that raised (or whose result cannot be sent)."""
+        log.exception("call %s failed", method)
+        err = protocol.Error(exc_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())
+        return protocol.encode(err, req_id=req_id, epoch=self.env.epoch)

@@ -47,20 +47,31 @@ def test_arrays_travel_as_separate_zero_copy_frames() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    header = msgpack.packb({"v": 99, "k": "heartbeat", "id": 0, "e": 0, "p": {"seq": 1}})
-    with pytest.raises(ProtocolError, match=r"peer speaks 99, this side speaks 1"):
+    header = msgpack.packb([99, "heartbeat", 0, 0, {"seq": 1}])
+    with pytest.raises(ProtocolError, match=r"peer speaks 99, this side speaks 2"):
+        p.decode([header])
+
+
+def test_a_protocol_1_peer_is_told_both_versions() -> None:
+    """Protocol 1 sent its header as a map: such a peer still learns what we speak."""
+    header = msgpack.packb({"v": 1, "k": "heartbeat", "id": 0, "e": 0, "p": {"seq": 1}})
+    with pytest.raises(ProtocolError, match=r"peer speaks 1, this side speaks 2"):
         p.decode([header])
 
 
 @pytest.mark.parametrize(
     "header, fragment",
     [
-        ({"v": 1, "k": "nope", "id": 0, "e": 0, "p": {}}, "unknown message kind"),
-        ({"v": 1, "k": "call", "id": 0, "e": 0, "p": {}}, "missing field 'method'"),
-        ({"v": 1, "k": "call", "id": 0, "e": 0, "p": {"method": 3}}, "wrong type"),
-        ({"v": 1, "k": "call", "id": "x", "e": 0, "p": {"method": "m"}}, "request id"),
-        ({"v": 1, "k": "call", "id": 0, "e": 0, "p": {"method": "m", "evil": 1}}, "unknown fields"),
-        ([1, 2, 3], "not a map"),
+        ([2, "nope", 0, 0, {}], "unknown message kind"),
+        ([2, ["call"], 0, 0, {}], "unknown message kind"),
+        ([2, "call", 0, 0, {}], "missing field 'method'"),
+        ([2, "call", 0, 0, {"method": 3}], "wrong type"),
+        ([2, "call", "x", 0, {"method": "m"}], "request id"),
+        ([2, "call", 0, 1.5, {"method": "m"}], "epoch"),
+        ([2, "call", 0, 0, ["m"]], "payload is not a map"),
+        ([2, "call", 0, 0, {"method": "m", "evil": 1}], "unknown fields"),
+        ([1, 2, 3], "not a 5-item array"),
+        ({"k": "call"}, "not a 5-item array"),
     ],
 )
 def test_malformed_headers_are_protocol_errors(header: object, fragment: str) -> None:
@@ -70,7 +81,7 @@ def test_malformed_headers_are_protocol_errors(header: object, fragment: str) ->
 
 def test_array_header_pointing_past_the_frames_is_refused() -> None:
     ext = msgpack.ExtType(1, msgpack.packb([5, "<f4", [2]]))
-    header = msgpack.packb({"v": 1, "k": "result", "id": 0, "e": 0, "p": {"value": ext}})
+    header = msgpack.packb([2, "result", 0, 0, {"value": ext}])
     with pytest.raises(ProtocolError, match="frame index"):
         p.decode([header])
 
