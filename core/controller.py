@@ -22,14 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from core import protocol
+from core import protocol, transport
 from core.config import TimeoutsConfig
 from core.dispatch import Collect, Dispatch, collect_all, one_to_all
 from core.errors import CallTimeoutError, RegistrationError, RemoteError, WorkerLostError
 from core.parallel.dims import ParallelDims
 from core.preemption import PreemptionFlag
 from core.runfolder import RunFolder
-from core.transport import ControllerSocket
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        sock: ControllerSocket,
+        sock: transport.ControllerSocket,
         *,
         world_size: int,
         epoch: int,
@@ -271,7 +270,8 @@ class WorkerGroup:
             return len(results) + len(self._errors.get(req, ()))
 
         # The control plane's hot path on this side: one pass per answer received.
-        recv, handle, monotonic, errors_of = self.sock.recv, self._handle, time.monotonic, self._errors
+        sock, set_timeout, recv = self.sock.sock, self.sock.set_timeout, transport.recv_routed_or_none
+        handle, monotonic, errors_of = self._handle, time.monotonic, self._errors
         while True:
             errors = errors_of.get(req)
             if errors:
@@ -299,7 +299,8 @@ class WorkerGroup:
             until = deadline if error_deadline is None else error_deadline
             # One blocking receive per answer, never a non-blocking one that raises when
             # the queue is empty.
-            item = recv(min(until - now, check))
+            set_timeout(min(until - now, check))
+            item = recv(sock)
             if item is not None:
                 handle(*item)
 
@@ -326,6 +327,15 @@ class WorkerGroup:
             return None
 
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
+        answer = protocol.decode_result(frames)  # the lean path of the commonest message
+        if answer is not None:
+            peer = self._by_identity.get(identity)
+            if peer is not None and answer[1] == self.epoch:
+                peer.last_seen = time.monotonic()
+                results = self._inflight.get(answer[0])
+                if results is not None:
+                    results[peer.rank] = answer[2]
+                return
         try:
             env = protocol.decode(frames)
         except protocol.ProtocolError:
@@ -446,7 +456,7 @@ class WorkerGroup:
             self._pump.join(timeout=2)
 
 
-def publish_address(run: RunFolder, sock: ControllerSocket, *, host: str, epoch: int) -> dict[str, Any]:
+def publish_address(run: RunFolder, sock: transport.ControllerSocket, *, host: str, epoch: int) -> dict[str, Any]:
     """Write controller.json so workers can find this controller."""
     from core.runfolder import write_json
 

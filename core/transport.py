@@ -81,6 +81,20 @@ def recv_or_none(sock: Any) -> list[Any] | None:
     return parts
 
 
+def recv_routed_or_none(sock: Any) -> tuple[bytes, list[Any]] | None:
+    """A ROUTER's next (peer identity, frames), waiting at most its receive timeout, or None."""
+    try:
+        identity = _recv(sock, 0, True)
+    except zmq.Again:
+        return None
+    frame = _recv(sock, 0, False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _recv(sock, 0, False)
+        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+    return identity, parts
+
+
 def send_frames(sock: Any, frames: Frames) -> None:
     """Send one message on a DEALER (see ``_send_frames``)."""
     _send_frames(sock, frames)
@@ -164,11 +178,11 @@ class ControllerSocket:
     def recv(self, timeout_s: float) -> tuple[bytes, list[Any]] | None:
         """Next (identity, frames), or None after ``timeout_s``."""
         self._timeout.set(timeout_s)
-        try:
-            parts = _recv_frames(self.sock, routed=True)
-        except zmq.Again:
-            return None
-        return parts[0], parts[1:]
+        return recv_routed_or_none(self.sock)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """How long ``recv_routed_or_none(self.sock)`` waits for a message."""
+        self._timeout.set(timeout_s)
 
     def recv_nowait(self) -> tuple[bytes, list[Any]] | None:
         try:

@@ -221,47 +221,54 @@ class WorkerRuntime:
         )
         table = dict(self.task_factory(ctx).rpc_table())
         # The serving loop is the control plane's hot path on this side. Each message meets
-        # cold caches (the process slept since the last one), so what runs per message is
-        # kept small: the socket read directly, kinds tested by identity, the result
-        # encoded without a Result object, no method calls but the task's.
-        sock, epoch = self.sock.sock, self.env.epoch
+        # cold caches (the process slept since the last one), so what runs per call is kept
+        # small: the socket read directly, a Call decoded by protocol's lean path (anything
+        # else goes through the full decode), the result encoded by a Packer of our own.
+        sock = self.sock.sock
         self.sock.set_timeout(1.0)
         recv, send = transport.recv_or_none, transport.send_frames
-        decode, encode_result, call_kind, monotonic = protocol.decode, protocol.encode_result, protocol.Call, time.monotonic
+        decode_call, encode_result = protocol.decode_call, protocol.result_encoder()
         while True:
             frames = recv(sock)
             if frames is None:
                 continue  # the heartbeat thread's watchdog ends us if the controller is gone
-            try:
-                env = decode(frames)
-            except protocol.ProtocolError as exc:
-                log.warning("dropped a malformed message from the controller: %s", exc)
-                continue
-            hb.last_heard = monotonic()
-            msg = env.msg
-            if type(msg) is call_kind:
-                fn = table.get(msg.method)
-                if fn is None:
-                    send(sock, self._unknown_method(msg.method, table, env.req_id))
-                    continue
-                hb.busy = msg.method
+            call = decode_call(frames)
+            if call is None:
                 try:
-                    out = encode_result(fn(**msg.kwargs), req_id=env.req_id, epoch=epoch)
-                except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
-                    out = self._failure(msg.method, exc, env.req_id)
-                hb.busy = ""
-                send(sock, out)
+                    env = protocol.decode(frames)
+                except protocol.ProtocolError as exc:
+                    log.warning("dropped a malformed message from the controller: %s", exc)
+                    continue
+                msg = env.msg
+                if isinstance(msg, protocol.Shutdown):
+                    log.info("shutdown: %s", msg.reason)
+                    self._close(table)
+                    return EXIT_OK
+                if not isinstance(msg, protocol.Call):
+                    log.warning("ignored a %s message from the controller", type(msg).__name__)
+                    continue
+                call = env.req_id, env.epoch, msg.method, msg.kwargs  # e.g. a call with arrays
+            req_id, epoch, method, kwargs = call
+            fn = table.get(method)
+            if fn is None:
+                send(sock, self._unknown_method(method, table, req_id))
                 continue
-            if isinstance(msg, protocol.Shutdown):
-                log.info("shutdown: %s", msg.reason)
-                closer = table.get("shutdown")
-                if closer is not None:
-                    try:
-                        closer()
-                    except Exception:  # noqa: BLE001 - logged; we are exiting anyway
-                        log.exception("task shutdown failed")
-                return EXIT_OK
-            log.warning("ignored a %s message from the controller", type(msg).__name__)
+            hb.busy = method
+            try:
+                out = encode_result(fn(**kwargs), req_id, epoch)
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
+                out = self._failure(method, exc, req_id)
+            hb.busy = ""
+            send(sock, out)
+
+    @staticmethod
+    def _close(table: dict[str, Callable[..., Any]]) -> None:
+        closer = table.get("shutdown")
+        if closer is not None:
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - logged; we are exiting anyway
+                log.exception("task shutdown failed")
 
     def _unknown_method(self, method: str, table: dict[str, Callable[..., Any]], req_id: int) -> list[Any]:
         err = protocol.Error(exc_type="AttributeError", traceback="",

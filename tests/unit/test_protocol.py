@@ -116,3 +116,61 @@ def test_decode_of_truncated_or_flipped_frames_only_raises_protocol_error(msg: p
     except ProtocolError:
         return
     assert type(env.msg) in p.KINDS.values()  # a lucky mutation may still be a valid message
+
+
+# --- the lean paths of Call and Result ----------------------------------------------------
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+_headers = st.tuples(
+    st.sampled_from([2, 1, 2.0, True, "2"]),
+    st.sampled_from(["call", "result", "heartbeat", 3]),
+    st.integers(0, 2**40) | st.text(max_size=2) | st.none(),
+    st.integers(0, 9) | st.floats(allow_nan=False),
+    st.dictionaries(st.sampled_from(["method", "kwargs", "value", "evil"]),
+                    _values | st.dictionaries(st.text(max_size=4), _values, max_size=3), max_size=3) | _values,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_headers)
+def test_lean_paths_accept_only_what_decode_accepts_and_agree_with_it(header: tuple) -> None:
+    frames = [msgpack.packb(list(header))]
+    try:
+        env = p.decode(frames)
+    except ProtocolError:
+        env = None
+    call, result = p.decode_call(frames), p.decode_result(frames)
+    if call is not None:
+        assert env is not None and type(env.msg) is p.Call
+        assert call == (env.req_id, env.epoch, env.msg.method, env.msg.kwargs)
+    if result is not None:
+        assert env is not None and type(env.msg) is p.Result
+        assert result == (env.req_id, env.epoch, env.msg.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=12), st.dictionaries(st.text(max_size=6), _values, max_size=4), _values,
+       st.integers(0, 2**40), st.integers(0, 99))
+def test_lean_paths_take_every_one_frame_call_and_result(method: str, kwargs: dict, value: object,
+                                                          req_id: int, epoch: int) -> None:
+    frames = p.encode(p.Call(method=method, kwargs=kwargs), req_id=req_id, epoch=epoch)
+    assert p.decode_call(frames) == (req_id, epoch, method, kwargs)
+    assert p.decode_result(frames) is None
+    encode_result = p.result_encoder()
+    frames = encode_result(value, req_id, epoch)
+    assert frames == p.encode(p.Result(value=value), req_id=req_id, epoch=epoch)
+    assert p.decode_result(frames) == (req_id, epoch, value)
+    assert p.decode_call(frames) is None
+
+
+def test_lean_paths_leave_arrays_and_garbage_to_decode() -> None:
+    frames = p.encode(p.Call(method="m", kwargs={"a": np.arange(3)}))
+    assert len(frames) == 2 and p.decode_call(frames) is None
+    encode_result = p.result_encoder()
+    frames = encode_result(np.arange(3), 1, 0)  # falls back to side frames
+    assert len(frames) == 2 and p.decode_result(frames) is None
+    np.testing.assert_array_equal(p.decode(frames).msg.value, np.arange(3))
+    assert p.decode_call([b"\xc1"]) is None and p.decode_result([]) is None
