@@ -6,6 +6,9 @@ with the same number of processes. N = 1, 8, 64 are real worker processes (Baton
 worker runtime with the toy task; raw: one DEALER process each); N = 256 and 1024 are
 sockets hosted by 4 processes (one zmq context each) on both sides. For reference, raw
 pyzmq with CURVE alone is measured too (what authentication costs before any Baton code).
+Every worker-hosting process runs in a session of its own (see ``_own_session``). The three
+are set up side by side and run in alternating blocks, so that this machine's noisy spells
+hit them alike; the ratio is the median over blocks of Baton's p50 over raw's.
 
 Controller CPU per heartbeat, while N workers heartbeat at 4 Hz and no call runs: process
 CPU (zmq's I/O and CURVE threads included) with heartbeats flowing, minus the same with
@@ -15,7 +18,7 @@ heartbeat costs, without the fixed timers of an idle controller. The plain quoti
 cost for the same heartbeat stream, measured the same way (a ROUTER drained at 10 Hz): the
 floor set by zmq's I/O thread and the kernel, which dominates when few workers beat.
 
-    python benchmarks/control_plane.py [--quick] [--n N ...] [--trials T] [--json PATH]
+    python benchmarks/control_plane.py [--quick] [--n N ...] [--trials T] [--blocks B] [--json PATH]
 """
 from __future__ import annotations
 
@@ -63,7 +66,18 @@ def _curve(sock: zmq.Socket, keys: str | None, *, server: bool) -> None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = pub, wpub, wsec
 
 
+def _own_session() -> None:
+    """Every process that hosts workers runs in a session of its own, as the local backend
+    starts Baton's workers (start_new_session). With Linux's scheduler autogroups (on by
+    default) a session is a scheduling group: processes left in the benchmark's session
+    would share one group with the controller and be preempted far less often (measured:
+    raw pyzmq's workers switched involuntarily 4x less, 15% lower p50), which is not the
+    comparison this benchmark makes."""
+    os.setsid()
+
+
 def raw_host(address: str, n: int, keys: str | None) -> None:
+    _own_session()
     ctx = zmq.Context()
     socks = []
     poller = zmq.Poller()
@@ -126,6 +140,7 @@ class RawGroup:
 
 def raw_beater(address: str, n: int) -> None:
     """n raw DEALERs, each sending a heartbeat-sized message every HB_INTERVAL."""
+    _own_session()
     ctx = zmq.Context()
     socks = []
     for _ in range(n):
@@ -198,6 +213,7 @@ def _cpu() -> float:
 # --- Baton ------------------------------------------------------------------------------
 def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
     """Many Baton workers in one process: register, answer calls, heartbeat."""
+    _own_session()
     keys = Path(run_dir) / "keys"
     first = WorkerSocket(address, keys, identity=f"h{first_rank}".encode())
     hosts = [first] + [WorkerSocket(address, keys, identity=f"h{first_rank + i}".encode(), share_context_with=first)
