@@ -246,21 +246,23 @@ class WorkerGroup:
             self._inflight[req] = results
             try:
                 encoded: dict[int, list[Any]] = {}  # one_to_all hands every rank the same dict: encode once
+                sock, send, peers = self.sock.sock, transport.send_routed, self.peers
                 for rank, kw in per_rank.items():
                     frames = encoded.get(id(kw))
                     if frames is None:
                         frames = encoded[id(kw)] = protocol.encode(
                             protocol.Call(method=method, kwargs=kw), req_id=req, epoch=self.epoch)
-                    peer = self.peers[rank]
-                    if not self.sock.send(peer.identity, frames):
+                    peer = peers[rank]
+                    if not send(sock, peer.identity, frames):
                         self._declare_lost(peer, f"connection closed: {_diagnose(peer, settle_s=2.0)}")
-                self._wait(req, method, results, set(per_rank), timeout_s)
+                self._wait(req, method, results, per_rank, timeout_s)
             finally:
                 del self._inflight[req]
                 self._errors.pop(req, None)
         return collect(results, self.dims)
 
-    def _wait(self, req: int, method: str, results: dict[int, Any], expected: set[int], timeout_s: float) -> None:
+    def _wait(self, req: int, method: str, results: dict[int, Any], expected: dict[int, Any], timeout_s: float) -> None:
+        """Receive until every rank in ``expected`` answered ``req`` (or raise)."""
         deadline = time.monotonic() + timeout_s
         check = min(self.timeouts.heartbeat_interval_s, 0.1)
         n = len(expected)
@@ -272,6 +274,7 @@ class WorkerGroup:
         # The control plane's hot path on this side: one pass per answer received.
         sock, set_timeout, recv = self.sock.sock, self.sock.set_timeout, transport.recv_routed_or_none
         handle, monotonic, errors_of = self._handle, time.monotonic, self._errors
+        set_timeout(check)  # shortened below only when a deadline is nearer
         while True:
             errors = errors_of.get(req)
             if errors:
@@ -289,7 +292,7 @@ class WorkerGroup:
             if self._n_lost:
                 self._raise_if_lost()
             if now >= deadline:
-                missing = sorted(expected - set(results) - set(errors_of.get(req, ())))
+                missing = sorted(set(expected) - set(results) - set(errors_of.get(req, ())))
                 raise CallTimeoutError(
                     f"{method}: ranks {missing} did not answer within {timeout_s:.1f} s "
                     f"({n - len(missing)} of {n} did); logs: "
@@ -299,7 +302,8 @@ class WorkerGroup:
             until = deadline if error_deadline is None else error_deadline
             # One blocking receive per answer, never a non-blocking one that raises when
             # the queue is empty.
-            set_timeout(min(until - now, check))
+            if until - now < check:
+                set_timeout(until - now)
             item = recv(sock)
             if item is not None:
                 handle(*item)

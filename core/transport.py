@@ -95,6 +95,17 @@ def recv_routed_or_none(sock: Any) -> tuple[bytes, list[Any]] | None:
     return identity, parts
 
 
+def send_routed(sock: Any, identity: bytes, frames: Frames) -> bool:
+    """Send one message on a ROUTER to the peer ``identity``; False if it is no longer connected."""
+    try:
+        _send_frames(sock, frames, identity)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise
+    return True
+
+
 def send_frames(sock: Any, frames: Frames) -> None:
     """Send one message on a DEALER (see ``_send_frames``)."""
     _send_frames(sock, frames)
@@ -167,13 +178,7 @@ class ControllerSocket:
 
     def send(self, identity: bytes, frames: Frames) -> bool:
         """Send to one peer; False if the peer is no longer connected."""
-        try:
-            _send_frames(self.sock, frames, identity)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return False
-            raise
-        return True
+        return send_routed(self.sock, identity, frames)
 
     def recv(self, timeout_s: float) -> tuple[bytes, list[Any]] | None:
         """Next (identity, frames), or None after ``timeout_s``."""
