@@ -182,11 +182,12 @@ class TimeoutsConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _positive(f"timeouts.{f.name}", getattr(self, f.name))
-        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
-            raise ConfigError(
-                f"timeouts.heartbeat_timeout_s: {self.heartbeat_timeout_s} must exceed twice "
-                f"timeouts.heartbeat_interval_s = {self.heartbeat_interval_s}"
-            )
+        for key in ("heartbeat_timeout_s", "controller_lost_s"):  # both sides' watchdogs
+            if getattr(self, key) <= 2 * self.heartbeat_interval_s:
+                raise ConfigError(
+                    f"timeouts.{key}: {getattr(self, key)} must exceed twice "
+                    f"timeouts.heartbeat_interval_s = {self.heartbeat_interval_s}"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,13 +108,16 @@ class _HeartbeatThread(threading.Thread):
                 next_beat = now + self.interval_s
             if self.signals is not None:
                 self.signals.report_once(log, "ignored by the worker; the controller decides")
-            if now - self.last_heard > self.controller_lost_s:
-                log.error("controller silent for %.1f s (limit %.1f s); exiting", now - self.last_heard, self.controller_lost_s)
-                _hard_exit(EXIT_CONTROLLER_LOST)
             frames = self.sock.recv_within(max(0.001, next_beat - time.monotonic()))
             while frames is not None:
                 self._incoming(frames)
                 frames = WorkerSocket.recv_nowait(self.sock.sock)
+            # Checked after reading what arrived: a thread starved of CPU for a while must
+            # not mistake heartbeats waiting in its queue for silence.
+            silent = time.monotonic() - self.last_heard
+            if silent > self.controller_lost_s:
+                log.error("controller silent for %.1f s (limit %.1f s); exiting", silent, self.controller_lost_s)
+                _hard_exit(EXIT_CONTROLLER_LOST)
 
     def _incoming(self, frames: list[Any]) -> None:
         try:
@@ -224,7 +227,7 @@ class WorkerRuntime:
         # cold caches (the process slept since the last one), so what runs per call is kept
         # small: the socket read directly, a Call decoded by protocol's lean path (anything
         # else goes through the full decode), the result encoded by a Packer of our own.
-        sock = self.sock.sock
+        sock, epoch = self.sock.sock, self.env.epoch  # answers carry this worker's epoch
         self.sock.set_timeout(1.0)
         recv, send = transport.recv_or_none, transport.send_frames
         decode_call, encode_result = protocol.decode_call, protocol.result_encoder()
@@ -248,7 +251,7 @@ class WorkerRuntime:
                     log.warning("ignored a %s message from the controller", type(msg).__name__)
                     continue
                 call = env.req_id, env.epoch, msg.method, msg.kwargs  # e.g. a call with arrays
-            req_id, epoch, method, kwargs = call
+            req_id, _, method, kwargs = call
             fn = table.get(method)
             if fn is None:
                 send(sock, self._unknown_method(method, table, req_id))
@@ -258,7 +261,8 @@ class WorkerRuntime:
                 out = encode_result(fn(**kwargs), req_id, epoch)
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
                 out = self._failure(method, exc, req_id)
-            hb.busy = ""
+            finally:
+                hb.busy = ""
             send(sock, out)
 
     @staticmethod

@@ -29,6 +29,10 @@ def test_overrides_set_dotted_paths_with_yaml_types() -> None:
         ({"trainer": {"steps": True}}, "trainer.steps: True is not an integer"),
         ({"training": {"micro_batch_size": "big"}}, "training.micro_batch_size: 'big' is not an integer or 'auto'"),
         ({"checkpoint": {"keep_last": 1}}, "checkpoint.keep_last: 1 must be ≥ 2"),
+        ({"timeouts": {"heartbeat_timeout_s": 0.5}},
+         "timeouts.heartbeat_timeout_s: 0.5 must exceed twice timeouts.heartbeat_interval_s = 0.25"),
+        ({"timeouts": {"heartbeat_interval_s": 6, "heartbeat_timeout_s": 20}},
+         "timeouts.controller_lost_s: 10.0 must exceed twice timeouts.heartbeat_interval_s = 6"),
     ],
 )
 def test_bad_values_name_the_dotted_path_and_value(data: dict, message: str) -> None:
