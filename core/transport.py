@@ -51,6 +51,15 @@ def _send_frames(sock: Any, frames: Frames, first: bytes | None = None) -> None:
         _send(sock, frames[i], _SNDMORE if i < last else 0, False)
 
 
+def _more_frames(sock: Any, parts: list[Any]) -> None:
+    """The rest of a multipart message: array frames zero-copy when large."""
+    while True:
+        frame = _recv(sock, 0, False)
+        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+        if not frame.more:
+            return
+
+
 def _recv_frames(sock: Any, flags: int = 0, *, routed: bool = False) -> list[Any]:
     """Routing and header frames as bytes; array frames (after the header) as zero-copy
     zmq.Frame buffers when large. ``routed``: the first frame is a ROUTER's peer identity,
@@ -61,9 +70,8 @@ def _recv_frames(sock: Any, flags: int = 0, *, routed: bool = False) -> list[Any
         flags = 0
     frame = _recv(sock, flags, False)
     parts.append(frame.bytes)
-    while frame.more:
-        frame = _recv(sock, 0, False)
-        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+    if frame.more:
+        _more_frames(sock, parts)
     return parts
 
 
@@ -75,9 +83,8 @@ def recv_or_none(sock: Any) -> list[Any] | None:
     except zmq.Again:
         return None
     parts = [frame.bytes]
-    while frame.more:
-        frame = _recv(sock, 0, False)
-        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+    if frame.more:
+        _more_frames(sock, parts)
     return parts
 
 
@@ -89,9 +96,8 @@ def recv_routed_or_none(sock: Any) -> tuple[bytes, list[Any]] | None:
         return None
     frame = _recv(sock, 0, False)
     parts = [frame.bytes]
-    while frame.more:
-        frame = _recv(sock, 0, False)
-        parts.append(frame.bytes if len(frame) < _ZERO_COPY_MIN else frame)
+    if frame.more:
+        _more_frames(sock, parts)
     return identity, parts
 
 
