@@ -15,12 +15,12 @@ Then the training time an async save costs, against the time of a synchronous Ba
 A stand-in training loop runs on torch tensors that are the state (one thread, as each
 worker here): "forward and backward" is a fixed amount of matmul work (``--step-ms``),
 "the optimizer step" a small in-place change of every tensor, preceded by the save's
-fence, as in core.gpt.step. From the submit until the shard is durable, the loop keeps
+fence, as in core.model.gpt.step. From the submit until the shard is durable, the loop keeps
 stepping; the time lost is that stretch's wall time less the same number of undisturbed
 steps (median over the rounds, each followed by a check that the file holds the values of
 the saved step, not a later one); and the time the training thread is blocked: in submit
 and at the fence. Two ways of taking the snapshot:
-  background  Baton's: the state is exported live (core.gpt.state.LiveTensor) and copied
+  background  Baton's: the state is exported live (core.model.gpt.state.LiveTensor) and copied
               on the writer thread while forward and backward run; the step waits at the
               fence only for what is left of the copy
   at submit   the copy made on the training thread before submit returns
@@ -51,7 +51,7 @@ from core.checkpoint import manifest  # noqa: E402
 from core.checkpoint.async_writer import AsyncWriter  # noqa: E402
 from core.checkpoint.hdf5 import CheckpointReader, ShardReader, write_shard  # noqa: E402
 from core.checkpoint.spec import TensorSlice  # noqa: E402
-from core.gpt.state import LiveTensor  # noqa: E402
+from core.model.gpt.state import LiveTensor  # noqa: E402
 
 State = dict[str, np.ndarray]
 
@@ -210,7 +210,7 @@ class Trainer:
     def step(self, fence: Callable[[], object]) -> None:
         self.work()
         t0 = time.perf_counter()
-        fence()  # what core.gpt.step.train_step calls right before optimizer.step()
+        fence()  # what core.model.gpt.step.train_step calls right before optimizer.step()
         self.fence_s += time.perf_counter() - t0
         with torch.no_grad():
             for t in self.tensors.values():

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zmq  # noqa: E402
 
-from core import config as config_mod  # noqa: E402
-from core import protocol  # noqa: E402
-from core.controller import WorkerGroup, publish_address  # noqa: E402
-from core.transport import ControllerSocket, WorkerSocket, generate_keys  # noqa: E402
+from core.controller.group import WorkerGroup, publish_address  # noqa: E402
+from core.spec import config as config_mod  # noqa: E402
+from core.wire import protocol  # noqa: E402
+from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys  # noqa: E402
 from launcher import local, runprep  # noqa: E402
 
 HB_INTERVAL = 0.25

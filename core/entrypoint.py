@@ -1,12 +1,12 @@
 """Job-side entry point: ``python -m core.entrypoint controller|worker``.
 
-Reads the environment contract (core.jobenv), wires the adapters, runs the role, exits
+Reads the environment contract (core.job.env), wires the adapters, runs the role, exits
 with the role's code. Both backends (local processes, Slurm tasks) start exactly this.
 
 Controller exit codes: 0 completed (or stopped: checkpointed while Slurm ends the job),
-1 failed (state.json says why), 2 user error, 85 requeued (core.supervise.EXIT_REQUEUED:
+1 failed (state.json says why), 2 user error, 85 requeued (core.supervisor.contract.EXIT_REQUEUED:
 checkpointed; on Slurm the job was requeued, locally the supervisor relaunches the next
-epoch). Workers: core.worker's EXIT_* codes.
+epoch). Workers: core.worker.runtime's EXIT_* codes.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from core import config as config_mod
-from core import logsetup
 from core.errors import BatonRuntimeError, UserError
-from core.jobenv import JobEnv
-from core.runfolder import RunFolder, event
-from core.task import Task, WorkerContext
+from core.job import logsetup
+from core.job.env import JobEnv
+from core.record.runfolder import RunFolder, event
+from core.spec import config as config_mod
+from core.worker.task import Task, WorkerContext
 
 log = logging.getLogger("baton.entrypoint")
 
@@ -33,23 +33,23 @@ EXIT_USER_ERROR = 2
 def task_factory(kind: str) -> Callable[[WorkerContext], Task]:
     """The model code a worker serves (imported lazily so the toy never loads torch),
     with the checkpoint methods added."""
-    from core.ckpt_worker import CheckpointedTask
+    from core.checkpoint.service import CheckpointedTask
 
     if kind == "toy":
-        from core.toy import ToyTask as cls
+        from core.model.toy import ToyTask as cls
     else:
-        from core.gpt.task import GPTTask as cls  # type: ignore[assignment]
+        from core.model.gpt.task import GPTTask as cls  # type: ignore[assignment]
     return lambda ctx: CheckpointedTask(cls(ctx), ctx)
 
 
 def run_controller(env: JobEnv) -> int:
-    """The controller role: run the program under core.recovery; 0, 1, 2 or EXIT_REQUEUED."""
-    from core import preemption
-    from core.controller import WorkerGroup, publish_address
-    from core.program import Program
-    from core.recovery import Recovery
-    from core.supervise import WorkerRequest, request_workers
-    from core.transport import ControllerSocket
+    """The controller role: run the program under core.controller.recovery; 0, 1, 2 or EXIT_REQUEUED."""
+    from core.controller.group import WorkerGroup, publish_address
+    from core.controller.program import Program
+    from core.controller.recovery import Recovery
+    from core.job import preemption
+    from core.supervisor.contract import WorkerRequest, request_workers
+    from core.wire.transport import ControllerSocket
 
     run = RunFolder(env.run_dir)
     logsetup.configure("controller", run.controller_log)
@@ -57,7 +57,7 @@ def run_controller(env: JobEnv) -> int:
     cfg = config_mod.load(run.config)
     metrics = None
     if cfg.metrics.enabled:  # first: a port in use fails before the run is marked running
-        from core.metrics import Metrics
+        from core.controller.metrics import Metrics
 
         metrics = Metrics()
         metrics.start(run, cfg.metrics.port, host=env.controller_host)
@@ -92,7 +92,7 @@ def run_controller(env: JobEnv) -> int:
             group.shutdown(outcome.reason)
             return 0
         return _failed(state, group, outcome.reason, outcome.exit_code)
-    except BatonRuntimeError as exc:  # a failure core.recovery does not handle (e.g. a failed commit)
+    except BatonRuntimeError as exc:  # a failure core.controller.recovery does not handle (e.g. a failed commit)
         return _failed(state, group, str(exc).splitlines()[0], EXIT_FAILED)
     finally:
         run.write_state(state)
@@ -114,8 +114,8 @@ def _failed(state: dict[str, Any], group: Any, reason: str, code: int) -> int:
 def _requeue(env: JobEnv, run: RunFolder, state: dict[str, Any], group: Any, outcome: Any) -> int:
     """Record the requeue, release the workers, and requeue: Slurm's ``scontrol requeue``
     (which ends this job at once), or locally the supervisor relaunches on EXIT_REQUEUED."""
-    from core import preemption
-    from core.supervise import EXIT_REQUEUED
+    from core.job import preemption
+    from core.supervisor.contract import EXIT_REQUEUED
 
     state.update(status="requeued")
     event(state, "requeued", step=state.get("step", 0), reason=outcome.reason, epoch=env.epoch,
@@ -140,8 +140,8 @@ def _requeue(env: JobEnv, run: RunFolder, state: dict[str, Any], group: Any, out
 
 
 def run_worker(env: JobEnv) -> int:
-    from core.preemption import PreemptionFlag
-    from core.worker import WorkerRuntime
+    from core.job.preemption import PreemptionFlag
+    from core.worker.runtime import WorkerRuntime
 
     run = RunFolder(env.run_dir)
     label = f"worker r{env.rank_hint}" if env.rank_hint >= 0 else "worker"

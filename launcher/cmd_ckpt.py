@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core.checkpoint import manifest
 from core.errors import CheckpointError
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

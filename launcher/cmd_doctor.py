@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
 from launcher import doctor
 
 EPILOG = """\

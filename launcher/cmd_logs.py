@@ -6,7 +6,7 @@ import heapq
 from pathlib import Path
 
 from core.errors import UserError
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

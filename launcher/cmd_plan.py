@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from core import config
-from core.plan import format_plan, make_plan
+from core.spec import config
+from core.spec.plan import format_plan, make_plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

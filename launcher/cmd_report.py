@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
 from launcher.doctor import read_records
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import shlex
 import shutil
 from pathlib import Path
 
-from core import config as config_mod
-from core.runfolder import RunFolder, new_run_id
+from core.record.runfolder import RunFolder, new_run_id
+from core.spec import config as config_mod
 from launcher import local, runprep, slurm
 
 

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core import config as config_mod
-from core.config import RunConfig
 from core.errors import UserError
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
+from core.spec import config as config_mod
+from core.spec.config import RunConfig
 from launcher import ledger as ledger_mod
 from launcher import local, runprep, slurm_jobs
 from launcher import sweep as sweep_mod

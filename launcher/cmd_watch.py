@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
 
 ENDED = {"completed": 0, "failed": 1, "cancelled": 1}
 RECENT = 20  # records the ETA and the rates average over

@@ -3,7 +3,7 @@
 Pure functions, standard library only: ``diagnose(records, state)`` returns the findings
 of every rule, most severe first. Each rule reads only fields it knows and is silent when
 the records do not carry them (a toy run has no ``data_wait_s``), so a rule never fires on
-missing data. Record fields (core.program ``_record``; per-rank lists are indexed by rank):
+missing data. Record fields (core.controller.program ``_record``; per-rank lists are indexed by rank):
 
     step, loss, step_time_s (controller wall), rank_step_time_s[], rss_mb[],
     optional: data_wait_s[], grad_sync_s[], cuda_peak_mb[]

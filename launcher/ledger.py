@@ -3,7 +3,7 @@
     <runs_root>/<name>/
       sweep.yaml     the sweep file as submitted (a copy)
       sweep.json     this ledger
-      <run id>/      one run folder per point (core.runfolder)
+      <run id>/      one run folder per point (core.record.runfolder)
 
 ``sweep.json``::
 
@@ -15,7 +15,7 @@
                  "backend": "slurm", "job_id": "123", "after": null, "submitted": 1.7e9,
                  "submissions": 1, "state": "queued", "pid": null, "host": null}, ...]}
 
-Only ``baton sweep submit`` and ``resume`` write it, atomically (core.runfolder.write_json);
+Only ``baton sweep submit`` and ``resume`` write it, atomically (core.record.runfolder.write_json);
 ``status`` and ``results`` only read it. A point's live state is derived on each read from
 its run's ``state.json`` and the Slurm job state (``refresh``); ``state`` in the file is
 what the writer last knew.
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
-from core.runfolder import read_json, write_atomic, write_json
-from core.schema import build, to_data
+from core.record.runfolder import read_json, write_atomic, write_json
+from core.spec.schema import build, to_data
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The local backend: the controller and N workers as processes on this machine, supervised.
 
-Same entry point and environment contract as the Slurm backend (core.jobenv); CPU and
-gloo. This module is the local supervisor of core.supervise:
+Same entry point and environment contract as the Slurm backend (core.job.env); CPU and
+gloo. This module is the local supervisor of core.supervisor.contract:
 
 - an epoch starts the controller and generation 0 of the workers; when the controller
   asks for generation g (``workers.json``, after it declared workers lost), whatever is
   left of the previous generation is killed by pid (a stopped process ignores the abort)
   and generation g is started with ``BATON_GENERATION=g``;
-- when the controller exits, ``core.supervise.after_controller`` reads its last word:
+- when the controller exits, ``core.supervisor.contract.after_controller`` reads its last word:
   requeued (exit 85) → the next epoch, the local analogue of Slurm's requeue; died without
   one → the next epoch within ``recovery.max_retries``; completed, failed → done.
 
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from core import supervise
 from core.checkpoint import manifest
-from core.config import RunConfig
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
+from core.spec.config import RunConfig
+from core.supervisor import contract
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ Proc = subprocess.Popen[bytes]
 
 def child_env(run: RunFolder, *, epoch: int, rank: int | None, generation: int = 0,
               supervised: bool = False) -> dict[str, str]:
-    """The environment contract for one process (see core.jobenv)."""
+    """The environment contract for one process (see core.job.env)."""
     env = dict(os.environ)
     env.update(
         BATON_RUN_DIR=str(run.path),
@@ -55,7 +55,7 @@ def child_env(run: RunFolder, *, epoch: int, rank: int | None, generation: int =
     env.pop("BATON_WORKER_RESTARTS", None)
     if rank is not None:
         env["BATON_RANK"] = str(rank)
-    if supervised:  # this supervisor honours workers.json (core.supervise)
+    if supervised:  # this supervisor honours workers.json (core.supervisor.contract)
         env["BATON_WORKER_RESTARTS"] = "1"
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -122,7 +122,7 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int) -> int:
                 break
             except subprocess.TimeoutExpired:
                 pass
-            req = supervise.read_request(run)
+            req = contract.read_request(run)
             if req is not None and req.epoch == epoch and req.generation > generation:
                 _kill(workers, f"a worker of generation {generation}, still running after the controller's abort")
                 generation = req.generation
@@ -150,7 +150,7 @@ def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
         while True:
             code = _run_epoch(run, cfg, epoch)
             steps = manifest.committed_steps(run.checkpoints)
-            decision = supervise.after_controller(run, code, max_retries=cfg.recovery.max_retries,
+            decision = contract.after_controller(run, code, max_retries=cfg.recovery.max_retries,
                                                   committed_step=steps[-1] if steps else None)
             if decision != "requeue":
                 return code

@@ -11,16 +11,16 @@ import sys
 import time
 from pathlib import Path
 
-from core import config as config_mod
-from core.config import RunConfig
 from core.errors import UserError
-from core.runfolder import RunFolder, event, write_atomic, write_json
+from core.record.runfolder import RunFolder, event, write_atomic, write_json
+from core.spec import config as config_mod
+from core.spec.config import RunConfig
 
 
 def generate_keys(keys_dir: Path) -> None:
     """CURVE keys via a subprocess: the login-node CLI never imports zmq itself."""
     proc = subprocess.run(
-        [sys.executable, "-m", "core.transport", "keygen", str(keys_dir)],
+        [sys.executable, "-m", "core.wire.transport", "keygen", str(keys_dir)],
         capture_output=True, text=True, timeout=60,
     )
     if proc.returncode != 0:
@@ -32,7 +32,7 @@ def plan_data(cfg: RunConfig) -> dict[str, object]:
     if cfg.model.kind != "gpt":
         dims = cfg.dims
         return {"dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}, "world_size": dims.world_size}
-    from core.plan import make_plan
+    from core.spec.plan import make_plan
 
     return json.loads(make_plan(cfg).to_json())  # type: ignore[no-any-return]
 

@@ -32,9 +32,9 @@ from typing import Any
 from submitit.core import utils as submitit_utils
 from submitit.slurm import slurm as submitit_slurm
 
-from core.config import RunConfig, SlurmComponentConfig
 from core.errors import UserError
-from core.runfolder import RunFolder, event, write_atomic, write_json
+from core.record.runfolder import RunFolder, event, write_atomic, write_json
+from core.spec.config import RunConfig, SlurmComponentConfig
 from launcher import slurm_jobs
 
 log = logging.getLogger(__name__)
@@ -285,13 +285,13 @@ def core_controller_main(run_dir: str) -> int:
     """Component 0's task (pickled by submitit, by reference): the controller role, in-process.
 
     Records what the task sees of Slurm in state.json (``slurm.controller_task``), then runs
-    ``core.entrypoint.run_controller`` under the env contract (core.jobenv). A non-zero exit
+    ``core.entrypoint.run_controller`` under the env contract (core.job.env). A non-zero exit
     raises, so that Slurm and submitit record the component as failed.
     """
     import signal
 
     from core import entrypoint
-    from core.jobenv import JobEnv
+    from core.job.env import JobEnv
 
     os.environ["BATON_RUN_DIR"] = run_dir
     run = RunFolder(Path(run_dir))

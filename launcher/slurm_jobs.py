@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.runfolder import RunFolder, event, read_json, write_json
+from core.record.runfolder import RunFolder, event, read_json, write_json
 
 STATE_CACHE_S = 3.0  # job_states answers from the run folder's cache for this long
 CLI_TIMEOUT_S = 30.0

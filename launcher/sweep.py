@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from core import config as config_mod
-from core.config import RunConfig, set_dotted
 from core.errors import ConfigError
-from core.schema import build, field_paths, to_data
+from core.spec import config as config_mod
+from core.spec.config import RunConfig, set_dotted
+from core.spec.schema import build, field_paths, to_data
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def auto_lr(global_batch_size: int) -> float:
 def per_gpu_batch(gpu_mem_mb: float) -> int:
     """Heuristic per-GPU batch: gpu_mem_mb / 3500, rounded down to a power of two, at least 1.
 
-    A model-blind first guess (80 GiB → 16); ``core.plan.resolve_micro_batch`` is the
+    A model-blind first guess (80 GiB → 16); ``core.spec.plan.resolve_micro_batch`` is the
     model-aware resolver of ``training.micro_batch_size: auto``. Set the key to override.
     """
     if gpu_mem_mb <= 0:
@@ -90,7 +90,7 @@ def per_gpu_batch(gpu_mem_mb: float) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class SweepFile:
-    """The sweep file as written; ``core.schema.build`` checks keys and types."""
+    """The sweep file as written; ``core.spec.schema.build`` checks keys and types."""
 
     name: str | None = None
     base: str | dict[str, Any] | None = None

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from core import config as config_mod
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
+from core.spec import config as config_mod
 from launcher import local, runprep
 
 T = TypeVar("T")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from core.errors import BatonRuntimeError, LayoutError
-from core.parallel.dims import ParallelDims
+from core.spec.dims import ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The CUDA paths, on a GPU only (skipped elsewhere): benchmarks/gpu_check.sh runs them on a lent one.
 
 - the async checkpoint's device-to-host snapshot on a side stream, ordered after the
-  work queued before the export (core.gpt.state.LiveTensor);
+  work queued before the export (core.model.gpt.state.LiveTensor);
 - the tiny GPT on one GPU in bf16 through the controller, with async checkpoints, and a
   resume that continues the uninterrupted run's curve.
 """
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.cuda,
 
 
 def test_a_side_stream_snapshot_sees_the_work_queued_before_the_export() -> None:
-    from core.gpt.state import LiveTensor
+    from core.model.gpt.state import LiveTensor
 
     t = torch.zeros(1 << 24, device="cuda")  # 64 MiB
     for _ in range(200):  # queued, not yet run, when the export records its event
@@ -39,7 +39,7 @@ def test_a_side_stream_snapshot_sees_the_work_queued_before_the_export() -> None
 
 
 def test_a_bf16_device_tensor_is_cast_into_the_fp32_host_buffer() -> None:
-    from core.gpt.state import LiveTensor
+    from core.model.gpt.state import LiveTensor
 
     t = torch.arange(1024, device="cuda").to(torch.bfloat16)
     out = np.empty((4, 256), np.float32)

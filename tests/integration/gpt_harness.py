@@ -2,7 +2,7 @@
 
 ``RankGroup`` spawns one process per rank; each builds a ``GPTTask`` and serves commands
 over a pipe: ``call(name, **kw)`` runs an rpc method on every rank, ``apply(fn, **kw)``
-runs a top-level function ``fn(task, **kw)`` (for the non-rpc ``core.gpt.state``
+runs a top-level function ``fn(task, **kw)`` (for the non-rpc ``core.model.gpt.state``
 functions). Every wait has a deadline; ``close`` asks the ranks to shut down and
 terminates (then kills) those it started that are still alive.
 
@@ -60,8 +60,8 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     warnings.filterwarnings("ignore")  # Megatron's "TE/Apex missing" and deprecation noise
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    from core.gpt.task import GPTTask
-    from core.task import WorkerContext
+    from core.model.gpt.task import GPTTask
+    from core.worker.task import WorkerContext
 
     ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir),
                         host="localhost", log=logging.getLogger(f"rank{rank}"))
@@ -188,9 +188,9 @@ class RankGroup:
 
 # --- rank-side functions for RankGroup.apply ------------------------------------------------
 def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
-    """``core.gpt.state.export_state`` of this rank, its live items as arrays (to send)."""
+    """``core.model.gpt.state.export_state`` of this rank, its live items as arrays (to send)."""
     from core.checkpoint.spec import current
-    from core.gpt.state import export_state
+    from core.model.gpt.state import export_state
 
     ctx = task._ready()
     items, blobs = export_state(ctx.model_chunks, ctx.optimizer, step)
@@ -198,8 +198,8 @@ def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
 
 
 def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
-    """``core.gpt.state.import_state`` from an .npz of full global arrays."""
-    from core.gpt.state import import_state
+    """``core.model.gpt.state.import_state`` from an .npz of full global arrays."""
+    from core.model.gpt.state import import_state
 
     ctx = task._ready()
     with np.load(arrays_path) as arrays:
@@ -214,8 +214,8 @@ def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
 def check_groups_against(task: Any, *, tp: int, pp: int, dp: int) -> str:
     """Rank side: the error ``check_groups`` raises for a layout Megatron was not built with."""
     from core.errors import BatonRuntimeError
-    from core.parallel.dims import ParallelDims
     from core.parallel.megatron import check_groups
+    from core.spec.dims import ParallelDims
 
     try:
         check_groups(ParallelDims(tp=tp, pp=pp, dp=dp), task.ctx.rank)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import zmq
 
-from core import dispatch, protocol
-from core.config import TimeoutsConfig
-from core.controller import WorkerGroup, publish_address
+from core.controller.group import WorkerGroup, dispatch, publish_address
 from core.errors import CallTimeoutError, RemoteError, WorkerLostError
-from core.parallel.dims import ParallelDims
-from core.transport import ControllerSocket, WorkerSocket, generate_keys
+from core.spec.config import TimeoutsConfig
+from core.spec.dims import ParallelDims
+from core.wire import protocol
+from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys
 from tests.helpers import LocalRun, baton, make_run, wait_for
 
 pytestmark = pytest.mark.timeout(120)

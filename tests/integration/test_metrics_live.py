@@ -43,7 +43,7 @@ def _value(samples: dict[str, list[Any]], name: str) -> float:
 
 def test_endpoint_serves_the_live_run(toy) -> None:
     r = toy("trainer.steps=1000000")
-    address = wait_for(lambda: _published(r), 30, f"{r.run.path}/metrics.json (is core.metrics wired into the controller?)")
+    address = wait_for(lambda: _published(r), 30, f"{r.run.path}/metrics.json (is core.controller.metrics wired into the controller?)")
     assert address.startswith("http://127.0.0.1:")
     first = wait_for(lambda: (s := scrape(address)) and _value(s, "baton_step") >= 10 and s, 60,
                       "baton_step >= 10 on the endpoint")

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 from core.checkpoint import manifest
-from core.config import TimeoutsConfig
-from core.controller import WorkerGroup, publish_address
+from core.controller.group import WorkerGroup, publish_address
 from core.errors import RegistrationError
-from core.parallel.dims import ParallelDims
-from core.protocol import Refuse, Register, decode, encode
-from core.transport import ControllerSocket, WorkerSocket
+from core.spec.config import TimeoutsConfig
+from core.spec.dims import ParallelDims
+from core.wire.protocol import Refuse, Register, decode, encode
+from core.wire.transport import ControllerSocket, WorkerSocket
 from tests.helpers import REPO, baton, make_run, wait_for
 
 pytestmark = pytest.mark.timeout(180)

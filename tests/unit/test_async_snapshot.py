@@ -12,9 +12,9 @@ import pytest
 
 from core.checkpoint.async_writer import AsyncWriter
 from core.checkpoint.hdf5 import write_shard
+from core.checkpoint.service import CheckpointedTask
 from core.checkpoint.spec import TensorSlice, current
-from core.ckpt_worker import CheckpointedTask
-from core.task import WorkerContext
+from core.worker.task import WorkerContext
 
 ATTRS = {"step": 3, "rank": 0, "layout": {"dp": 1}, "config_hash": "x"}
 
@@ -86,7 +86,7 @@ def test_an_unknown_snapshot_mode_is_refused(tmp_path: Path) -> None:
 
 
 class FencedTask:
-    """A task exporting its live state, with the fence contract of core.ckpt_worker."""
+    """A task exporting its live state, with the fence contract of core.checkpoint.service."""
 
     def __init__(self, items: list[tuple[TensorSlice, Any]]) -> None:
         self.items = items

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from core import config
 from core.errors import ConfigError, LayoutError
-from core.parallel.dims import ParallelDims
+from core.spec import config
+from core.spec.dims import ParallelDims
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from core.controller import Peer, _diagnose
+from core.controller.group import Peer, _diagnose
 
 
 def _peer(pid: int) -> Peer:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from core.errors import LayoutError
-from core.parallel.dims import ParallelDims
+from core.spec.dims import ParallelDims
 
 
 def test_rank_coordinates_follow_megatron_order() -> None:

@@ -1,4 +1,4 @@
-"""core.gpt.state's checkpoint items: live tensors read at write time, and host copies."""
+"""core.model.gpt.state's checkpoint items: live tensors read at write time, and host copies."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.errors import CheckpointError
-from core.gpt.state import LiveTensor, _numpy
+from core.model.gpt.state import LiveTensor, _numpy
 
 
 def test_fp32_host_tensor_is_copied_so_training_cannot_change_the_snapshot() -> None:

@@ -1,4 +1,4 @@
-"""The torch-free parts of core.gpt: the learning-rate schedule and the batch sampler."""
+"""The torch-free parts of core.model.gpt: the learning-rate schedule and the batch sampler."""
 from __future__ import annotations
 
 import math
@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core import config as config_mod
 from core.checkpoint.spec import TensorSlice
 from core.errors import ConfigError
-from core.gpt.data import BatchSource, dp_sample_range, from_config, num_micro_batches, resolve_micro_batch
-from core.gpt.optim import lr_at
-from core.gpt.task import assemble
+from core.model.gpt.data import BatchSource, dp_sample_range, from_config, num_micro_batches, resolve_micro_batch
+from core.model.gpt.optim import lr_at
+from core.model.gpt.task import assemble
+from core.spec import config as config_mod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,15 +188,15 @@ def test_assemble_places_every_slice_at_its_offset() -> None:
 
 
 def test_schedule_data_and_task_modules_load_without_torch() -> None:
-    code = ("import sys, core.gpt.optim, core.gpt.data, core.gpt.task; "
+    code = ("import sys, core.model.gpt.optim, core.model.gpt.data, core.model.gpt.task; "
             "print(sorted({'torch', 'megatron'} & {m.split('.')[0] for m in sys.modules}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_auto_micro_batch_is_the_memory_formula_reduced_to_a_divisor() -> None:
-    from core import config
-    from core.plan import memory_per_sample, resolve_micro_batch
+    from core.spec import config
+    from core.spec.plan import memory_per_sample, resolve_micro_batch
 
     cfg = config.from_data({"trainer": {"n_gpus_per_node": 2}, "training": {"micro_batch_size": "auto"}})
     per_sample = memory_per_sample(cfg)

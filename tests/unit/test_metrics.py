@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from core.controller.metrics import Metrics
 from core.errors import UserError
-from core.metrics import Metrics
-from core.runfolder import RunFolder
+from core.record.runfolder import RunFolder
 from tests.helpers import scrape
 
 REPO = Path(__file__).resolve().parents[2]

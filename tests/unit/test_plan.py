@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from core import config
-from core import plan as plan_module
 from core.errors import ConfigError
-from core.plan import (
+from core.spec import config
+from core.spec import plan as plan_module
+from core.spec.plan import (
     GIB,
     RankPlan,
     count_params,
@@ -76,7 +76,7 @@ def test_tiny_gpt_param_count_matches_hand_computation() -> None:
     assert per_layer == 12 * h * h + 13 * h == 49_984
     p = count_params(_cfg())
     assert p.per_layer == per_layer
-    # core.gpt.model builds the output layer untied: its own vocab × hidden weight
+    # core.model.gpt.model builds the output layer untied: its own vocab × hidden weight
     assert p.total == v * h + s * h + layers * per_layer + 2 * h + v * h == 218_496
     assert not p.tied and p.output_layer == v * h and p.tied_copy == 0
 
@@ -124,7 +124,7 @@ def test_param_counts_match_a_real_megatron_gpt_model() -> None:
                                     use_cpu_initialization=True)
             m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
                          max_sequence_length=32, pre_process=pre, post_process=post,
-                         share_embeddings_and_output_weights=False)  # as core.gpt.model
+                         share_embeddings_and_output_weights=False)  # as core.model.gpt.model
             out[name] = sum(p.numel() for p in m.parameters())
         print(json.dumps(out))
     """)

@@ -1,4 +1,4 @@
-"""core.preemption: the signal flag, the job record (recorded scontrol output), stop
+"""core.job.preemption: the signal flag, the job record (recorded scontrol output), stop
 decisions and the requeue command sequences (a fake runner: no Slurm needed)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from core import preemption
-from core.preemption import JobClock, PreemptionFlag, StopPolicy
+from core.job import preemption
+from core.job.preemption import JobClock, PreemptionFlag, StopPolicy
 
 # Recorded on the local cluster (slurm 22.05): a running job, the same job 1 s after a
 # preemption (GraceTime=20), and a job after scancel. Times are the controller's local time.

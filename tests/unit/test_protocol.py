@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core import protocol as p
 from core.errors import ProtocolError
+from core.wire import protocol as p
 
 EXAMPLES = [
     p.Register(rank_hint=3, host="h", node="node2", pid=12, rendezvous_port=29500),

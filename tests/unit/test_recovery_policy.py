@@ -1,14 +1,14 @@
-"""core.recovery.decide / deterministic and core.supervise's budget and contract: pure functions."""
+"""core.controller.recovery.decide / deterministic and core.supervisor.contract's budget and contract: pure functions."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
+from core.controller.recovery import Failure, decide, deterministic, signature
 from core.errors import RemoteError
-from core.recovery import Failure, decide, deterministic, signature
-from core.runfolder import RunFolder
-from core.supervise import Budget, WorkerRequest, after_controller, read_request, request_workers
+from core.record.runfolder import RunFolder
+from core.supervisor.contract import Budget, WorkerRequest, after_controller, read_request, request_workers
 
 
 def _failure(node: str = "n1", step: int = 10) -> Failure:
@@ -116,8 +116,8 @@ def test_worker_requests_round_trip(tmp_path: Path) -> None:
 
 
 def test_node_failure_limit_is_the_config_key_recovery_node_failure_limit() -> None:
-    from core import config as config_mod
     from core.errors import ConfigError
+    from core.spec import config as config_mod
 
     b = Budget().spend(nodes=("n1",), step=10, committed_step=None).spend(nodes=("n1",), step=12, committed_step=None)
     assert _decide(b, on_slurm=True, node_failure_limit=3).action == "restart"  # 2 < 3: not excluded yet

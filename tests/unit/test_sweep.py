@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from core import config as config_mod
 from core.errors import ConfigError, UserError
+from core.spec import config as config_mod
 from launcher import cli, cmd_sweep
 from launcher import ledger as ledger_mod
 from launcher import sweep as sweep_mod

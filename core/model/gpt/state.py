@@ -49,7 +49,7 @@ FORMAT = 1
 # --- model tensors -------------------------------------------------------------------
 def sharded_params(model_chunks: list[Any]) -> Iterator[tuple[ShardedTensor, torch.nn.Parameter]]:
     """Each local parameter with its ShardedTensor (global name, shape, offset), in order."""
-    from core.gpt.model import unwrap
+    from core.model.gpt.model import unwrap
 
     for chunk in model_chunks:
         gpt = unwrap(chunk)
@@ -165,7 +165,7 @@ def _main_param_map(leaf: Any) -> dict[int, torch.Tensor]:
             out.update({id(m): p for m, p in zip(model_group, main_group, strict=True)})
         out.update({id(p): p for g in leaf.fp32_from_fp32_groups for p in g})
         return out
-    raise NotImplementedError(f"optimizer {type(leaf).__name__} is not supported by core.gpt.state")
+    raise NotImplementedError(f"optimizer {type(leaf).__name__} is not supported by core.model.gpt.state")
 
 
 class _OptimizerView:
@@ -280,7 +280,7 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int) -> tuple[It
     """Every slice this rank writes for a checkpoint after ``step`` steps, and its blobs.
 
     The items are ``LiveTensor``s of the live state, not copies: valid until the next
-    optimizer step or load (core.ckpt_worker's fence). The blobs are taken now.
+    optimizer step or load (core.checkpoint.service's fence). The blobs are taken now.
 
     Collective over the DP group when the optimizer is distributed: every rank must call it.
     """

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from core.runfolder import RunFolder, event, read_json, write_json
+from core.record.runfolder import RunFolder, event, read_json, write_json
 
 EXIT_REQUEUED = 85  # the controller checkpointed and asks for the next epoch
 FINAL = ("completed", "failed", "stopped", "cancelled")
@@ -135,19 +135,19 @@ def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, commit
 
 
 def main(argv: list[str]) -> int:
-    """``python -m core.supervise after-controller RUN_DIR EXIT_CODE``: for a batch script.
+    """``python -m core.supervisor.contract after-controller RUN_DIR EXIT_CODE``: for a batch script.
 
     Prints ``requeue`` or ``stop``; on Slurm a ``requeue`` of a controller that died is done
     here (the controller requeues itself otherwise). Exit 0 either way.
     """
     import os
 
-    from core import config as config_mod
-    from core import preemption
     from core.checkpoint import manifest
+    from core.job import preemption
+    from core.spec import config as config_mod
 
     if len(argv) != 3 or argv[0] != "after-controller":
-        print("usage: python -m core.supervise after-controller RUN_DIR EXIT_CODE", file=sys.stderr)
+        print("usage: python -m core.supervisor.contract after-controller RUN_DIR EXIT_CODE", file=sys.stderr)
         return 2
     run = RunFolder.open(Path(argv[1]))
     cfg = config_mod.load(run.config)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from core.checkpoint.spec import TensorSlice
-from core.task import WorkerContext
+from core.worker.task import WorkerContext
 
 _DIM = 16
 

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core import protocol, transport
 from core.errors import RegistrationError
-from core.jobenv import JobEnv
-from core.preemption import PreemptionFlag
-from core.runfolder import RunFolder, read_json
-from core.task import Task, WorkerContext
-from core.transport import WorkerSocket
+from core.job.env import JobEnv
+from core.job.preemption import PreemptionFlag
+from core.record.runfolder import RunFolder, read_json
+from core.wire import protocol, transport
+from core.wire.transport import WorkerSocket
+from core.worker.task import Task, WorkerContext
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ DEALER as CURVE clients. Keys are generated per run into ``<run>/keys`` (files 0
     keys/worker.key_secret       the workers' key pair
     keys/authorized/worker.key   the public key the controller accepts
 
-``python -m core.transport keygen DIR`` generates them (the login-node CLI runs it as a
+``python -m core.wire.transport keygen DIR`` generates them (the login-node CLI runs it as a
 subprocess so that it never imports zmq itself).
 """
 from __future__ import annotations
@@ -265,7 +265,7 @@ class WorkerSocket:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "keygen":
-        print("usage: python -m core.transport keygen KEYS_DIR", file=sys.stderr)
+        print("usage: python -m core.wire.transport keygen KEYS_DIR", file=sys.stderr)
         return 2
     generate_keys(Path(argv[1]))
     return 0

@@ -20,7 +20,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from core.config import ModelConfig, ParallelConfig, TrainingConfig
+from core.spec.config import ModelConfig, ParallelConfig, TrainingConfig
 
 log = logging.getLogger(__name__)
 

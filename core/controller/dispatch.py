@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from core.parallel.dims import ParallelDims
+from core.spec.dims import ParallelDims
 
 Dispatch = Callable[[dict[str, Any], ParallelDims], dict[int, dict[str, Any]]]
 Collect = Callable[[dict[int, Any], ParallelDims], Any]

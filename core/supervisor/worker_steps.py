@@ -1,6 +1,6 @@
-"""The batch script's supervisor of worker steps (the Slurm side of core.supervise).
+"""The batch script's supervisor of worker steps (the Slurm side of core.supervisor.contract).
 
-    python -m core.worker_steps RUN_DIR -- srun --het-group=1 ... python -m core.entrypoint worker
+    python -m core.supervisor.worker_steps RUN_DIR -- srun --het-group=1 ... python -m core.entrypoint worker
 
 Starts the command (the worker step) with ``BATON_GENERATION=0``, then follows
 ``workers.json``: when the controller asks for generation g (after it declared workers
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from core.runfolder import RunFolder
-from core.supervise import read_request
+from core.record.runfolder import RunFolder
+from core.supervisor.contract import read_request
 
 log = logging.getLogger("baton.worker_steps")
 
@@ -76,7 +76,7 @@ def supervise(run: RunFolder, cmd: list[str], *, epoch: int) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m core.worker_steps RUN_DIR -- COMMAND...", file=sys.stderr)
+        print("usage: python -m core.supervisor.worker_steps RUN_DIR -- COMMAND...", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker-steps] %(message)s")
     signal.signal(signal.SIGTERM, _Stop.handler)

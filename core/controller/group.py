@@ -10,7 +10,7 @@ look like this from here); when it runs on this host its pid is checked to say w
 
 Generations: after a loss the controller aborts the survivors, ``reset``s the group to
 the next generation of the same epoch and waits for a new set of workers (started by the
-supervisor, core.supervise). A worker of an older epoch or generation is refused by name.
+supervisor, core.supervisor.contract). A worker of an older epoch or generation is refused by name.
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from core import protocol, transport
-from core.config import TimeoutsConfig
-from core.dispatch import Collect, Dispatch, collect_all, one_to_all
+from core.controller.dispatch import Collect, Dispatch, collect_all, one_to_all
 from core.errors import CallTimeoutError, RegistrationError, RemoteError, WorkerLostError
-from core.parallel.dims import ParallelDims
-from core.preemption import PreemptionFlag
-from core.runfolder import RunFolder
+from core.job.preemption import PreemptionFlag
+from core.record.runfolder import RunFolder
+from core.spec.config import TimeoutsConfig
+from core.spec.dims import ParallelDims
+from core.wire import protocol, transport
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +462,7 @@ class WorkerGroup:
 
 def publish_address(run: RunFolder, sock: transport.ControllerSocket, *, host: str, epoch: int) -> dict[str, Any]:
     """Write controller.json so workers can find this controller."""
-    from core.runfolder import write_json
+    from core.record.runfolder import write_json
 
     info = {
         "address": f"tcp://{host}:{sock.port}",

@@ -3,7 +3,7 @@
 The controller calls, in order: ``setup`` once (process group, Megatron's parallel state,
 model, optimizer, data), then ``train_step`` / ``eval_step`` with the step number, and
 ``shutdown``. Every method returns msgpack-able values (floats, ints, strings, lists).
-``checkpoint_state`` / ``restore_state`` are not rpc methods: ``core.ckpt_worker`` wraps
+``checkpoint_state`` / ``restore_state`` are not rpc methods: ``core.checkpoint.service`` wraps
 them into the checkpoint calls.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from core import config as config_mod
 from core.checkpoint.spec import TensorSlice
-from core.config import RunConfig
-from core.task import WorkerContext
-from core.worker import rss_mb
+from core.spec import config as config_mod
+from core.spec.config import RunConfig
+from core.worker.runtime import rss_mb
+from core.worker.task import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ class GPTTask:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.cfg: RunConfig | None = None
-        self._step_ctx: Any = None  # core.gpt.step.StepContext once set up
+        self._step_ctx: Any = None  # core.model.gpt.step.StepContext once set up
         self._next_step = 0  # steps done: what a checkpoint taken now is "after"
-        self._fence: Callable[[], None] = lambda: None  # core.ckpt_worker's, once bound
+        self._fence: Callable[[], None] = lambda: None  # core.checkpoint.service's, once bound
 
     def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
         return {
@@ -54,8 +54,8 @@ class GPTTask:
         import torch
         from megatron.core.distributed import finalize_model_grads
 
-        from core.gpt import data, model, optim
-        from core.gpt.step import StepContext
+        from core.model.gpt import data, model, optim
+        from core.model.gpt.step import StepContext
         from core.parallel import cpu_shim
         from core.parallel.megatron import init_megatron
 
@@ -108,7 +108,7 @@ class GPTTask:
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step. Every rank: ``step_time_s``, ``rss_mb``; loss owners also
         ``loss``, ``grad_norm``, ``lr``, ``tokens`` (global tokens of the step)."""
-        from core.gpt.step import train_step
+        from core.model.gpt.step import train_step
 
         out = train_step(self._ready(), int(step), before_update=self._fence)
         self._next_step = int(step) + 1
@@ -117,7 +117,7 @@ class GPTTask:
 
     def eval_step(self, step: int) -> dict[str, Any]:
         """Forward only on the held-out batch of ``step``; ``loss`` on loss owners."""
-        from core.gpt.step import eval_step
+        from core.model.gpt.step import eval_step
 
         out = eval_step(self._ready(), int(step))
         out["rss_mb"] = rss_mb()
@@ -125,7 +125,7 @@ class GPTTask:
 
     def load_global_weights(self, path: str) -> None:
         """Load this rank's slices of an .npz of full global tensors (global name → array)."""
-        from core.gpt.state import load_model_slices
+        from core.model.gpt.state import load_model_slices
 
         self._fence()
         with np.load(path) as arrays:
@@ -142,7 +142,7 @@ class GPTTask:
         """
         import torch.distributed as dist
 
-        from core.gpt.state import is_writer, sharded_params, slice_of
+        from core.model.gpt.state import is_writer, sharded_params, slice_of
 
         mine = [(slice_of(sh), p.detach().float().cpu().numpy()) for sh, p in
                 sharded_params(self._ready().model_chunks) if is_writer(sh)]
@@ -162,7 +162,7 @@ class GPTTask:
             destroy_megatron()
             self._step_ctx = None
 
-    # --- checkpoint hooks (core.ckpt_worker) ------------------------------------------------
+    # --- checkpoint hooks (core.checkpoint.service) ------------------------------------------------
     def bind_checkpoint_fence(self, fence: Callable[[], None]) -> None:
         """``fence`` runs before every change of the exported state: the optimizer step, a
         weights load (a checkpoint load is fenced by CheckpointService.load itself)."""
@@ -171,7 +171,7 @@ class GPTTask:
     def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, Any]], dict[str, Any]]:
         """This rank's slices (live: read until the next update) and blobs (collective over
         DP with the distributed optimizer)."""
-        from core.gpt.state import export_state
+        from core.model.gpt.state import export_state
 
         ctx = self._ready()
         return export_state(ctx.model_chunks, ctx.optimizer, self._next_step)
@@ -179,7 +179,7 @@ class GPTTask:
     def restore_state(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray],
                       blobs: dict[str, Any]) -> None:
         """Load this rank's slices of a checkpoint, in this rank's layout."""
-        from core.gpt.state import import_state
+        from core.model.gpt.state import import_state
 
         ctx = self._ready()  # CheckpointService.load has passed the fence already
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
@@ -206,7 +206,7 @@ def assemble(items: list[tuple[TensorSlice, np.ndarray]]) -> dict[str, np.ndarra
 
 def _with_auto_micro_batch(cfg: Any, *, on_cuda: bool) -> Any:
     """``micro_batch_size: auto``: max(1, floor(free memory × 0.9 / memory per sample)),
-    from this rank's free memory less the static state ``core.plan`` estimates; the
+    from this rank's free memory less the static state ``core.spec.plan`` estimates; the
     smallest answer over all ranks wins, so every stage runs the same schedule."""
     import dataclasses
 
@@ -214,7 +214,7 @@ def _with_auto_micro_batch(cfg: Any, *, on_cuda: bool) -> Any:
     import torch
     import torch.distributed as dist
 
-    from core.plan import resolve_micro_batch, static_bytes
+    from core.spec.plan import resolve_micro_batch, static_bytes
 
     if on_cuda:
         free = float(torch.cuda.mem_get_info()[0])

@@ -5,10 +5,10 @@
 
 Bulk tensors never come here; each step brings back a few numbers per rank, and a
 checkpoint brings back one small ack per rank, after which this process commits it.
-At every step boundary the stop policy (core.preemption) is asked whether a preemption
+At every step boundary the stop policy (core.job.preemption) is asked whether a preemption
 signal arrived or the walltime is near; then the step just finished is checkpointed
 synchronously and ``run_all`` returns the request, so no finished step is lost. Failures
-propagate as exceptions; core.recovery decides what happens next.
+propagate as exceptions; core.controller.recovery decides what happens next.
 """
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core import config as config_mod
 from core.checkpoint import manifest
-from core.config import RunConfig
-from core.controller import WorkerGroup
-from core.dispatch import collect_all
-from core.preemption import StopPolicy, StopRequest
-from core.runfolder import RunFolder, event, write_atomic
+from core.controller.dispatch import collect_all
+from core.controller.group import WorkerGroup
+from core.job.preemption import StopPolicy, StopRequest
+from core.record.runfolder import RunFolder, event, write_atomic
+from core.spec import config as config_mod
+from core.spec.config import RunConfig
 
 if TYPE_CHECKING:
-    from core.metrics import Metrics
+    from core.controller.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Program:
     group: WorkerGroup
     state: dict[str, Any]
     stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
-    metrics: Metrics | None = None  # the Prometheus endpoint (core.metrics); None when metrics.enabled is false
+    metrics: Metrics | None = None  # the Prometheus endpoint (core.controller.metrics); None when metrics.enabled is false
     _pending: tuple[int, Path, float] | None = field(default=None, init=False)
     _started: float = field(default_factory=time.monotonic, init=False)
     _useful_s: float = field(default=0.0, init=False)

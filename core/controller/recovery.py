@@ -5,7 +5,7 @@
     a UserError (bad config, a checkpoint that cannot load)  fail at once (exit 2)
     RemoteError, the same exception on every rank            fail at once: deterministic (a bug, a config)
     RemoteError, same rank/type/method/step as the last one  fail at once: a restart reproduced it
-    lost worker (exit, silence), missed deadline,            spend one retry (core.supervise.Budget), then
+    lost worker (exit, silence), missed deadline,            spend one retry (core.supervisor.contract.Budget), then
     registration timeout, any other RemoteError                retries spent            → fail, naming them
                                                                node failed twice, Slurm → requeue without it
                                                                supervisor restarts      → new generation
@@ -16,7 +16,7 @@
 
 A restart inside the allocation: abort the survivors, forget this generation, back off
 (``recovery.backoff_s`` doubling per retry), ask the supervisor for the next generation
-(core.supervise), then ``run_all`` again: register, setup, resume from the latest
+(core.supervisor.contract), then ``run_all`` again: register, setup, resume from the latest
 committed checkpoint, train. Every decision is an event in state.json.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from core.checkpoint import manifest
+from core.controller.program import Program
 from core.errors import CallTimeoutError, RegistrationError, RemoteError, UserError, WorkerLostError
-from core.preemption import StopRequest
-from core.program import Program
-from core.runfolder import event
-from core.supervise import Budget, WorkerRequest, request_workers
+from core.job.preemption import StopRequest
+from core.record.runfolder import event
+from core.supervisor.contract import Budget, WorkerRequest, request_workers
 
 log = logging.getLogger(__name__)
 

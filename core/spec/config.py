@@ -1,7 +1,7 @@
 """The run configuration: frozen, keyword-only dataclasses, loaded from YAML.
 
 Loading order: the YAML file, then ``key=value`` overrides with dotted paths
-(``parallel.tp=2``), then strict conversion (``core.schema.build``) and validation in
+(``parallel.tp=2``), then strict conversion (``core.spec.schema.build``) and validation in
 ``__post_init__``. The resolved config is what the run folder records.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import yaml
 from core.errors import ConfigError, LayoutError
 
 __all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict"]
-from core.parallel.dims import ParallelDims
-from core.schema import build, field_paths, to_data
+from core.spec.dims import ParallelDims
+from core.spec.schema import build, field_paths, to_data
 
 Auto = Literal["auto"]
 

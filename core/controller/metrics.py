@@ -37,12 +37,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from core.errors import UserError
-from core.runfolder import RunFolder, write_json
+from core.record.runfolder import RunFolder, write_json
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
-_MIB = 2**20  # rss_mb / cuda_peak_mb in records are MiB (see core.worker._rss_mb)
+_MIB = 2**20  # rss_mb / cuda_peak_mb in records are MiB (see core.worker.runtime._rss_mb)
 
 # Step times from a millisecond toy step to a minute-long pipeline step.
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -151,7 +151,7 @@ class Metrics:
 
     # --- recording ----------------------------------------------------------------------
     def observe_step(self, record: dict[str, Any]) -> None:
-        """Update every per-step series from one metrics.jsonl record (core.program)."""
+        """Update every per-step series from one metrics.jsonl record (core.controller.program)."""
         step = _num(record.get("step"))
         if step is not None:
             self.step.set(step + 1)

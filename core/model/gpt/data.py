@@ -17,7 +17,7 @@ throughput task that cannot be learned) or an HDF5 token file (``data.kind: hdf5
 tokens at deterministic positions. The last 5 % of the file (at least one window) is
 held out for ``eval`` when the file is large enough for both.
 
-No torch here: batches are numpy arrays, converted by ``core.gpt.step``.
+No torch here: batches are numpy arrays, converted by ``core.model.gpt.step``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import numpy as np
 from core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from core.config import RunConfig
+    from core.spec.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from core.config import RunConfig
-from core.gpt.data import BatchSource, MicroBatch
-from core.gpt.optim import set_lr
+from core.model.gpt.data import BatchSource, MicroBatch
+from core.model.gpt.optim import set_lr
+from core.spec.config import RunConfig
 
 log = logging.getLogger(__name__)
 

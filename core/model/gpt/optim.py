@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from core.config import RunConfig
+from core.spec.config import RunConfig
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@ Slurm the ``SLURM_*`` ones fill in what the batch script does not set itself.
     BATON_EPOCH       restart count      (else SLURM_RESTART_COUNT, else 0)
     BATON_GENERATION  which start of the worker step within the epoch (else 0)
     BATON_WORKER_RESTARTS  "1" when the supervisor restarts worker steps on request
-                      (core.supervise); without it a lost worker means a requeue
+                      (core.supervisor.contract); without it a lost worker means a requeue
     BATON_NODE        node name          (else SLURMD_NODENAME, else the host name)
     BATON_CONTROLLER_HOST  address the controller publishes (else the host name)
 """

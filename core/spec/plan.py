@@ -2,7 +2,7 @@
 
 Pure arithmetic over a ``RunConfig``, so the login node can answer "does this fit?"
 before a job costs a queue slot. The model it counts is Megatron-core's ``GPTModel``
-as ``core.gpt.model`` builds it: learned absolute position embeddings, LayerNorm with
+as ``core.model.gpt.model`` builds it: learned absolute position embeddings, LayerNorm with
 bias, biased linears, and an output layer *untied* from the word embeddings
 (``share_embeddings_and_output_weights=False``). Tied weights are counted too (once in
 the total, plus the last stage's copy when pp > 1) if a config field
@@ -13,7 +13,7 @@ Memory, per GPU (bytes; ``P`` = parameters on that rank, after tensor parallelis
 - weights: ``2P`` bf16/fp16 compute copy + ``4P`` fp32 master under mixed precision,
   else ``4P``; the distributed optimizer shards the master copy over dp.
 - gradients: Megatron DDP's ``main_grad`` buffer, ``4P`` when grads are reduced in fp32
-  (``core.gpt.model``: fp32 training, or ``mixed_precision.reduce_dtype: fp32``), else
+  (``core.model.gpt.model``: fp32 training, or ``mixed_precision.reduce_dtype: fp32``), else
   ``2P`` in the bf16/fp16 parameter dtype.
 - optimizer: Adam's two fp32 moments, ``8P``, sharded over dp by the distributed optimizer.
 - activations (Korthikanti et al. 2022, no sequence parallelism), per layer and
@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import RunConfig
 from core.errors import ConfigError, LayoutError
-from core.parallel.dims import ParallelDims
+from core.spec.config import RunConfig
+from core.spec.dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _layer_params(cfg: RunConfig, tp: int) -> int:
 
 
 def _tied(cfg: RunConfig) -> bool:
-    # ModelConfig has no such field; core.gpt.model builds untied (no cross-stage embedding group)
+    # ModelConfig has no such field; core.model.gpt.model builds untied (no cross-stage embedding group)
     return bool(getattr(cfg.model, "share_embeddings_and_output_weights", False))
 
 
@@ -211,7 +211,7 @@ def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: b
     if mp.enabled and DTYPE_BYTES[mp.param_dtype] < 4:
         low = DTYPE_BYTES[mp.param_dtype]
         weights = low * params + _ceil_div(4 * params, shard)
-        grads = (4 if mp.reduce_dtype == "fp32" else low) * params  # as core.gpt.model's grad_reduce_in_fp32
+        grads = (4 if mp.reduce_dtype == "fp32" else low) * params  # as core.model.gpt.model's grad_reduce_in_fp32
     else:
         weights = grads = 4 * params
     return weights, grads, _ceil_div(8 * params, shard)

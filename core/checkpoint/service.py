@@ -30,7 +30,7 @@ import numpy as np
 from core.checkpoint.manifest import rank_file_name
 from core.checkpoint.spec import TensorSlice, current
 from core.errors import BatonRuntimeError
-from core.task import WorkerContext
+from core.worker.task import WorkerContext
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,0 @@
-"""A Megatron-core GPT served by Baton's workers: model, optimizer, data, one step, state.
-
-Only ``core.gpt.task.GPTTask`` is the entry point; the modules below it are imported
-lazily so that importing this package costs nothing (``core.gpt.optim.lr_at`` and
-``core.gpt.data`` work without torch).
-"""
