@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from core.errors import BatonRuntimeError, UserError
-from core.job import logsetup
+from core.job import logsetup, slurmctl
 from core.job.env import JobEnv
+from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder, event
 from core.spec import config as config_mod
 from core.worker.task import Task, WorkerContext
@@ -44,16 +45,16 @@ def task_factory(kind: str) -> Callable[[WorkerContext], Task]:
 
 def run_controller(env: JobEnv) -> int:
     """The controller role: run the program under core.controller.recovery; 0, 1, 2 or EXIT_REQUEUED."""
+    from core.controller import stop
     from core.controller.group import WorkerGroup, publish_address
     from core.controller.program import Program
     from core.controller.recovery import Recovery
-    from core.job import preemption
     from core.supervisor.contract import WorkerRequest, request_workers
     from core.wire.transport import ControllerSocket
 
     run = RunFolder(env.run_dir)
     logsetup.configure("controller", run.controller_log)
-    signals = preemption.PreemptionFlag.install()  # before anything slow: a signal now is not lost
+    signals = PreemptionFlag.install()  # before anything slow: a signal now is not lost
     cfg = config_mod.load(run.config)
     metrics = None
     if cfg.metrics.enabled:  # first: a port in use fails before the run is marked running
@@ -72,9 +73,9 @@ def run_controller(env: JobEnv) -> int:
     run.write_state(state)
     group = WorkerGroup(sock, world_size=cfg.trainer.world_size, epoch=env.epoch, dims=cfg.dims,
                         timeouts=cfg.timeouts, run=run, signals=signals)
-    stop = preemption.StopPolicy(signals, preemption.clock_for(os.environ),
+    policy = stop.StopPolicy(signals, slurmctl.clock_for(os.environ),
                                  margin_s=cfg.recovery.walltime_margin_s)
-    program = Program(cfg=cfg, run=run, group=group, state=state, stop=stop, metrics=metrics)
+    program = Program(cfg=cfg, run=run, group=group, state=state, stop=policy, metrics=metrics)
     recovery = Recovery(program, worker_restarts=env.worker_restarts, on_slurm=env.job_id is not None)
     try:
         outcome = recovery.run()
@@ -114,7 +115,6 @@ def _failed(state: dict[str, Any], group: Any, reason: str, code: int) -> int:
 def _requeue(env: JobEnv, run: RunFolder, state: dict[str, Any], group: Any, outcome: Any) -> int:
     """Record the requeue, release the workers, and requeue: Slurm's ``scontrol requeue``
     (which ends this job at once), or locally the supervisor relaunches on EXIT_REQUEUED."""
-    from core.job import preemption
     from core.supervisor.contract import EXIT_REQUEUED
 
     state.update(status="requeued")
@@ -131,7 +131,7 @@ def _requeue(env: JobEnv, run: RunFolder, state: dict[str, Any], group: Any, out
     time.sleep(0.05)  # the shutdown must leave before scontrol ends the job
     het = os.environ.get("SLURM_HET_SIZE")  # the workers are component 1: raw id leader + 1
     component = str(int(env.job_id) + 1) if het and env.job_id.isdigit() else None
-    result = preemption.requeue(env.job_id, exclude=outcome.exclude, component_id=component)
+    result = slurmctl.requeue(env.job_id, exclude=outcome.exclude, component_id=component)
     if not result.ok:
         return _failed(state, group, f"requeue refused ({result.detail}); the latest checkpoint stands: "
                        "continue with `baton submit --resume RUN_DIR`", EXIT_FAILED)
@@ -140,7 +140,6 @@ def _requeue(env: JobEnv, run: RunFolder, state: dict[str, Any], group: Any, out
 
 
 def run_worker(env: JobEnv) -> int:
-    from core.job.preemption import PreemptionFlag
     from core.worker.runtime import WorkerRuntime
 
     run = RunFolder(env.run_dir)

@@ -24,7 +24,7 @@ from typing import Any
 
 from core.controller.dispatch import Collect, Dispatch, collect_all, one_to_all
 from core.errors import CallTimeoutError, RegistrationError, RemoteError, WorkerLostError
-from core.job.preemption import PreemptionFlag
+from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
 from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims

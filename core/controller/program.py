@@ -5,7 +5,7 @@
 
 Bulk tensors never come here; each step brings back a few numbers per rank, and a
 checkpoint brings back one small ack per rank, after which this process commits it.
-At every step boundary the stop policy (core.job.preemption) is asked whether a preemption
+At every step boundary the stop policy (core.controller.stop) is asked whether a preemption
 signal arrived or the walltime is near; then the step just finished is checkpointed
 synchronously and ``run_all`` returns the request, so no finished step is lost. Failures
 propagate as exceptions; core.controller.recovery decides what happens next.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from core.checkpoint import manifest
 from core.controller.dispatch import collect_all
 from core.controller.group import WorkerGroup
-from core.job.preemption import StopPolicy, StopRequest
+from core.controller.stop import StopPolicy, StopRequest
 from core.record.runfolder import RunFolder, event, write_atomic
 from core.spec import config as config_mod
 from core.spec.config import RunConfig

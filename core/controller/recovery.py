@@ -29,8 +29,8 @@ from typing import Literal
 
 from core.checkpoint import manifest
 from core.controller.program import Program
+from core.controller.stop import StopRequest
 from core.errors import CallTimeoutError, RegistrationError, RemoteError, UserError, WorkerLostError
-from core.job.preemption import StopRequest
 from core.record.runfolder import event
 from core.supervisor.contract import Budget, WorkerRequest, request_workers
 

@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     import os
 
     from core.checkpoint import manifest
-    from core.job import preemption
+    from core.job import slurmctl
     from core.spec import config as config_mod
 
     if len(argv) != 3 or argv[0] != "after-controller":
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
                                 committed_step=steps[-1] if steps else None)
     job_id = os.environ.get("SLURM_JOB_ID")
     if decision == "requeue" and before == "running" and job_id:
-        result = preemption.requeue(job_id)
+        result = slurmctl.requeue(job_id)
         if not result.ok:
             print(f"baton: requeue failed: {result.detail}", file=sys.stderr)
     print(decision)

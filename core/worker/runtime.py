@@ -25,7 +25,7 @@ from typing import Any
 
 from core.errors import RegistrationError
 from core.job.env import JobEnv
-from core.job.preemption import PreemptionFlag
+from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder, read_json
 from core.wire import protocol, transport
 from core.wire.transport import WorkerSocket

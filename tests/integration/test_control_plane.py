@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import zmq
 
-from core.controller.group import WorkerGroup, dispatch, publish_address
+from core.controller import dispatch
+from core.controller.group import WorkerGroup, publish_address
 from core.errors import CallTimeoutError, RemoteError, WorkerLostError
 from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims

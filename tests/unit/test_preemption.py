@@ -1,4 +1,4 @@
-"""core.job.preemption: the signal flag, the job record (recorded scontrol output), stop
+"""core.job.signals, core.job.slurmctl and core.controller.stop: the signal flag, the job record (recorded scontrol output), stop
 decisions and the requeue command sequences (a fake runner: no Slurm needed)."""
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from core.job import preemption
-from core.job.preemption import JobClock, PreemptionFlag, StopPolicy
+from core.controller import stop
+from core.controller.stop import StopPolicy
+from core.job import signals, slurmctl
+from core.job.signals import PreemptionFlag
+from core.job.slurmctl import JobClock
 
 # Recorded on the local cluster (slurm 22.05): a running job, the same job 1 s after a
 # preemption (GraceTime=20), and a job after scancel. Times are the controller's local time.
@@ -44,9 +47,9 @@ class FakeRunner:
 
 
 def test_parse_show_job_takes_the_earliest_end_of_all_components() -> None:
-    t = preemption.parse_show_job(HET)
+    t = slurmctl.parse_show_job(HET)
     assert t.end_time == _t("2026-12-02T18:43:22") and t.preempt_time is None and t.state == "RUNNING,RUNNING"
-    p = preemption.parse_show_job(PREEMPTED)
+    p = slurmctl.parse_show_job(PREEMPTED)
     assert p.preempt_time == _t("2026-12-02T18:34:23") and p.end_time == _t("2026-12-02T18:34:43")
 
 
@@ -57,11 +60,11 @@ def test_parse_show_job_takes_the_earliest_end_of_all_components() -> None:
     (CANCELLED, "2026-12-02T18:40:35", "ending"),          # scancel: already COMPLETING
 ])
 def test_a_signal_is_told_apart_by_the_job_record(record: str, now: str, cause: str) -> None:
-    assert preemption.classify(preemption.parse_show_job(record), _t(now), lead_s=90) == cause
+    assert slurmctl.classify(slurmctl.parse_show_job(record), _t(now), lead_s=90) == cause
 
 
 def test_without_a_record_a_signal_counts_as_preemption() -> None:
-    assert preemption.classify(None, 0.0, lead_s=90) == "preemption"
+    assert slurmctl.classify(None, 0.0, lead_s=90) == "preemption"
 
 
 def test_job_clock_rereads_the_record_only_now_and_then() -> None:
@@ -72,16 +75,16 @@ def test_job_clock_rereads_the_record_only_now_and_then() -> None:
     now[0] += 10
     assert clock.time_left_s() == pytest.approx(252.0)
     assert len(runner.calls) == 1  # cached
-    now[0] += preemption.CLOCK_REFRESH_S
+    now[0] += slurmctl.CLOCK_REFRESH_S
     clock.time_left_s()
     assert len(runner.calls) == 2 and runner.calls[0] == ["scontrol", "show", "job", "-o", "16"]
 
 
 def test_should_save_now_compares_time_left_with_a_step_a_save_and_a_margin() -> None:
-    assert not preemption.should_save_now(None, step_s=1, save_s=1)
-    assert not preemption.should_save_now(100, step_s=10, save_s=20, margin_s=30)
-    assert preemption.should_save_now(59, step_s=10, save_s=20, margin_s=30)
-    assert preemption.should_save_now(99, step_s=10, save_s=None, margin_s=30)  # before a first save: 60 s assumed
+    assert not stop.should_save_now(None, step_s=1, save_s=1)
+    assert not stop.should_save_now(100, step_s=10, save_s=20, margin_s=30)
+    assert stop.should_save_now(59, step_s=10, save_s=20, margin_s=30)
+    assert stop.should_save_now(99, step_s=10, save_s=None, margin_s=30)  # before a first save: 60 s assumed
 
 
 def test_stop_policy_stops_proactively_before_the_walltime() -> None:
@@ -114,7 +117,7 @@ def test_stop_policy_reports_the_signal_and_its_cause() -> None:
 
 
 def test_the_flag_records_real_signals_and_the_process_survives_them() -> None:
-    old = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+    old = {s: signal.getsignal(s) for s in signals.SIGNALS}
     try:
         flag = PreemptionFlag.install()
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -127,13 +130,13 @@ def test_the_flag_records_real_signals_and_the_process_survives_them() -> None:
 
 def test_requeue_is_one_scontrol_call_without_exclusions() -> None:
     runner = FakeRunner()
-    assert preemption.requeue("16", run=runner).ok
+    assert slurmctl.requeue("16", run=runner).ok
     assert runner.calls == [["scontrol", "requeue", "16"]]
 
 
 def test_requeue_with_exclusions_holds_updates_the_workers_component_and_releases() -> None:
     runner = FakeRunner()
-    result = preemption.requeue("16", exclude=["node2", "node3"], component_id="17", run=runner)
+    result = slurmctl.requeue("16", exclude=["node2", "node3"], component_id="17", run=runner)
     assert result.ok and "excluding node2,node3" in result.detail
     assert runner.calls == [["scontrol", "requeuehold", "16"],
                             ["scontrol", "update", "JobId=17", "ExcNodeList=node2,node3"],
@@ -143,10 +146,10 @@ def test_requeue_with_exclusions_holds_updates_the_workers_component_and_release
 
 def test_a_job_slurm_is_already_requeueing_counts_as_requeued() -> None:
     runner = FakeRunner({"requeue": (1, "", "Job is pending execution for job 16")})
-    assert preemption.requeue("16", run=runner).ok
+    assert slurmctl.requeue("16", run=runner).ok
 
 
 def test_a_refused_requeue_says_why() -> None:
     runner = FakeRunner({"requeue": (1, "", "Requested operation is presently disabled")})
-    result = preemption.requeue("16", run=runner)
+    result = slurmctl.requeue("16", run=runner)
     assert not result.ok and "presently disabled" in result.detail

@@ -1,9 +1,4 @@
-"""Signals and the job's clock: the only module that installs signal handlers or runs ``scontrol``.
-
-Slurm announces the end of a job with a signal: ``--signal=USR2@<lead>`` sends SIGUSR2
-``lead`` seconds before the walltime limit, and at preemption (with
-``preempt_send_user_signal``); SIGTERM follows at the end of the grace time. Handlers here
-only record the signal; the controller acts on it at the next step boundary.
+"""The job's record and requeue through ``scontrol``: the only module that runs it.
 
 Walltime or preemption is told from the job record, not guessed (all observed on 22.05):
 at preemption Slurm sets ``PreemptTime`` and moves ``EndTime`` to the preemption time
@@ -26,14 +21,10 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-DEFAULT_SIGNAL_LEAD_S = 90.0  # matches launcher.slurm.DEFAULT_SIGNAL (USR2@90)
-PROACTIVE_MARGIN_S = 30.0  # slack on top of one step and one save before the walltime
-UNKNOWN_SAVE_S = 60.0  # a save's duration before the first one was measured
+DEFAULT_SIGNAL_LEAD_S = 90.0  # matches the default sbatch --signal=USR2@90 (core.spec.jobspec)
 CLOCK_REFRESH_S = 60.0  # the end time can change (scontrol update TimeLimit=...): re-read it
 SCONTROL_TIMEOUT_S = 20.0
 
@@ -43,60 +34,6 @@ Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
 def _run(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
                           stdin=subprocess.DEVNULL)
-
-
-# --------------------------------------------------------------------------------- signals
-
-
-class PreemptionFlag:
-    """Records SIGUSR2 / SIGTERM; the handler does nothing else (no I/O, no locks)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.received_at: float | None = None  # time.time() of the first signal
-        self.count = 0
-        self.source = "this process"
-        self._reported = 0
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
-            self.signum, self.received_at = signum, time.time()
-        self.count += 1
-
-    @classmethod
-    def install(cls, signals: Sequence[int] = SIGNALS) -> PreemptionFlag:
-        """A flag receiving ``signals`` in this process (main thread only)."""
-        flag = cls()
-        for s in signals:
-            signal.signal(s, flag._handler)
-        return flag
-
-    @property
-    def is_set(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else ""
-
-    def report_once(self, logger: logging.Logger, what: str) -> None:
-        """Log newly received signals (called from ordinary code, never from the handler)."""
-        if self.count > self._reported:
-            self._reported = self.count
-            logger.warning("received %s (%d signal(s) so far): %s", self.signal_name, self.count, what)
-
-    def relay(self, name: str, source: str) -> None:
-        """A signal another process received (a worker's heartbeat says so), as if received here."""
-        if self.signum is None and name in signal.Signals.__members__:
-            self.signum, self.received_at, self.source = int(signal.Signals[name]), time.time(), source
-            self.count += 1
-
-    def set_for_test(self, signum: int = signal.SIGUSR2) -> None:
-        """What a delivered signal does, without a signal (unit tests)."""
-        self._handler(signum, None)
-
-
-# ------------------------------------------------------------------------------ job record
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,64 +133,6 @@ class JobClock:
         return classify(self.times(fresh=True), self._now(), self.lead_s)
 
 
-# ------------------------------------------------------------------------- stop decisions
-
-
-@dataclass(frozen=True, kw_only=True)
-class StopRequest:
-    """Why the controller stops training at this step boundary to checkpoint and requeue."""
-
-    cause: str  # "preemption" | "walltime" | "signal" | "ending" (see classify) | "time_running_out"
-    signal: str  # "SIGUSR2", "SIGTERM" or "" for a proactive stop
-    time_left_s: float | None
-    detail: str
-    signal_at: float | None = None  # time.time() the signal arrived (here or at a worker)
-
-
-def should_save_now(time_left_s: float | None, *, step_s: float, save_s: float | None,
-                    margin_s: float = PROACTIVE_MARGIN_S) -> bool:
-    """True when another step might leave no time to save: time left < step + save + margin."""
-    if time_left_s is None:
-        return False
-    return time_left_s < step_s + (UNKNOWN_SAVE_S if save_s is None else save_s) + margin_s
-
-
-class StopPolicy:
-    """Asked at every step boundary: stop now? (a signal arrived, or the walltime is near)."""
-
-    def __init__(self, flag: PreemptionFlag | None, clock: JobClock | None,
-                 *, margin_s: float = PROACTIVE_MARGIN_S) -> None:
-        self.flag = flag
-        self.clock = clock
-        self.margin_s = margin_s  # recovery.walltime_margin_s
-        self._decided: StopRequest | None = None
-
-    def check(self, *, step_s: float, save_s: float | None) -> StopRequest | None:
-        if self._decided is not None:
-            return self._decided
-        if self.flag is not None and self.flag.is_set:
-            self.flag.report_once(log, "checkpointing at this step boundary, then requeueing")
-            cause = self.clock.classify_signal() if self.clock is not None else "signal"
-            left = self.clock.time_left_s() if self.clock is not None else None
-            self._decided = StopRequest(cause=cause, signal=self.flag.signal_name, time_left_s=left,
-                                        detail=f"{self.flag.signal_name} received by {self.flag.source}",
-                                        signal_at=self.flag.received_at)
-        elif self.clock is not None:
-            left = self.clock.time_left_s()
-            if should_save_now(left, step_s=step_s, save_s=save_s, margin_s=self.margin_s):
-                assert left is not None
-                self._decided = StopRequest(
-                    cause="time_running_out", signal="", time_left_s=left,
-                    detail=f"{left:.0f} s left < step {step_s:.1f} s + save "
-                           f"{UNKNOWN_SAVE_S if save_s is None else save_s:.1f} s + margin {self.margin_s:.0f} s "
-                           "(recovery.walltime_margin_s)")
-        return self._decided
-
-    def stop_requested(self) -> bool:
-        """A signal arrived (between steps, e.g. while waiting for workers)."""
-        return self._decided is not None or (self.flag is not None and self.flag.is_set)
-
-
 def clock_for(environ: Mapping[str, str]) -> JobClock | None:
     """The job's clock under Slurm (SLURM_JOB_ID), None elsewhere (no walltime locally)."""
     job_id = environ.get("SLURM_JOB_ID")
@@ -261,9 +140,6 @@ def clock_for(environ: Mapping[str, str]) -> JobClock | None:
         return None
     lead = environ.get("BATON_SIGNAL_LEAD_S")
     return JobClock(job_id, lead_s=float(lead) if lead else DEFAULT_SIGNAL_LEAD_S)
-
-
-# ---------------------------------------------------------------------------------- requeue
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,4 +185,3 @@ def _scontrol(run: Runner, args: list[str]) -> RequeueResult:
     if args[1] == "requeue" and "pending execution" in out.lower():
         return RequeueResult(ok=True, detail="Slurm is already requeueing the job")
     return RequeueResult(ok=False, detail=f"{' '.join(args)}: rc {proc.returncode}: {out}")
-

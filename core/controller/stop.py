@@ -1,0 +1,72 @@
+"""The stop policy: asked at every step boundary whether to checkpoint and stop now.
+
+A preemption signal arrived (here, or at a worker, relayed in its heartbeat), or the
+walltime is near: less time left than one step, one save and ``recovery.walltime_margin_s``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from core.job.signals import PreemptionFlag
+from core.job.slurmctl import JobClock
+
+log = logging.getLogger(__name__)
+
+PROACTIVE_MARGIN_S = 30.0  # slack on top of one step and one save before the walltime
+UNKNOWN_SAVE_S = 60.0  # a save's duration before the first one was measured
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopRequest:
+    """Why the controller stops training at this step boundary to checkpoint and requeue."""
+
+    cause: str  # "preemption" | "walltime" | "signal" | "ending" (see classify) | "time_running_out"
+    signal: str  # "SIGUSR2", "SIGTERM" or "" for a proactive stop
+    time_left_s: float | None
+    detail: str
+    signal_at: float | None = None  # time.time() the signal arrived (here or at a worker)
+
+
+def should_save_now(time_left_s: float | None, *, step_s: float, save_s: float | None,
+                    margin_s: float = PROACTIVE_MARGIN_S) -> bool:
+    """True when another step might leave no time to save: time left < step + save + margin."""
+    if time_left_s is None:
+        return False
+    return time_left_s < step_s + (UNKNOWN_SAVE_S if save_s is None else save_s) + margin_s
+
+
+class StopPolicy:
+    """Asked at every step boundary: stop now? (a signal arrived, or the walltime is near)."""
+
+    def __init__(self, flag: PreemptionFlag | None, clock: JobClock | None,
+                 *, margin_s: float = PROACTIVE_MARGIN_S) -> None:
+        self.flag = flag
+        self.clock = clock
+        self.margin_s = margin_s  # recovery.walltime_margin_s
+        self._decided: StopRequest | None = None
+
+    def check(self, *, step_s: float, save_s: float | None) -> StopRequest | None:
+        if self._decided is not None:
+            return self._decided
+        if self.flag is not None and self.flag.is_set:
+            self.flag.report_once(log, "checkpointing at this step boundary, then requeueing")
+            cause = self.clock.classify_signal() if self.clock is not None else "signal"
+            left = self.clock.time_left_s() if self.clock is not None else None
+            self._decided = StopRequest(cause=cause, signal=self.flag.signal_name, time_left_s=left,
+                                        detail=f"{self.flag.signal_name} received by {self.flag.source}",
+                                        signal_at=self.flag.received_at)
+        elif self.clock is not None:
+            left = self.clock.time_left_s()
+            if should_save_now(left, step_s=step_s, save_s=save_s, margin_s=self.margin_s):
+                assert left is not None
+                self._decided = StopRequest(
+                    cause="time_running_out", signal="", time_left_s=left,
+                    detail=f"{left:.0f} s left < step {step_s:.1f} s + save "
+                           f"{UNKNOWN_SAVE_S if save_s is None else save_s:.1f} s + margin {self.margin_s:.0f} s "
+                           "(recovery.walltime_margin_s)")
+        return self._decided
+
+    def stop_requested(self) -> bool:
+        """A signal arrived (between steps, e.g. while waiting for workers)."""
+        return self._decided is not None or (self.flag is not None and self.flag.is_set)
