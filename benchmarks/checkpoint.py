@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from core.checkpoint import manifest  # noqa: E402
 from core.checkpoint.async_writer import AsyncWriter  # noqa: E402
+from core.checkpoint.commit import commit, tmp_step_dir  # noqa: E402
 from core.checkpoint.hdf5 import CheckpointReader, ShardReader, write_shard  # noqa: E402
 from core.checkpoint.spec import TensorSlice  # noqa: E402
 from core.model.gpt.state import LiveTensor  # noqa: E402
@@ -112,7 +113,7 @@ def items_of(state: State) -> list[tuple[TensorSlice, np.ndarray]]:
 
 def baton_save(state: State, folder: Path) -> tuple[Path, dict]:
     """What a rank does: one durable shard in the step's temporary folder (the commit is timed apart)."""
-    tmp = manifest.tmp_step_dir(folder, 1)
+    tmp = tmp_step_dir(folder, 1)
     return tmp, write_shard(tmp / manifest.rank_file_name(0), items_of(state), {"step": 1}, {"step": 1, "rank": 0})
 
 
@@ -174,7 +175,7 @@ def one_round(state: State, targets: State, base: Path, times: dict[str, list[fl
         if name == "baton hdf5":  # what the controller does once every rank has acked
             assert isinstance(saved, tuple)
             t0 = time.perf_counter()
-            manifest.commit(folder, 1, saved[0], [saved[1]], {"layout": "bench"})
+            commit(folder, 1, saved[0], [saved[1]], {"layout": "bench"})
             times["baton commit"].append(time.perf_counter() - t0)
         drop_cache(folder)
         t0 = time.perf_counter()

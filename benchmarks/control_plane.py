@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zmq  # noqa: E402
 
-from core.controller.group import WorkerGroup, publish_address  # noqa: E402
+from core.controller.group import WorkerGroup  # noqa: E402
+from core.controller.main import publish_address  # noqa: E402
+from core.model.toy import NOOP  # noqa: E402
 from core.spec import config as config_mod  # noqa: E402
 from core.wire import protocol  # noqa: E402
 from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys  # noqa: E402
@@ -221,10 +223,10 @@ def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
     poller = zmq.Poller()
     by_sock = {}
     for i, h in enumerate(hosts):
-        WorkerSocket.send(h.sock, protocol.encode(protocol.Register(
+        h.send(protocol.encode(protocol.Register(
             rank_hint=first_rank + i, host="bench", node="bench", pid=os.getpid(), rendezvous_port=1)))
-        poller.register(h.sock, zmq.POLLIN)
-        by_sock[h.sock] = h
+        poller.register(h.zmq_socket, zmq.POLLIN)
+        by_sock[h.zmq_socket] = h
     seq, next_beat = 0, time.monotonic()
     while True:
         now = time.monotonic()
@@ -232,12 +234,13 @@ def baton_host(run_dir: str, address: str, first_rank: int, n: int) -> None:
             seq += 1
             frames = protocol.encode(protocol.Heartbeat(seq=seq))
             for h in hosts:
-                WorkerSocket.send(h.sock, frames)
+                h.send(frames)
             next_beat = now + HB_INTERVAL
         for s, _ in poller.poll(max(1, int((next_beat - time.monotonic()) * 1000))):
-            env = protocol.decode(WorkerSocket.recv(s))
+            h = by_sock[s]
+            env = protocol.decode(h.recv_nowait())
             if isinstance(env.msg, protocol.Call):
-                WorkerSocket.send(s, protocol.encode(protocol.Result(value=None), req_id=env.req_id))
+                h.send(protocol.encode(protocol.Result(value=None), req_id=env.req_id))
             elif isinstance(env.msg, protocol.Shutdown):
                 return
 
@@ -271,7 +274,7 @@ class BatonGroup:
 
     def round(self) -> float:
         t0 = time.perf_counter()
-        self.group.call("noop")
+        self.group.call(NOOP)
         return time.perf_counter() - t0
 
     def heartbeat_cpu(self, idle_s: float) -> tuple[float, float]:

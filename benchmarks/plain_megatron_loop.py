@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from core.model.gpt.task import GPTTask  # noqa: E402
 from core.spec import config as config_mod  # noqa: E402
+from core.wire import calls  # noqa: E402
 from core.worker.task import WorkerContext  # noqa: E402
 
 
@@ -35,25 +36,24 @@ def main() -> int:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     cfg = config_mod.load(args.config, args.overrides)
     ctx = WorkerContext(rank=rank, world_size=world, epoch=0, run_dir=args.out.parent, host=socket.gethostname(),
-                        log=logging.getLogger("plain"))
+                        log=logging.getLogger("plain"), config=cfg)
     task = GPTTask(ctx)
-    table = task.rpc_table()
-    table["setup"](config=config_mod.to_dict(cfg), master_addr="", master_port=0)
+    task.setup(calls.Setup(master_addr="", master_port=0))
     # Steps run back to back (no barrier between them, as under the controller); a step's
     # time is the gap between consecutive returns on the last rank (the last pipeline stage).
     times, tokens = [], 0
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(cfg.trainer.steps):
-        out = table["train_step"](step=step)
+        out = task.train_step(calls.Step(step=step))
         now = time.perf_counter()
         times.append(now - t0)
         t0 = now
-        tokens = max(tokens, int(out.get("tokens", 0)))
+        tokens = max(tokens, out.tokens)
     dist.all_reduce(t := torch.tensor([tokens]), op=dist.ReduceOp.MAX)
     if rank == world - 1:
         args.out.write_text(json.dumps({"step_time_s": times, "tokens": int(t.item())}))
-    table["shutdown"]()
+    task.close()
     return 0
 
 

@@ -37,6 +37,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from core.record import events as ev  # noqa: E402
+from core.record.runfolder import RunFolder  # noqa: E402
+from core.record.state import RunRecord  # noqa: E402
+
 TARGETS = {"preemption_to_resumed_step_s": 20.0, "worker_loss_detected_s": 3.0, "restart_to_training_s": 15.0}
 
 
@@ -73,7 +79,7 @@ class Run:
             return {}
 
     def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.state().get("history", []) if e["event"] == kind]
+        return [ev.to_data(e) for e in RunRecord(RunFolder(self.folder)).events() if ev.kind_of(e) == kind]
 
     def metrics(self) -> list[dict[str, Any]]:
         return [json.loads(x) for x in (self.folder / "metrics.jsonl").read_text().splitlines() if x.strip()]

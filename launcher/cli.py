@@ -1,7 +1,8 @@
 """``baton``: the command line. Parse, dispatch to one command module, map errors to exits.
 
-Exit codes: 0 success, 1 the run or check failed, 2 bad input (config, arguments, files;
-one line on stderr, a traceback only with --debug).
+Exit codes (core.errors.ExitCode): OK, FAILED (the run or a check failed), USER_ERROR (bad
+input: config, arguments, files; one line on stderr, a traceback only with --debug),
+INTERRUPTED.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import os
 import sys
 
-from core.errors import UserError
+from core.errors import ExitCode, UserError
 from launcher import (
     cmd_cancel,
     cmd_ckpt,
@@ -62,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"baton: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `baton logs ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -6,7 +6,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from core.record import steps
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord
 from launcher import doctor
 
 EPILOG = """\
@@ -33,12 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     """Print the findings; exit 1 if any is an error."""
     run_folder = RunFolder.open(args.run_dir)
-    records = doctor.read_records(run_folder.metrics)
-    state = run_folder.read_state()
+    records = steps.read(run_folder.metrics)
+    state = RunRecord(run_folder).read()
     findings = doctor.diagnose(records, state)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=1))
     else:
-        print(f"{run_folder.path}: {state.get('status', 'unknown')}, {len(records)} steps recorded")
+        print(f"{run_folder.path}: {state.status}, {len(records)} steps recorded")
         print(doctor.format_findings(findings))
     return 1 if any(f.severity == doctor.ERROR for f in findings) else 0

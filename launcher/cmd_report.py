@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UserError
+from core.record import steps
 from core.record.runfolder import RunFolder
-from launcher.doctor import read_records
+from core.record.steps import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -103,36 +104,31 @@ def sweep_points(path: Path) -> list[tuple[str, Path]]:
     return [(c.name, c) for c in sorted(path.iterdir()) if c.is_dir() and _is_run(c)]
 
 
-def by_step(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def by_step(records: Sequence[StepRecord]) -> list[StepRecord]:
     """One record per step, in step order; after a requeue the re-run step's last record wins."""
-    latest: dict[int, dict[str, Any]] = {}
+    latest: dict[int, StepRecord] = {}
     for rec in records:
-        if isinstance(rec.get("step"), int):
-            latest[rec["step"]] = rec
+        latest[rec.step] = rec
     return [latest[s] for s in sorted(latest)]
 
 
-def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(records: Sequence[StepRecord], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for rec in records:
-        v = rec.get(key)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            xs.append(rec["step"])
+        v = getattr(rec, key)
+        if v is not None:
+            xs.append(rec.step)
             ys.append(float(v))
     return xs, ys
 
 
-def _rank_series(records: Sequence[dict[str, Any]], key: str) -> dict[int, tuple[list[int], list[float]]]:
+def _rank_series(records: Sequence[StepRecord], key: str) -> dict[int, tuple[list[int], list[float]]]:
     out: dict[int, tuple[list[int], list[float]]] = {}
     for rec in records:
-        values = rec.get(key)
-        if not isinstance(values, list):
-            continue
-        for rank, v in enumerate(values):
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                xs, ys = out.setdefault(rank, ([], []))
-                xs.append(rec["step"])
-                ys.append(float(v))
+        for rank, v in enumerate(getattr(rec, key) or ()):
+            xs, ys = out.setdefault(rank, ([], []))
+            xs.append(rec.step)
+            ys.append(float(v))
     return out
 
 
@@ -163,7 +159,7 @@ def _plot(figure: Any, path: Path, title: str, ylabel: str, lines: list[tuple[st
 def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Write the run's PNGs into ``out`` (default RUN_DIR/report); return their paths."""
     run_folder = RunFolder.open(run_dir)
-    records = by_step(read_records(run_folder.metrics))
+    records = by_step(steps.read(run_folder.metrics))
     if not records:
         raise UserError(f"{run_folder.metrics}: no step recorded yet; run `baton status {run_dir}` to see where it is")
     figure = _figure_class()
@@ -192,7 +188,7 @@ def report_sweep(sweep_dir: Path, out: Path | None = None) -> list[Path]:
     """Write ``sweep_loss.png`` comparing every point's loss curve; return its path."""
     lines = []
     for label, run_dir in sweep_points(sweep_dir):
-        records = by_step(read_records(run_dir / "metrics.jsonl"))
+        records = by_step(steps.read(RunFolder(run_dir).metrics))
         xs, ys = _series(records, "loss")
         if xs:
             lines.append((label, xs, ys))

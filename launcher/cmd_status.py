@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from typing import Any
+
+from core.record import events as ev
+from core.record.state import RunRecord, RunState
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,22 +22,21 @@ def _fmt_time(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def format_status(state: dict[str, Any]) -> str:
+def format_status(state: RunState, history: list[ev.Event]) -> str:
     lines = [
-        f"status:   {state.get('status', 'unknown')}",
-        f"step:     {state.get('step', 0)}/{state.get('total_steps', '?')}",
+        f"status:   {state.status.value}",
+        f"step:     {state.step}/{state.total_steps or '?'}",
     ]
-    if isinstance(state.get("last_loss"), float):
-        lines.append(f"loss:     {state['last_loss']:.4f}")
-    lines.append(f"restarts: {state.get('restarts', 0)}")
-    if state.get("reason"):
-        lines.append(f"reason:   {state['reason']}")
-    history = state.get("history", [])
+    if state.last_loss is not None:
+        lines.append(f"loss:     {state.last_loss:.4f}")
+    lines.append(f"restarts: {state.restarts}")
+    if state.reason:
+        lines.append(f"reason:   {state.reason}")
     if history:
         lines.append("history:")
-        for ev in history:
-            extra = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("time", "event"))
-            lines.append(f"  {_fmt_time(ev['time'])}  {ev['event']}" + (f" ({extra})" if extra else ""))
+        for e in history:
+            extra = ", ".join(f"{k}={v}" for k, v in ev.to_data(e).items() if k not in ("time", "event"))
+            lines.append(f"  {_fmt_time(e.time)}  {ev.kind_of(e)}" + (f" ({extra})" if extra else ""))
     return "\n".join(lines)
 
 
@@ -47,5 +48,6 @@ def run(args: argparse.Namespace) -> int:
         from launcher.cmd_watch import watch
 
         return watch(run_folder.path, args.interval, stream=sys.stdout)
-    print("\n".join([format_status(run_folder.read_state()), *slurm_jobs.slurm_status_lines(run_folder)]))
+    record = RunRecord(run_folder)
+    print("\n".join([format_status(record.read(), record.events()), *slurm_jobs.slurm_status_lines(run_folder)]))
     return 0

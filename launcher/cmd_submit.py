@@ -6,7 +6,9 @@ import shlex
 import shutil
 from pathlib import Path
 
+from core.errors import ExitCode
 from core.record.runfolder import RunFolder, new_run_id
+from core.record.state import RunRecord
 from core.spec import config as config_mod
 from launcher import local, runprep, slurm
 
@@ -56,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
         run_folder = runprep.prepare_run(cfg, backend=backend)
     print(f"run folder: {run_folder.path}")
     code = local.run_local(run_folder, cfg, epoch=epoch)
-    state = run_folder.read_state()
-    print(f"run {state.get('status', 'unknown')} at step {state.get('step', 0)}/{cfg.trainer.steps}"
-          + (f", last loss {state['last_loss']:.4f}" if isinstance(state.get("last_loss"), float) else "")
-          + (f": {state['reason']}" if state.get("reason") else ""))
+    state = RunRecord(run_folder).read()
+    print(f"run {state.status.value} at step {state.step}/{cfg.trainer.steps}"
+          + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else "")
+          + (f": {state.reason}" if state.reason else ""))
     print(f"run folder: {run_folder.path}")
-    return 0 if code == 0 else 1
+    return ExitCode.OK if code == ExitCode.OK else ExitCode.FAILED
 
 
 def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: RunFolder | None, epoch: int) -> int:

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord, Status
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
 from launcher import ledger as ledger_mod
@@ -211,7 +212,7 @@ def _prepare_again(row: PointStatus, cfg: RunConfig, backend: str) -> Ready:
     run = RunFolder(Path(e.run_dir))
     if not run.config.is_file():
         return Ready(entry=e, run=runprep.prepare_run(cfg, backend=backend, run_id=e.run_id), cfg=cfg, epoch=0)
-    if e.submissions == 0 and run.read_state().get("status") == "created":
+    if e.submissions == 0 and RunRecord(run).read().status is Status.CREATED:
         return Ready(entry=e, run=run, cfg=cfg, epoch=0)
     run, cfg, epoch = runprep.prepare_resume(run.path, [])
     return Ready(entry=e, run=run, cfg=cfg, epoch=epoch)
@@ -261,17 +262,16 @@ def _run_locally(sweep_dir: Path, ledger: Ledger, ready: list[Ready]) -> int:
         ledger_mod.write_ledger(sweep_dir, ledger)
         print(f"point {entry.index} ({ledger_mod.describe(entry)}): running in {item.run.path}", flush=True)
         code = local.run_local(item.run, item.cfg, epoch=item.epoch)
-        state = item.run.read_state()
-        final = (ledger_mod.COMPLETED if state.get("status") == "completed"
-                 else ledger_mod.CANCELLED if code == 130 else ledger_mod.FAILED)
+        state = RunRecord(item.run).read()
+        final = (ledger_mod.COMPLETED if state.status is Status.COMPLETED
+                 else ledger_mod.CANCELLED if code == ExitCode.INTERRUPTED else ledger_mod.FAILED)
         ledger = ledger.with_entry(replace(entry, state=final, pid=None))
         ledger_mod.write_ledger(sweep_dir, ledger)
-        loss = state.get("last_loss")
-        print(f"point {entry.index}: {final} at step {state.get('step', 0)}/{item.cfg.trainer.steps}"
-              + (f", last loss {loss:.4f}" if isinstance(loss, float) else ""), flush=True)
-        if code == 130:
+        print(f"point {entry.index}: {final} at step {state.step}/{item.cfg.trainer.steps}"
+              + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else ""), flush=True)
+        if code == ExitCode.INTERRUPTED:
             print(f"interrupted; `baton sweep resume {sweep_dir}` continues")
-            return 130
+            return ExitCode.INTERRUPTED
         failed += final != ledger_mod.COMPLETED
     print(f"{len(ready) - failed} of {len(ready)} point(s) completed; `baton sweep results {sweep_dir}`")
     return 1 if failed else 0

@@ -20,11 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
+from core.errors import RunFolderError
+from core.record import steps
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord, RunState, Status
+from core.record.steps import StepRecord
 
-ENDED = {"completed": 0, "failed": 1, "cancelled": 1}
+ENDED = {Status.COMPLETED: 0, Status.FAILED: 1, Status.CANCELLED: 1}
 RECENT = 20  # records the ETA and the rates average over
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -36,9 +40,9 @@ class MetricsTail:
     path: Path
     keep: int = RECENT
     offset: int = 0
-    recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
+    recent: collections.deque[StepRecord] = field(default_factory=collections.deque)
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[StepRecord]:
         """Read what was appended since the last poll (whole lines only); return the recent records."""
         try:
             size = self.path.stat().st_size
@@ -54,13 +58,12 @@ class MetricsTail:
         self.offset += end
         for line in chunk[:end].splitlines():
             try:
-                rec = json.loads(line)
-            except ValueError:
+                rec = steps.from_data(json.loads(line), str(self.path))
+            except (ValueError, RecursionError):  # RunFolderError is a ValueError too
                 continue
-            if isinstance(rec, dict):
-                self.recent.append(rec)
-                while len(self.recent) > self.keep:
-                    self.recent.popleft()
+            self.recent.append(rec)
+            while len(self.recent) > self.keep:
+                self.recent.popleft()
         return list(self.recent)
 
 
@@ -68,49 +71,47 @@ def _hms(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
 
 
-def seconds_per_step(recent: list[dict[str, Any]]) -> float | None:
+def seconds_per_step(recent: list[StepRecord]) -> float | None:
     """Recent wall time per step: from record timestamps (includes checkpoints and pauses)
     when there are two or more records, else the controller's step time."""
-    stamped = [r for r in recent if isinstance(r.get("time"), int | float) and isinstance(r.get("step"), int)]
-    if len(stamped) >= 2 and stamped[-1]["step"] > stamped[0]["step"]:
-        return (stamped[-1]["time"] - stamped[0]["time"]) / (stamped[-1]["step"] - stamped[0]["step"])
-    times = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), int | float)]
+    stamped = [r for r in recent if r.time > 0]  # 0: a record that carries no timestamp
+    if len(stamped) >= 2 and stamped[-1].step > stamped[0].step:
+        return (stamped[-1].time - stamped[0].time) / (stamped[-1].step - stamped[0].step)
+    times = [r.step_time_s for r in recent]
     return statistics.fmean(times) if times else None
 
 
-def render(name: str, state: dict[str, Any], recent: list[dict[str, Any]], *, width: int = 30) -> list[str]:
-    """The view as lines: header, progress bar with ETA, last loss and rates."""
-    status = state.get("status", "unknown")
-    total = state.get("total_steps")
-    step = int(state.get("step", 0))
-    if recent and isinstance(recent[-1].get("step"), int):
-        step = max(step, recent[-1]["step"] + 1)  # metrics run ahead of state.json's save interval
-    header = f"{name}  {status}  (restarts {state.get('restarts', 0)})"
-    if state.get("reason"):
-        header += f"  reason: {state['reason']}"
-    if isinstance(total, int) and total > 0:
+def _detail(recent: list[StepRecord]) -> str:
+    if not recent:
+        return "waiting for the first step"
+    parts = [f"loss {recent[-1].loss:.4g}"]
+    parts.append(f"tokens/s {statistics.fmean(r.tokens_per_s for r in recent):,.0f}")
+    parts.append(f"step {statistics.fmean(r.step_time_s for r in recent):.3f} s")
+    return "  ".join(parts) + f"  (mean of the last {len(recent)})"
+
+
+def render(name: str, state: RunState | None, recent: list[StepRecord], *, width: int = 30) -> list[str]:
+    """The view as lines: header, progress bar with ETA, last loss and rates.
+
+    ``state`` is None when state.json could not be read this round (missing, or mid-replace)."""
+    status = str(state.status) if state is not None else "unknown"
+    state = state if state is not None else RunState()
+    total = state.total_steps
+    step = state.step
+    if recent:
+        step = max(step, recent[-1].step + 1)  # metrics run ahead of state.json's save interval
+    header = f"{name}  {status}  (restarts {state.restarts})"
+    if state.reason:
+        header += f"  reason: {state.reason}"
+    if total > 0:
         frac = min(1.0, step / total)
         filled = int(frac * width)
         per_step = seconds_per_step(recent)
-        eta = "ETA " + _hms(per_step * (total - step)) if per_step is not None and status == "running" else ""
+        eta = "ETA " + _hms(per_step * (total - step)) if per_step is not None and status == Status.RUNNING else ""
         bar = f"[{'#' * filled}{'-' * (width - filled)}] {frac:4.0%}  step {step}/{total}  {eta}".rstrip()
     else:
         bar = f"step {step}/?"
-    if recent:
-        last = recent[-1]
-        parts = []
-        if isinstance(last.get("loss"), int | float):
-            parts.append(f"loss {last['loss']:.4g}")
-        rates = [r["tokens_per_s"] for r in recent if isinstance(r.get("tokens_per_s"), int | float)]
-        if rates:
-            parts.append(f"tokens/s {statistics.fmean(rates):,.0f}")
-        times = [r["step_time_s"] for r in recent if isinstance(r.get("step_time_s"), int | float)]
-        if times:
-            parts.append(f"step {statistics.fmean(times):.3f} s")
-        detail = "  ".join(parts) + f"  (mean of the last {len(recent)})" if parts else "no numbers yet"
-    else:
-        detail = "waiting for the first step"
-    return [header, bar, detail]
+    return [header, bar, _detail(recent)]
 
 
 def watch(
@@ -123,15 +124,17 @@ def watch(
 ) -> int:
     """Redraw the view every ``interval_s`` until the run ends; return 0 completed, 1 failed/cancelled."""
     run = RunFolder.open(Path(run_dir))
+    record = RunRecord(run)
     name = f"{run.path.parent.name}/{run.path.name}"
     tail = MetricsTail(run.metrics)
     tty = bool(getattr(stream, "isatty", lambda: False)())
     iterations = 0
     while True:
+        state: RunState | None
         try:
-            state = run.read_state()
-        except ValueError:  # unreadable mid-replace on some filesystems: next round
-            state = {}
+            state = record.read()
+        except RunFolderError:  # not written yet, or unreadable mid-replace on some filesystems: next round
+            state = None
         lines = render(name, state, tail.poll())
         if tty:
             stream.write(_CLEAR + "\n".join(lines) + "\n")
@@ -139,9 +142,8 @@ def watch(
             stream.write(" | ".join(lines) + "\n")
         stream.flush()
         iterations += 1
-        status = state.get("status")
-        if status in ENDED:
-            return ENDED[status]
+        if state is not None and state.status in ENDED:
+            return ENDED[state.status]
         if max_iterations is not None and iterations >= max_iterations:
             return 0
         sleep(interval_s)

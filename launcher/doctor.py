@@ -1,9 +1,9 @@
 """Known symptom → cause rules over a run's metrics.jsonl records and state.json.
 
-Pure functions, standard library only: ``diagnose(records, state)`` returns the findings
+Pure functions, no third-party imports: ``diagnose(records, state)`` returns the findings
 of every rule, most severe first. Each rule reads only fields it knows and is silent when
 the records do not carry them (a toy run has no ``data_wait_s``), so a rule never fires on
-missing data. Record fields (core.controller.program ``_record``; per-rank lists are indexed by rank):
+missing data. Records are ``core.record.steps.StepRecord`` (per-rank tuples are indexed by rank):
 
     step, loss, step_time_s (controller wall), rank_step_time_s[], rss_mb[],
     optional: data_wait_s[], grad_sync_s[], cuda_peak_mb[]
@@ -13,15 +13,12 @@ allocator and cache warm-up make the first steps unlike the rest.
 """
 from __future__ import annotations
 
-import json
-import logging
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-log = logging.getLogger(__name__)
+from core.record.state import RunState, Status
+from core.record.steps import StepRecord
 
 INFO, WARNING, ERROR = "info", "warning", "error"
 _ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
@@ -47,72 +44,47 @@ class Finding:
     advice: str
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a half-written last line (a live run) is skipped."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records: list[dict[str, Any]] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if n < len(lines):
-                log.warning("%s:%d: skipped an unreadable record", path, n)
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-    return records
-
-
 # --- helpers ------------------------------------------------------------------------------
-def _floats(value: Any) -> list[float] | None:
-    """A per-rank list of numbers, or None when the field is absent or not all numbers."""
-    if not isinstance(value, list) or not value:
-        return None
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+def _floats(value: Sequence[float] | None) -> list[float] | None:
+    """A per-rank field as a list, or None when the record does not carry it."""
+    if not value:
         return None
     return [float(v) for v in value]
 
 
-def _steady(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _steady(records: Sequence[StepRecord]) -> list[StepRecord]:
     """The records after warm-up."""
     skip = max(1, int(len(records) * WARMUP_FRACTION)) if len(records) > MIN_STEPS else 0
     return list(records[skip:])
 
 
-def _where(rank: int, state: dict[str, Any]) -> str:
-    """'rank 3 (node n2, host h2)', from state.json's ``ranks`` entries when they are there."""
-    for entry in state.get("ranks") or []:
-        if isinstance(entry, dict) and entry.get("rank") == rank:
-            parts = [f"node {entry['node']}" if entry.get("node") else "", f"host {entry['host']}" if entry.get("host") else ""]
+def _where(rank: int, state: RunState) -> str:
+    """'rank 3 (node n2, host h2)', from the state's ``ranks`` when they are there."""
+    for info in state.ranks:
+        if info.rank == rank:
+            parts = [f"node {info.node}" if info.node else "", f"host {info.host}" if info.host else ""]
             parts = [p for p in parts if p]
             return f"rank {rank} ({', '.join(parts)})" if parts else f"rank {rank}"
     return f"rank {rank}"
 
 
-def _stage_of(rank: int, state: dict[str, Any]) -> int:
-    """The pipeline stage of a rank (state.json ``ranks[].coords.pp``), 0 when unknown."""
-    for entry in state.get("ranks") or []:
-        if isinstance(entry, dict) and entry.get("rank") == rank:
-            coords = entry.get("coords")
-            if isinstance(coords, dict) and isinstance(coords.get("pp"), int):
-                return int(coords["pp"])
+def _stage_of(rank: int, state: RunState) -> int:
+    """The pipeline stage of a rank (``ranks[].coords.pp``), 0 when unknown."""
+    for info in state.ranks:
+        if info.rank == rank:
+            return info.coords.pp
     return 0
 
 
 # --- rules --------------------------------------------------------------------------------
-def data_loading(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> list[Finding]:
+def data_loading(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
     """Ranks wait for batches a large share of each step: the loader, not the GPU, sets the pace."""
     shares: list[float] = []
     worst: tuple[float, int, float, float] = (0.0, 0, 0.0, 0.0)  # share, rank, wait, step
     for rec in _steady(records):
-        waits = _floats(rec.get("data_wait_s"))
-        wall = rec.get("step_time_s")
-        if waits is None or not isinstance(wall, int | float) or wall <= 0:
+        waits = _floats(rec.data_wait_s)
+        wall = rec.step_time_s
+        if waits is None or not wall > 0:  # also skips a NaN wall
             continue
         shares.append(statistics.fmean(waits) / wall)
         rank = max(range(len(waits)), key=waits.__getitem__)
@@ -132,9 +104,9 @@ def data_loading(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> li
     )]
 
 
-def gradient_sync(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> list[Finding]:
+def gradient_sync(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
     """Gradient all-reduce takes over GRAD_SYNC_S per step."""
-    syncs = [max(s) for rec in _steady(records) if (s := _floats(rec.get("grad_sync_s"))) is not None]
+    syncs = [max(s) for rec in _steady(records) if (s := _floats(rec.grad_sync_s)) is not None]
     if len(syncs) < MIN_STEPS or statistics.median(syncs) <= GRAD_SYNC_S:
         return []
     return [Finding(
@@ -148,16 +120,16 @@ def gradient_sync(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> l
     )]
 
 
-def _memory_series(records: Sequence[dict[str, Any]]) -> tuple[str, list[list[float]]]:
+def _memory_series(records: Sequence[StepRecord]) -> tuple[str, list[list[float]]]:
     """Per-step per-rank memory in MiB: CUDA peak when the records carry it, else RSS."""
     for key in ("cuda_peak_mb", "rss_mb"):
-        rows = [v for rec in records if (v := _floats(rec.get(key))) is not None and any(x > 0 for x in v)]
+        rows = [v for rec in records if (v := _floats(getattr(rec, key))) is not None and any(x > 0 for x in v)]
         if rows:
             return key, rows
     return "", []
 
 
-def memory_variation(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> list[Finding]:
+def memory_variation(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
     """Memory that differs strongly between ranks of one pipeline stage, or from step to step."""
     key, rows = _memory_series(_steady(records))
     if len(rows) < MIN_STEPS:
@@ -199,12 +171,12 @@ def memory_variation(records: Sequence[dict[str, Any]], state: dict[str, Any]) -
     )]
 
 
-def straggler(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> list[Finding]:
+def straggler(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
     """One rank (or one node's ranks) sustainedly slower than the median of the group."""
     slow: dict[int, list[float]] = {}
     steps = 0
     for rec in _steady(records):
-        times = _floats(rec.get("rank_step_time_s"))
+        times = _floats(rec.rank_step_time_s)
         if times is None or len(times) < 2:
             continue
         median = statistics.median(times)
@@ -231,23 +203,23 @@ def straggler(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> list[
     return findings
 
 
-def run_state(records: Sequence[dict[str, Any]], state: dict[str, Any]) -> list[Finding]:
+def run_state(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
     """A failed run: its recorded reason is the first thing to read."""
-    if state.get("status") != "failed":
+    if state.status is not Status.FAILED:
         return []
     return [Finding(
         severity=ERROR,
         title="the run failed",
-        evidence=f"at step {state.get('step', 0)}/{state.get('total_steps', '?')}: {state.get('reason', 'no reason recorded')}",
+        evidence=f"at step {state.step}/{state.total_steps or '?'}: {state.reason or 'no reason recorded'}",
         advice="read the named rank's log (`baton logs RUN --rank N`) or the controller's (`baton logs RUN --controller`)",
     )]
 
 
-Rule = Callable[[Sequence[dict[str, Any]], dict[str, Any]], list[Finding]]
+Rule = Callable[[Sequence[StepRecord], RunState], list[Finding]]
 RULES: tuple[Rule, ...] = (run_state, data_loading, gradient_sync, straggler, memory_variation)
 
 
-def diagnose(records: Sequence[dict[str, Any]], state: dict[str, Any], rules: Sequence[Rule] = RULES) -> list[Finding]:
+def diagnose(records: Sequence[StepRecord], state: RunState, rules: Sequence[Rule] = RULES) -> list[Finding]:
     """Every rule's findings, errors first, then warnings, then info."""
     findings = [f for rule in rules for f in rule(records, state)]
     return sorted(findings, key=lambda f: _ORDER.get(f.severity, 3))

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from core.errors import UserError
-from core.record.runfolder import read_json, write_atomic, write_json
+from core.errors import RunFolderError, UserError
+from core.record import steps
+from core.record.runfolder import RunFolder, read_json, write_atomic, write_json
+from core.record.state import RunRecord, RunState
 from core.spec.schema import build, to_data
 
 log = logging.getLogger(__name__)
@@ -189,38 +191,37 @@ def refresh(ledger: Ledger, job_states: JobStateLookup | None) -> list[PointStat
             slurm = job_states(ids)
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("Slurm job states unavailable (%s); states come from the run folders", exc)
-    rows = []
-    for e, run in zip(entries, runs, strict=True):
-        metrics = last_metrics(Path(e.run_dir) / "metrics.jsonl")
-        state = point_state(e, run.get("status"), slurm.get(e.job_id) if e.job_id else None,
-                            local_alive=_local_alive(e))
-        loss = run.get("last_loss")
-        rows.append(PointStatus(
-            entry=e, state=state, step=int(run.get("step", 0) or 0), total_steps=run.get("total_steps"),
-            last_loss=float(loss) if isinstance(loss, (int, float)) else None,
-            restarts=int(run.get("restarts", 0) or 0), reason=run.get("reason"), metrics=metrics,
-            metric=metrics.get(ledger.metric),
-        ))
-    return rows
+    return [_point_status(e, run, slurm.get(e.job_id) if e.job_id else None, ledger.metric)
+            for e, run in zip(entries, runs, strict=True)]
 
 
-def _with_recorded_job(entry: Entry, run: dict[str, Any]) -> Entry:
-    recorded = run.get("slurm", {}).get("job_id") if isinstance(run.get("slurm"), dict) else None
-    if not recorded or entry.backend == "local" or str(recorded) == entry.job_id:
+def _point_status(entry: Entry, run: RunState | None, job_state: str | None, metric: str) -> PointStatus:
+    metrics = last_metrics(Path(entry.run_dir) / "metrics.jsonl")
+    state = point_state(entry, run.status if run is not None else None, job_state, local_alive=_local_alive(entry))
+    run = run if run is not None else RunState()
+    return PointStatus(entry=entry, state=state, step=run.step, total_steps=run.total_steps or None,
+                       last_loss=run.last_loss, restarts=run.restarts, reason=run.reason or None,
+                       metrics=metrics, metric=metrics.get(metric))
+
+
+def _with_recorded_job(entry: Entry, run: RunState | None) -> Entry:
+    recorded = run.slurm.job_id if run is not None else None
+    if not recorded or entry.backend == "local" or recorded == entry.job_id:
         return entry
-    return replace(entry, backend="slurm", job_id=str(recorded),
+    return replace(entry, backend="slurm", job_id=recorded,
                    state=QUEUED if entry.state == UNSUBMITTED else entry.state)
 
 
-def _read_run_state(run_dir: Path) -> dict[str, Any]:
+def _read_run_state(run_dir: Path) -> RunState | None:
+    """The run's state; None when it has none yet (or a damaged one, logged)."""
+    record = RunRecord(RunFolder(run_dir))
+    if not record.exists():
+        return None
     try:
-        data = read_json(run_dir / "state.json")
-    except FileNotFoundError:
-        return {}
-    except UserError as exc:
+        return record.read()
+    except RunFolderError as exc:
         log.warning("%s", exc)
-        return {}
-    return data if isinstance(data, dict) else {}
+        return None
 
 
 def _local_alive(entry: Entry) -> bool | None:
@@ -237,7 +238,9 @@ def _local_alive(entry: Entry) -> bool | None:
 
 
 def last_metrics(path: Path, *, tail_bytes: int = 65536) -> dict[str, float]:
-    """The numeric fields of the last complete line of ``metrics.jsonl`` (empty if none)."""
+    """The numeric fields of the last complete record of ``metrics.jsonl`` (empty if none).
+
+    Only the fields the line holds: a field it lacks is not reported as its default."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -248,12 +251,12 @@ def last_metrics(path: Path, *, tail_bytes: int = 65536) -> dict[str, float]:
         return {}
     for raw in reversed(lines):
         try:
-            record = json.loads(raw)
-        except ValueError:
-            continue  # a line being appended right now
-        if isinstance(record, dict):
-            return {k: float(v) for k, v in record.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            data = json.loads(raw)
+            record = steps.from_data(data, str(path))
+        except (ValueError, RecursionError):  # a line being appended right now (RunFolderError is a ValueError)
+            continue
+        return {k: float(v) for k, v in steps.to_data(record).items()
+                if k in data and isinstance(v, int | float) and not isinstance(v, bool)}
     return {}
 
 

@@ -8,8 +8,8 @@ gloo. This module is the local supervisor of core.supervisor.contract:
   left of the previous generation is killed by pid (a stopped process ignores the abort)
   and generation g is started with ``BATON_GENERATION=g``;
 - when the controller exits, ``core.supervisor.contract.after_controller`` reads its last word:
-  requeued (exit 85) → the next epoch, the local analogue of Slurm's requeue; died without
-  one → the next epoch within ``recovery.max_retries``; completed, failed → done.
+  requeued (ExitCode.REQUEUED) → the next epoch, the local analogue of Slurm's requeue; died
+  without one → the next epoch within ``recovery.max_retries``; completed, failed → done.
 
 Every process started here is ended here, by pid, also on Ctrl-C (the controller gets
 SIGTERM first, which it answers like a preemption: checkpoint, then exit).
@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.errors import ExitCode
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig
 from core.supervisor import contract
 
@@ -129,7 +131,7 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int) -> int:
                 log.info("starting generation %d of the workers (epoch %d): %s", generation, epoch, req.reason)
                 workers = _spawn_workers(run, cfg, epoch=epoch, generation=generation)
                 started += workers
-        if run.read_state().get("status") == "running":  # the controller died: its workers are of no use
+        if RunRecord(run).read().status is Status.RUNNING:  # the controller died: its workers are of no use
             _kill(workers, f"the controller exited ({code}) without a last word")
         # Workers exit on the controller's shutdown/abort, or by themselves once it is silent.
         deadline = time.monotonic() + cfg.timeouts.controller_lost_s + _GRACE_S
@@ -150,9 +152,9 @@ def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
         while True:
             code = _run_epoch(run, cfg, epoch)
             steps = manifest.committed_steps(run.checkpoints)
-            decision = contract.after_controller(run, code, max_retries=cfg.recovery.max_retries,
-                                                  committed_step=steps[-1] if steps else None)
-            if decision != "requeue":
+            status = contract.after_controller(run, code, max_retries=cfg.recovery.max_retries,
+                                               committed_step=steps[-1] if steps else None)
+            if status is not Status.REQUEUED:
                 return code
             if epoch + 1 - first >= MAX_EPOCHS:
                 log.error("%d epochs in one local run: giving up", MAX_EPOCHS)
@@ -161,4 +163,4 @@ def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
             log.info("requeued: starting epoch %d", epoch)
     except KeyboardInterrupt:
         log.warning("interrupted: the controller and workers were ended")
-        return 130
+        return ExitCode.INTERRUPTED

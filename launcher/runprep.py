@@ -5,16 +5,18 @@ Pure preparation, no submission: both backends call ``prepare_run`` (new run) or
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.record.runfolder import RunFolder, event, write_atomic, write_json
+from core.record import events as ev
+from core.record.runfolder import RunFolder, write_atomic
+from core.record.state import RunRecord, RunState, Status
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
+from core.spec.runplan import plan_run
 
 
 def generate_keys(keys_dir: Path) -> None:
@@ -27,28 +29,15 @@ def generate_keys(keys_dir: Path) -> None:
         raise UserError(f"{keys_dir}: key generation failed: {proc.stderr.strip().splitlines()[-1:]}")
 
 
-def plan_data(cfg: RunConfig) -> dict[str, object]:
-    """plan.json: the layout and memory plan of a GPT; just the layout for the toy model."""
-    if cfg.model.kind != "gpt":
-        dims = cfg.dims
-        return {"dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}, "world_size": dims.world_size}
-    from core.spec.plan import make_plan
-
-    return json.loads(make_plan(cfg).to_json())  # type: ignore[no-any-return]
-
-
 def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> RunFolder:
-    """Create the run folder of a validated config."""
+    """Create the run folder of a validated config: config, plan, keys, the first state."""
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
     write_atomic(run.config, config_mod.dump(cfg))
-    write_json(run.plan, plan_data(cfg))
+    write_atomic(run.plan, plan_run(cfg).to_json())
     generate_keys(run.keys)
-    state: dict[str, object] = {
-        "status": "created", "backend": backend, "step": 0, "total_steps": cfg.trainer.steps,
-        "restarts": 0, "created": time.time(),
-    }
-    event(state, "created", backend=backend)
-    run.write_state(state)
+    now = time.time()
+    RunRecord(run).create(RunState(status=Status.CREATED, backend=backend, total_steps=cfg.trainer.steps,
+                                   created=now, updated=now), ev.Created(backend=backend))
     return run
 
 
@@ -58,10 +47,9 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> tuple[RunFolder, RunC
     cfg = config_mod.load(run.config, overrides)
     if overrides:
         write_atomic(run.config, config_mod.dump(cfg))
-        write_json(run.plan, plan_data(cfg))
-    state = run.read_state()
-    epoch = int(state.get("restarts", 0)) + 1
-    state.update(restarts=epoch, status="resuming")
-    event(state, "resume_requested", epoch=epoch, overrides=list(overrides))
-    run.write_state(state)
+    write_atomic(run.plan, plan_run(cfg).to_json())  # planned again: a plan of an older Baton is replaced
+    record = RunRecord(run)
+    epoch = record.read().restarts + 1
+    with record.update(ev.ResumeRequested(epoch=epoch, overrides=tuple(overrides))) as s:
+        s.restarts, s.status = epoch, Status.RESUMING
     return run, cfg, epoch

@@ -2,7 +2,7 @@
 
     component 0  the controller: 1 task on ``slurm.controller.partition``; the batch script
                  runs here and starts it with submitit's own command (a pickled call of
-                 ``core_controller_main``)
+                 ``core.controller.slurm_entry.slurm_main``: job-side code, in core)
     component 1  the workers: ``trainer.nodes`` x ``trainer.n_gpus_per_node`` tasks on
                  ``slurm.workers.partition``, started with ``srun --het-group=1``
 
@@ -20,6 +20,7 @@ Option dicts have the keys of ``OPTION_KEYS``; ``time`` is in whole minutes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -32,8 +33,11 @@ from typing import Any
 from submitit.core import utils as submitit_utils
 from submitit.slurm import slurm as submitit_slurm
 
+from core.controller.slurm_entry import slurm_main
 from core.errors import UserError
-from core.record.runfolder import RunFolder, event, write_atomic, write_json
+from core.record import events as ev
+from core.record.runfolder import RunFolder, write_atomic, write_json
+from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig, SlurmComponentConfig
 from launcher import slurm_jobs
 
@@ -278,37 +282,6 @@ class HetJobExecutor(submitit_slurm.SlurmExecutor):
         return text
 
 
-# -------------------------------------------------------------------------- inside the job
-
-
-def core_controller_main(run_dir: str) -> int:
-    """Component 0's task (pickled by submitit, by reference): the controller role, in-process.
-
-    Records what the task sees of Slurm in state.json (``slurm.controller_task``), then runs
-    ``core.entrypoint.run_controller`` under the env contract (core.job.env). A non-zero exit
-    raises, so that Slurm and submitit record the component as failed.
-    """
-    import signal
-
-    from core import entrypoint
-    from core.job.env import JobEnv
-
-    os.environ["BATON_RUN_DIR"] = run_dir
-    run = RunFolder(Path(run_dir))
-    seen = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURMD_NODENAME",
-                                           "SLURM_RESTART_COUNT", "SLURM_HET_SIZE", "SLURM_JOB_NODELIST_HET_GROUP_1")}
-    state = run.read_state()
-    slurm_info = state.setdefault("slurm", {})
-    slurm_info.update(job_id=seen["SLURM_JOB_ID"], controller_task={"het_group": 0, **seen})
-    run.write_state(state)
-    # submitit logs and ignores SIGTERM; scancel should end the controller now, through its finally.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    code = entrypoint.run_controller(JobEnv.from_environ())
-    if code != 0:
-        raise RuntimeError(f"controller exited with code {code}; see {run.controller_log}")
-    return code
-
-
 # ------------------------------------------------------------------------------ preflight
 
 
@@ -389,21 +362,17 @@ def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | Non
                               expected=script, python=py)
     executor.update_parameters(**_submitit_parameters(run, cfg, ctl))
     try:
-        job = executor.submit(core_controller_main, str(run.path))
+        job = executor.submit(slurm_main, str(run.path))
     except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError) as exc:
         reason = (str(exc).strip().splitlines() or ["no output"])[-1]
-        state = run.read_state()
-        state.update(status="failed", reason=f"sbatch refused the job: {reason}")
-        event(state, "submit_failed", reason=reason)
-        run.write_state(state)
+        with RunRecord(run).update(ev.SubmitFailed(reason=reason)) as s:
+            s.status, s.reason = Status.FAILED, f"sbatch refused the job: {reason}"
         raise UserError(f"sbatch refused the job: {reason}") from None
     job_id = str(job.job_id)
     write_json(slurm_jobs.job_record(run), {"job_id": job_id, "backend": "slurm", "submitted": time.time(),
                                  "components": {"controller": f"{job_id}+0", "workers": f"{job_id}+1"}})
-    state = run.read_state()
-    state.update(status="submitted", backend="slurm")
-    state.setdefault("slurm", {})["job_id"] = job_id
-    event(state, "submitted", backend="slurm", job_id=job_id, epoch=epoch)
-    run.write_state(state)
+    with RunRecord(run).update(ev.Submitted(backend="slurm", job_id=job_id, epoch=epoch)) as s:
+        s.status, s.backend = Status.SUBMITTED, "slurm"
+        s.slurm = dataclasses.replace(s.slurm, job_id=job_id)
     log.debug("submitted job %s for %s", job_id, run.path)
     return job_id

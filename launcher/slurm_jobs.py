@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.record.runfolder import RunFolder, event, read_json, write_json
+from core.record import events as ev
+from core.record.runfolder import RunFolder, read_json, write_json
+from core.record.state import RunRecord, Status
 
 STATE_CACHE_S = 3.0  # job_states answers from the run folder's cache for this long
 CLI_TIMEOUT_S = 30.0
@@ -94,8 +96,7 @@ def job_id_of(run: RunFolder) -> str | None:
     try:
         return str(read_json(job_record(run))["job_id"])
     except (FileNotFoundError, KeyError, UserError):
-        job_id = run.read_state().get("slurm", {}).get("job_id")
-        return str(job_id) if job_id else None
+        return RunRecord(run).read().slurm.job_id
 
 
 def _cache(run: RunFolder) -> Path:
@@ -113,10 +114,10 @@ def slurm_status_lines(run: RunFolder) -> list[str]:
         s = states.get(comp)
         lines.append(f"  {name + ':':<11} {comp} {s} ({baton_state(s)})" if s else
                      f"  {name + ':':<11} {comp} not known to squeue or sacct")
-    recorded = run.read_state().get("status")
+    recorded = RunRecord(run).read().status
     if states and not any(baton_state(s) in ACTIVE for s in states.values()) and \
-            recorded in ("submitting", "submitted", "running", "resuming"):
-        lines.append(f"  note: the job has ended but the controller last recorded {recorded!r}; "
+            recorded in (Status.SUBMITTED, Status.RUNNING, Status.RESUMING):
+        lines.append(f"  note: the job has ended but the controller last recorded {recorded.value!r}; "
                      f"see {run.controller_log} and {submitit_folder(run)}")
     return lines
 
@@ -140,11 +141,9 @@ def cancel(run: RunFolder, timeout_s: float = 60.0) -> dict[str, str]:
         if time.monotonic() >= deadline:
             raise UserError(f"scancel {job_id}: still {states} after {timeout_s:.0f} s; see squeue -j {job_id}")
         time.sleep(1.0)
-    state = run.read_state()
-    if state.get("status") not in ("completed", "failed"):
-        state.update(status="cancelled")
-    event(state, "cancelled", job_id=job_id, slurm=states)
-    run.write_state(state)
+    with RunRecord(run).update(ev.Cancelled(job_id=job_id, slurm=states)) as s:
+        if s.status not in (Status.COMPLETED, Status.FAILED):
+            s.status = Status.CANCELLED
     write_json(_cache(run), {"job_id": job_id, "time": time.time(), "states": states})
     return states
 

@@ -48,8 +48,11 @@ class LocalRun:
         return self
 
     def state(self) -> dict[str, Any]:
+        """state.json as plain data (through the run record), {} while it cannot be read."""
+        from core.record.state import RunRecord, state_to_data
+
         try:
-            return self.run.read_state()
+            return state_to_data(RunRecord(self.run).read())
         except Exception:  # noqa: BLE001 - mid-replace reads are retried by the poller
             return {}
 
@@ -74,6 +77,18 @@ class LocalRun:
 def make_run(tmp_path: Path, experiment: str, overrides: list[str]) -> LocalRun:
     cfg = config_mod.load(REPO / "experiments" / experiment, [f"runs_root={tmp_path}", *overrides])
     return LocalRun(run=runprep.prepare_run(cfg, backend="local"), cfg=cfg)
+
+
+def history(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The run's events (events.jsonl, through the run record) as flat dicts, of ``kind`` if given."""
+    from core.record import events as ev
+    from core.record.state import RunRecord
+
+    try:
+        events = RunRecord(RunFolder(Path(run_dir))).events()
+    except (OSError, ValueError):  # mid-write on a busy machine: the poller asks again
+        return []
+    return [ev.to_data(e) for e in events if kind is None or ev.kind_of(e) == kind]
 
 
 def baton(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from core.checkpoint.hdf5 import write_shard
-from core.checkpoint.spec import TensorSlice, current
+from core.checkpoint.spec import ShardAck, TensorSlice, current
 from core.errors import BatonRuntimeError, CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class SaveHandle:
         self.path = path
         self._snapshot = threading.Event()  # set once the values to write are copied (or failed to be)
         self._finished = threading.Event()
-        self._ack: dict[str, Any] | None = None
+        self._ack: ShardAck | None = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
@@ -67,7 +67,7 @@ class SaveHandle:
         """Wait up to ``timeout`` seconds for the write to finish; True when it has."""
         return self._finished.wait(timeout)
 
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
+    def result(self, timeout: float | None = None) -> ShardAck:
         """The ack of the finished write; re-raises the background error; TimeoutError if still running."""
         if not self._finished.wait(timeout):
             raise TimeoutError(f"{self.path}: background checkpoint write still running after {timeout} s")
@@ -76,7 +76,7 @@ class SaveHandle:
         assert self._ack is not None
         return self._ack
 
-    def _finish(self, ack: dict[str, Any] | None, error: BaseException | None) -> None:
+    def _finish(self, ack: ShardAck | None, error: BaseException | None) -> None:
         self._ack, self._error = ack, error
         self._snapshot.set()
         self._finished.set()

@@ -38,7 +38,7 @@ from core.checkpoint.manifest import (
     fsync_dir,
     read_manifest,
 )
-from core.checkpoint.spec import TensorSlice
+from core.checkpoint.spec import ShardAck, SliceAck, TensorSlice
 from core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -67,14 +67,13 @@ def _simple(value: Any) -> bool:
 
 
 def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: dict[str, Any],
-                attrs: dict[str, Any]) -> dict[str, Any]:
+                attrs: dict[str, Any]) -> ShardAck:
     """Write one rank's HDF5 file at ``path`` (which must not exist), durably; return its ack.
 
     ``attrs`` should hold ``step``, ``rank``, ``layout`` and ``config_hash``; without
     ``rank`` it is taken from the file name ``rank_NNNNN.h5``. ``blobs`` must be
-    JSON-able. The file and its folder are fsynced before this returns. The ack (JSON-able)
-    is ``{"file", "rank", "size_bytes", "checksum", "slices": [{"name", "dtype",
-    "global_shape", "offset", "shape", "dataset"}]}``, what ``manifest.commit`` takes.
+    JSON-able. The file and its folder are fsynced before this returns. The ack says what
+    the file holds and where: what ``manifest.commit`` takes.
     """
     path = Path(path)
     rank = attrs.get("rank")
@@ -100,12 +99,10 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
                                   "is writable and has space") from exc
         raise
     logger.info("wrote shard %s: %d slices, %d bytes", path, len(items), size)
-    return {
-        "file": path.name, "rank": rank, "size_bytes": size, "checksum": checksum,
-        "slices": [{"name": item.name, "dtype": np.dtype(item.dtype).name, "global_shape": list(item.global_shape),
-                    "offset": list(item.offset), "shape": list(item.shape), "dataset": _dataset_name(i)}
-                   for i, (item, _) in enumerate(items)],
-    }
+    return ShardAck(file=path.name, rank=rank, size_bytes=size, checksum=checksum, slices=tuple(
+        SliceAck(name=item.name, dtype=np.dtype(item.dtype).name, global_shape=tuple(item.global_shape),
+                 offset=tuple(item.offset), shape=tuple(item.shape), dataset=_dataset_name(i))
+        for i, (item, _) in enumerate(items)))
 
 
 def _lay_out(path: Path, items: Sequence[TensorSlice], arrays: Sequence[np.ndarray], blob_bytes: bytes,

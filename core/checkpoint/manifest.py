@@ -1,6 +1,7 @@
-"""The commit protocol for checkpoints, run by the controller (no h5py, numpy or torch).
+"""The checkpoint format: folder and file names, the manifest, reading and verifying.
 
-Layout under the run's ``checkpoints/`` folder (``root`` below)::
+No h5py, numpy or torch: the controller and the login-node CLI use it. The commit
+protocol that writes this layout is core.checkpoint.commit. Layout under the run's ``checkpoints/`` folder (``root`` below)::
 
     step_00000100.tmp-3f9a1c2e/   being written: rank files arrive, then the manifest
     step_00000100/                committed: rank_00000.h5 ... rank_NNNNN.h5, manifest.json
@@ -23,14 +24,10 @@ the login-node CLI verify, list and inspect a checkpoint from file bytes alone. 
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import math
 import os
 import re
-import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +35,6 @@ from typing import Any
 
 import xxhash
 
-from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -48,8 +44,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 CHECKSUM_ALGO = "xxh3_64"
-_STEP_RE = re.compile(r"^step_(\d{8})$")
-_DEBRIS_RE = re.compile(r"^step_(\d{8})\.(tmp|old|del)-[0-9a-f]+$")
+STEP_RE = re.compile(r"^step_(\d{8})$")
+DEBRIS_RE = re.compile(r"^step_(\d{8})\.(tmp|old|del)-[0-9a-f]+$")
 _RANK_RE = re.compile(r"^rank_(\d{5,})\.h5$")
 _READ_BLOCK = 16 << 20
 
@@ -143,152 +139,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def tmp_step_dir(root: Path, step: int) -> Path:
-    """Create the temporary folder that the ranks of one save write into."""
-    if step < 0:
-        raise ValueError(f"step must be ≥ 0, got {step}")
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
-    path.mkdir(mode=0o700)
-    fsync_dir(root)
-    return path
-
-
-# ---------------------------------------------------------------- commit
-
-
-def commit(root: Path, step: int, tmp_dir: Path, acks: list[dict[str, Any]], meta: dict[str, Any], *,
-           world_size: int | None = None, keep_last: int = 2) -> Path:
-    """Commit one save: validate the ranks' acks, write the manifest last, rename, move ``latest``.
-
-    ``world_size`` is the number of writing ranks (default: ``len(acks)``); every rank
-    ``0..world_size-1`` must have acknowledged exactly once, with a file in ``tmp_dir`` of
-    the acked size, and the acked slices must tile every global tensor exactly. ``meta``
-    is recorded as is; its ``layout`` and ``config_hash`` are also lifted to the top level.
-    Then keeps ``keep_last`` checkpoints and removes debris of older saves. Returns the
-    committed folder. Raises ``CheckpointError`` naming the problem; nothing is committed then.
-    """
-    tmp_dir = Path(tmp_dir)
-    expected = len(acks) if world_size is None else world_size
-    files, tensors = _validate_acks(tmp_dir, acks, expected)
-    now = time.time()
-    doc = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "time_unix": now,
-        "layout": meta.get("layout"), "config_hash": meta.get("config_hash"), "meta": meta,
-        "files": files, "tensors": tensors,
-    }
-    _write_durably(tmp_dir / MANIFEST_NAME, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
-    final = root / step_dir_name(step)
-    aside = None
-    if final.exists():  # the same step saved again (e.g. after a requeue): move the old one aside
-        aside = root / f"{final.name}.old-{secrets.token_hex(4)}"
-        os.rename(final, aside)
-    os.rename(tmp_dir, final)
-    fsync_dir(root)
-    _write_durably(root / LATEST_NAME, f"{final.name}\n".encode())
-    logger.info("committed checkpoint %s (%d files, %d tensors)", final, len(files), len(tensors))
-    if aside is not None:
-        shutil.rmtree(aside)
-    retain(root, keep_last)
-    remove_uncommitted(root, up_to_step=step)
-    return final
-
-
-def _validate_acks(tmp_dir: Path, acks: list[dict[str, Any]], world_size: int
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest's ``files`` and ``tensors`` tables from the acks, or a CheckpointError."""
-    files: dict[str, Any] = {}
-    tensors: dict[str, Any] = {}
-    for ack in acks:
-        try:
-            name, rank, size, checksum = ack["file"], int(ack["rank"]), int(ack["size_bytes"]), ack["checksum"]
-            slices = ack["slices"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{tmp_dir}: malformed ack {str(ack)[:200]} ({exc!r}); "
-                                  "acks must come from core.checkpoint.hdf5.write_shard") from None
-        if name != rank_file_name(rank):
-            raise CheckpointError(f"{tmp_dir}: rank {rank} acked file {name!r}, expected {rank_file_name(rank)!r}")
-        if name in files:
-            raise CheckpointError(f"{tmp_dir}: rank {rank} acknowledged twice; each rank writes one file")
-        try:
-            actual = os.stat(tmp_dir / name).st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"{tmp_dir / name}: acked by rank {rank} but missing; "
-                                  "was the folder on a filesystem the controller cannot see?") from None
-        if actual != size:
-            raise CheckpointError(f"{tmp_dir / name}: acked {size} bytes but holds {actual}; the write was cut short")
-        files[name] = {"rank": rank, "size_bytes": size, "checksum": checksum}
-        for s in slices:
-            try:
-                TensorSlice(name=s["name"], global_shape=tuple(s["global_shape"]), offset=tuple(s["offset"]),
-                            shape=tuple(s["shape"]), dtype=s["dtype"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"{tmp_dir / name}: rank {rank} acked a bad slice ({exc}); "
-                                      "its checkpoint_state() returned inconsistent slices") from None
-            entry = tensors.setdefault(s["name"], {"dtype": s["dtype"], "global_shape": list(s["global_shape"]),
-                                                   "slices": []})
-            if entry["dtype"] != s["dtype"] or entry["global_shape"] != list(s["global_shape"]):
-                raise CheckpointError(
-                    f"{tmp_dir / name}: tensor {s['name']!r} is {s['dtype']}{list(s['global_shape'])} here but "
-                    f"{entry['dtype']}{entry['global_shape']} in another rank's file; the ranks disagree on the model")
-            entry["slices"].append({"file": name, "dataset": s["dataset"], "offset": list(s["offset"]),
-                                    "shape": list(s["shape"])})
-    ranks = {f["rank"] for f in files.values()}
-    missing = sorted(set(range(world_size)) - ranks)
-    extra = sorted(ranks - set(range(world_size)))
-    if missing or extra:
-        raise CheckpointError(f"{tmp_dir}: acks missing from ranks {missing[:20]}, unexpected from ranks {extra[:20]} "
-                              f"(world size {world_size}); the save is incomplete and was not committed")
-    for tname, entry in tensors.items():
-        problem = _tiling_problem(tuple(entry["global_shape"]),
-                                  [(tuple(s["offset"]), tuple(s["shape"])) for s in entry["slices"]])
-        if problem:
-            raise CheckpointError(f"{tmp_dir}: tensor {tname!r}: {problem}; check which ranks write replicated tensors")
-    return files, tensors
-
-
-def _tiling_problem(global_shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
-                    ) -> str | None:
-    """Why ``boxes`` do not tile ``global_shape`` exactly once, or None.
-
-    Cuts the tensor into the grid of all slice boundaries and counts how often each cell is
-    covered: linear in the number of cells, which is the number of slices for the
-    rectangular layouts that tensor and pipeline parallelism produce.
-    """
-    cuts = [sorted({0, g, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)})
-            for d, g in enumerate(global_shape)]
-    index = [{c: i for i, c in enumerate(cs)} for cs in cuts]
-    count: dict[tuple[int, ...], int] = {}
-    for off, shape in boxes:
-        if math.prod(shape) == 0:
-            continue
-        ranges = [range(index[d][off[d]], index[d][off[d] + shape[d]]) for d in range(len(global_shape))]
-        for cell in itertools.product(*ranges):
-            count[cell] = count.get(cell, 0) + 1
-    if any(c > 1 for c in count.values()):
-        return "slices overlap (a replicated copy was written twice)"
-    cells = math.prod(len(cs) - 1 for cs in cuts) if math.prod(global_shape) else 0
-    if len(count) != cells:
-        return "slices do not cover the whole tensor (a rank did not write its part)"
-    return None
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary name, fsync, rename, fsync the folder: all or nothing."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 # ---------------------------------------------------------------- reading and verifying
 
 
@@ -298,7 +148,7 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = []
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
+        m = STEP_RE.match(p.name)
         if m and (p / MANIFEST_NAME).is_file():
             steps.append(int(m.group(1)))
     return sorted(steps)
@@ -310,7 +160,7 @@ def read_latest(root: Path) -> int | None:
         text = (root / LATEST_NAME).read_text().strip()
     except FileNotFoundError:
         return None
-    m = _STEP_RE.match(text)
+    m = STEP_RE.match(text)
     if not m:
         raise CheckpointError(f"{root / LATEST_NAME}: holds {text[:60]!r}, not a step folder name; delete it "
                               "(Baton rewrites it at the next commit)")
@@ -397,61 +247,6 @@ def latest_valid(root: Path, *, verify: bool = True, log: logging.Logger | None 
 _verify = verify  # latest_valid's keyword shadows the function
 
 
-# ---------------------------------------------------------------- retention and cleaning
-
-
-def retain(root: Path, keep_last: int) -> list[Path]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted.
-
-    Never leaves no good checkpoint: when none of the kept ones passes the quick check
-    (manifest, files and sizes), the newest older one that does is kept as well.
-    Deletion renames to ``.del-`` first, so a crash mid-delete leaves debris, not a
-    committed checkpoint with missing files.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be ≥ 1, got {keep_last}")
-    steps = list(reversed(committed_steps(root)))
-    kept, older = steps[:keep_last], steps[keep_last:]
-    if older and all(_verify(root / step_dir_name(s), checksums=False) for s in kept):
-        for s in older:
-            if not _verify(root / step_dir_name(s), checksums=False):
-                logger.warning("keeping checkpoint step %d: none of the %d newest passes a quick check", s, keep_last)
-                older.remove(s)
-                break
-    deleted = []
-    for s in older:
-        path = root / step_dir_name(s)
-        doomed = root / f"{path.name}.del-{secrets.token_hex(4)}"
-        os.rename(path, doomed)
-        shutil.rmtree(doomed)
-        deleted.append(path)
-        logger.info("retention: deleted checkpoint %s (keep_last=%d)", path, keep_last)
-    if deleted:
-        fsync_dir(root)
-    return deleted
-
-
-def remove_uncommitted(root: Path, *, up_to_step: int | None = None) -> list[Path]:
-    """Remove debris of interrupted saves (at steps ≤ ``up_to_step``; all when None).
-
-    Debris is a ``.tmp-``/``.old-``/``.del-`` folder or a step folder without a manifest.
-    A newer ``.tmp-`` folder may be a save in flight and is left alone.
-    """
-    if not root.is_dir():
-        return []
-    removed = []
-    for p in sorted(root.iterdir()):
-        m = _DEBRIS_RE.match(p.name) or _STEP_RE.match(p.name)
-        if not m or not p.is_dir() or (up_to_step is not None and int(m.group(1)) > up_to_step):
-            continue
-        if _STEP_RE.match(p.name) and (p / MANIFEST_NAME).is_file():
-            continue
-        logger.warning("removing uncommitted checkpoint folder %s", p)
-        shutil.rmtree(p)
-        removed.append(p)
-    return removed
-
-
 # ---------------------------------------------------------------- the CLI's views
 
 
@@ -465,10 +260,10 @@ def list_checkpoints(root: Path) -> list[CheckpointEntry]:
         latest = None
     out = []
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name) or _DEBRIS_RE.match(p.name)
+        m = STEP_RE.match(p.name) or DEBRIS_RE.match(p.name)
         if not m or not p.is_dir():
             continue
-        committed = bool(_STEP_RE.match(p.name)) and (p / MANIFEST_NAME).is_file()
+        committed = bool(STEP_RE.match(p.name)) and (p / MANIFEST_NAME).is_file()
         layout = None
         if committed:
             try:

@@ -13,9 +13,9 @@ forward and backward run, and training waits only if the copy is not done by the
 A task without the fence must return private copies (host memory it never touches
 again): an async save writes them as they are; LiveArrays are then copied at once.
 
-``CheckpointService`` turns them into ``ckpt_save`` / ``ckpt_poll`` / ``ckpt_wait`` /
-``ckpt_load``. The controller owns the commit (core.checkpoint.manifest.commit): a rank
-only writes into the temporary step folder it is given and acknowledges with its ack.
+``CheckpointService`` serves the checkpoint calls (``core.checkpoint.calls``: save, poll,
+wait, load). The controller owns the commit (core.checkpoint.coordinator): a rank only
+writes into the temporary step folder it is given and acknowledges with its ``ShardAck``.
 """
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from core.checkpoint import calls
 from core.checkpoint.manifest import rank_file_name
-from core.checkpoint.spec import TensorSlice, current
+from core.checkpoint.spec import ShardAck, TensorSlice, current
 from core.errors import BatonRuntimeError
+from core.wire.contract import Method
 from core.worker.task import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -51,36 +53,37 @@ class CheckpointService:
         self._writer: Any = None
         self._pending: Any = None  # handle of the async save in flight
         self._pending_step = -1
-        self._acks: dict[int, dict[str, Any]] = {}  # step → ack of a finished async save
+        self._acks: dict[int, ShardAck] = {}  # step → ack of a finished async save
         self.fenced = False  # set by CheckpointedTask when the task calls fence() before it updates
         self.snapshot_timeout_s = 600.0
 
-    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
-        return {"ckpt_save": self.save, "ckpt_poll": self.poll, "ckpt_wait": self.wait, "ckpt_load": self.load}
+    def handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
+        return {calls.CKPT_SAVE: self.save, calls.CKPT_POLL: lambda req: self.poll(req.step),
+                calls.CKPT_WAIT: lambda req: self.wait(req.step), calls.CKPT_LOAD: self.load}
 
-    def save(self, step: int, tmp_dir: str, attrs: dict[str, Any], async_save: bool = False) -> dict[str, Any]:
-        """Write this rank's shard into ``tmp_dir``. Sync: return the ack once durable.
-        Async: snapshot the state, return ``{"pending": step}`` at once; ``ckpt_wait``
-        gives the ack later."""
-        from core.checkpoint import hdf5
+    def save(self, req: calls.Save) -> calls.Saved:
+        """Write this rank's shard into ``req.tmp_dir``. Sync: the ack once durable. Async:
+        snapshot the state and return at once (no ack); ``wait`` gives the ack later."""
+        from core.checkpoint import hdf5  # h5py: only on workers, only once a save is asked for
 
         if self._pending is not None:
             self.wait(self._pending_step)  # never two saves in flight
         self._acks.clear()
         items, blobs = self.export()
-        path = Path(tmp_dir) / rank_file_name(self.ctx.rank)
-        attrs = {**attrs, "rank": self.ctx.rank}
-        if not async_save:
-            return hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs)  # type: ignore[no-any-return]
-        from core.checkpoint.async_writer import AsyncWriter
+        path = Path(req.tmp_dir) / rank_file_name(self.ctx.rank)
+        attrs = {"step": req.attrs.step, "layout": req.attrs.layout, "config_hash": req.attrs.config_hash,
+                 "rank": self.ctx.rank}
+        if not req.async_save:
+            return calls.Saved(ack=hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs))
+        from core.checkpoint.async_writer import AsyncWriter  # h5py, as above
 
         if self._writer is None:
             self._writer = AsyncWriter()
         live = any(hasattr(a, "snapshot_into") for _, a in items)
         mode = "background" if self.fenced else ("now" if live else "none")
         self._pending = self._writer.submit(path, items, blobs, attrs, snapshot=mode)
-        self._pending_step = step
-        return {"pending": step}
+        self._pending_step = req.step
+        return calls.Saved(ack=None)
 
     def fence(self) -> None:
         """Return once the state an async save exported may change (its snapshot is taken).
@@ -100,7 +103,7 @@ class CheckpointService:
         if waited > 0.01:
             log.info("training waited %.3f s for the checkpoint snapshot of step %d", waited, self._pending_step)
 
-    def poll(self, step: int) -> dict[str, Any] | None:
+    def poll(self, step: int) -> ShardAck | None:
         """The ack of the async save of ``step`` if it is durable, else None (repeatable)."""
         if step in self._acks:
             return self._acks[step]
@@ -108,23 +111,23 @@ class CheckpointService:
             return None
         return self.wait(step)
 
-    def wait(self, step: int, timeout_s: float | None = None) -> dict[str, Any]:
+    def wait(self, step: int, timeout_s: float | None = None) -> ShardAck:
         """Block until the async save of ``step`` is durable; its ack (or its error)."""
         if step in self._acks:
             return self._acks[step]
         if self._pending is None or self._pending_step != step:
             raise RuntimeError(f"no asynchronous save of step {step} in flight on rank {self.ctx.rank}")
         handle, self._pending = self._pending, None
-        ack: dict[str, Any] = handle.result(timeout_s)
+        ack: ShardAck = handle.result(timeout_s)
         self._acks[step] = ack
         return ack
 
-    def load(self, step_dir: str) -> dict[str, Any]:
+    def load(self, req: calls.Load) -> calls.Loaded:
         """Read the slices this rank owns (in its current layout) from a committed checkpoint."""
-        from core.checkpoint.hdf5 import CheckpointReader
+        from core.checkpoint.hdf5 import CheckpointReader  # h5py, as in save
 
         self.fence()  # restoring changes the state a pending async save may still be copying
-        reader = CheckpointReader(Path(step_dir))
+        reader = CheckpointReader(Path(req.step_dir))
         try:
             saved_ranks = {f.rank for f in reader.manifest.files}
             # Per-rank blobs (RNG streams) map to the same rank when it existed; else rank 0's.
@@ -136,8 +139,8 @@ class CheckpointService:
             self.restore(read, blobs)
         finally:
             reader.close()
-        log.info("loaded checkpoint %s", step_dir)
-        return {"step": int(reader.manifest.step)}
+        log.info("loaded checkpoint %s", req.step_dir)
+        return calls.Loaded(step=int(reader.manifest.step))
 
     def shutdown(self) -> None:
         if self._pending is not None:
@@ -148,7 +151,7 @@ class CheckpointService:
 
 
 class CheckpointedTask:
-    """A task's own rpc methods plus the checkpoint methods, as one table."""
+    """A task's own handlers plus the checkpoint calls, as one task."""
 
     def __init__(self, task: Any, ctx: WorkerContext) -> None:
         self.task = task
@@ -158,14 +161,11 @@ class CheckpointedTask:
             bind(self.service.fence)
             self.service.fenced = True
 
-    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
-        table = {**self.task.rpc_table(), **self.service.rpc_table()}
-        task_shutdown = table.get("shutdown")
+    def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
+        return {**self.task.handlers(), **self.service.handlers()}
 
-        def shutdown() -> None:
-            self.service.shutdown()
-            if task_shutdown is not None:
-                task_shutdown()
+    def close(self) -> None:
+        """Let an async save in flight finish, then close the task."""
+        self.service.shutdown()
+        self.task.close()
 
-        table["shutdown"] = shutdown
-        return table

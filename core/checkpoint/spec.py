@@ -49,3 +49,28 @@ class LiveArray(Protocol):
 def current(data: Any) -> Any:
     """``data`` as an array: a LiveArray's current value, or ``data`` itself."""
     return data.current() if hasattr(data, "snapshot_into") else data
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceAck:
+    """Where a rank wrote one slice: a dataset of its shard file."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dataset: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardAck:
+    """A rank's acknowledgement of one save: its shard file is durable, with this size and
+    checksum, holding these slices. The controller commits a checkpoint from the acks of
+    every rank (``core.checkpoint.manifest.commit``)."""
+
+    file: str
+    rank: int
+    size_bytes: int
+    checksum: str
+    slices: tuple[SliceAck, ...] = ()

@@ -15,20 +15,20 @@ supervisor, core.supervisor.contract). A worker of an older epoch or generation 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from core.controller.diagnose import diagnose
 from core.controller.dispatch import Collect, Dispatch, collect_all, one_to_all
-from core.errors import CallTimeoutError, RegistrationError, RemoteError, WorkerLostError
+from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
 from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims
 from core.wire import protocol, transport
+from core.wire.contract import NO_ARGS, Method, Req, Res
 
 log = logging.getLogger(__name__)
 
@@ -50,38 +50,6 @@ class Peer:
     @property
     def hb_identity(self) -> bytes:
         return self.identity + HB_SUFFIX
-
-
-def _proc_state(pid: int) -> str:
-    """The kernel's one-letter state of a local pid; "" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _diagnose(peer: Peer, *, settle_s: float = 0.0) -> str:
-    """Say more than 'silent' when the worker runs on this host.
-
-    ``settle_s``: a dying process closes its sockets before the kernel marks it a
-    zombie, so a closed connection is seen while /proc still says running. When the
-    connection is known closed, wait up to ``settle_s`` for the pid to finish exiting
-    before calling it hung.
-    """
-    if peer.host != socket.gethostname():
-        return "exited or hung"
-    deadline = time.monotonic() + settle_s
-    while True:
-        state = _proc_state(peer.pid)
-        if state in ("", "Z", "X"):
-            return "process exited"
-        if state in ("T", "t") or time.monotonic() >= deadline:
-            break
-        time.sleep(0.01)
-    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)"}.get(
-        state, "process alive but unresponsive (hung)"
-    )
 
 
 class WorkerGroup:
@@ -142,7 +110,8 @@ class WorkerGroup:
                         f"(epoch {self.epoch}, generation {self.generation}); missing ranks {missing}; "
                         f"see {self.run.logs}/worker_r*.log"
                     )
-                item = self.sock.recv(min(remaining, 0.5))
+                self.sock.set_timeout(min(remaining, 0.5))
+                item = self.sock.recv()
                 if item is None:
                     continue
                 identity, frames = item
@@ -222,22 +191,17 @@ class WorkerGroup:
         return False
 
     # --- calls --------------------------------------------------------------------------
-    def call(
-        self,
-        method: str,
-        *,
-        dispatch: Dispatch = one_to_all,
-        collect: Collect = collect_all,
-        timeout_s: float | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Run ``method`` on the workers; wait for every rank; return what ``collect`` picks.
+    def call(self, method: Method[Req, Res], request: Req = NO_ARGS, *,  # type: ignore[assignment]
+             dispatch: Dispatch = one_to_all, collect: Collect = collect_all, timeout_s: float | None = None) -> Any:
+        """Run ``method`` on the workers; wait for every rank; return what ``collect`` picks
+        from the typed results (``request`` split over ranks by ``dispatch``).
 
-        Raises RemoteError (a worker raised), WorkerLostError (heartbeats stopped) or
-        CallTimeoutError (the deadline passed), each naming the ranks concerned.
+        Raises RemoteError (a worker raised, or answered with a malformed result),
+        WorkerLostError (heartbeats stopped) or CallTimeoutError (the deadline passed), each
+        naming the ranks concerned.
         """
         timeout_s = self.timeouts.call_s if timeout_s is None else timeout_s
-        per_rank = dispatch(kwargs, self.dims)
+        per_rank = dispatch(request, self.dims)
         with self._lock:
             self._raise_if_lost()
             req = self._next_req
@@ -245,21 +209,37 @@ class WorkerGroup:
             results: dict[int, Any] = {}
             self._inflight[req] = results
             try:
-                encoded: dict[int, list[Any]] = {}  # one_to_all hands every rank the same dict: encode once
-                sock, send, peers = self.sock.sock, transport.send_routed, self.peers
-                for rank, kw in per_rank.items():
-                    frames = encoded.get(id(kw))
+                encoded: dict[int, list[Any]] = {}  # one_to_all hands every rank the same request: encode once
+                send, peers = self.sock.send, self.peers
+                for rank, rank_request in per_rank.items():
+                    frames = encoded.get(id(rank_request))
                     if frames is None:
-                        frames = encoded[id(kw)] = protocol.encode(
-                            protocol.Call(method=method, kwargs=kw), req_id=req, epoch=self.epoch)
+                        call = protocol.Call(method=method.name, kwargs=method.encode_request(rank_request))
+                        frames = encoded[id(rank_request)] = protocol.encode(call, req_id=req, epoch=self.epoch)
                     peer = peers[rank]
-                    if not send(sock, peer.identity, frames):
-                        self._declare_lost(peer, f"connection closed: {_diagnose(peer, settle_s=2.0)}")
-                self._wait(req, method, results, per_rank, timeout_s)
+                    if not send(peer.identity, frames):
+                        self._declare_lost(peer, f"connection closed: {diagnose(peer.host, peer.pid, settle_s=2.0)}")
+                self._wait(req, method.name, results, per_rank, timeout_s)
+                typed = self._typed(req, method, results, len(per_rank))
             finally:
                 del self._inflight[req]
                 self._errors.pop(req, None)
-        return collect(results, self.dims)
+        return collect(typed, self.dims)
+
+    def _typed(self, req: int, method: Method[Any, Any], results: dict[int, Any], n: int) -> dict[int, Any]:
+        """Every rank's result checked against the method's result type; a malformed one
+        fails the call like a remote error, naming the rank and the field."""
+        typed, decode = {}, method.decode_result
+        for rank, value in results.items():
+            try:
+                typed[rank] = decode(value)
+            except ProtocolError as exc:
+                self._errors.setdefault(req, {})[rank] = protocol.Error(
+                    exc_type="ProtocolError", message=f"malformed result: {exc}", traceback="")
+        errors = self._errors.get(req)
+        if errors:
+            raise self._remote_error(method.name, errors, n)
+        return typed
 
     def _wait(self, req: int, method: str, results: dict[int, Any], expected: dict[int, Any], timeout_s: float) -> None:
         """Receive until every rank in ``expected`` answered ``req`` (or raise)."""
@@ -272,7 +252,7 @@ class WorkerGroup:
             return len(results) + len(self._errors.get(req, ()))
 
         # The control plane's hot path on this side: one pass per answer received.
-        sock, set_timeout, recv = self.sock.sock, self.sock.set_timeout, transport.recv_routed_or_none
+        set_timeout, recv = self.sock.set_timeout, self.sock.recv
         handle, monotonic, errors_of = self._handle, time.monotonic, self._errors
         set_timeout(check)  # shortened below only when a deadline is nearer
         while True:
@@ -304,7 +284,7 @@ class WorkerGroup:
             # the queue is empty.
             if until - now < check:
                 set_timeout(until - now)
-            item = recv(sock)
+            item = recv()
             if item is not None:
                 handle(*item)
 
@@ -318,6 +298,7 @@ class WorkerGroup:
             f"rank {rank} raised {err.exc_type} in {method}: {err.message} ({scope})\n"
             f"--- remote traceback (rank {rank}, log {self.run.worker_log(rank)}) ---\n{err.traceback}",
             rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback, method=method, same_on_all_ranks=same,
+            user_error=err.user_error,
         )
 
     # --- message handling ---------------------------------------------------------------
@@ -398,7 +379,7 @@ class WorkerGroup:
         limit = self.timeouts.heartbeat_timeout_s
         for peer in self.peers.values():
             if not peer.lost and now - peer.last_seen > limit:
-                self._declare_lost(peer, f"no heartbeat for {now - peer.last_seen:.1f} s: {_diagnose(peer)}")
+                self._declare_lost(peer, f"no heartbeat for {now - peer.last_seen:.1f} s: {diagnose(peer.host, peer.pid)}")
 
     def _declare_lost(self, peer: Peer, why: str) -> None:
         peer.lost = why
@@ -458,20 +439,3 @@ class WorkerGroup:
         self._stop.set()
         if self._pump is not None:
             self._pump.join(timeout=2)
-
-
-def publish_address(run: RunFolder, sock: transport.ControllerSocket, *, host: str, epoch: int) -> dict[str, Any]:
-    """Write controller.json so workers can find this controller."""
-    from core.record.runfolder import write_json
-
-    info = {
-        "address": f"tcp://{host}:{sock.port}",
-        "host": host,
-        "port": sock.port,
-        "epoch": epoch,
-        "pid": os.getpid(),
-        "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
-        "started": time.time(),
-    }
-    write_json(run.controller, info)
-    return info

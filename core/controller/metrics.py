@@ -18,13 +18,14 @@ Exposed series (``rank`` labels are worker ranks, ``method`` labels RPC method n
     baton_checkpoint_duration_seconds, baton_checkpoint_gbps, baton_checkpoints_total (counter)
     baton_restarts, baton_goodput_ratio, baton_goodput_useful_seconds, baton_goodput_allocated_seconds
 
-The recording methods take what the program already has (one metrics.jsonl record, a
-lag, a latency) and never raise on a missing or malformed field: a metric is observability,
-and a typo in a record must not stop a training run. They log at debug level instead.
+The recording methods take what the program already has (one ``StepRecord``, a lag, a
+latency) and never raise on an odd value (None, NaN, a wrong type): a metric is
+observability, and a bad number in a record must not stop a training run.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import statistics
@@ -38,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from core.errors import UserError
 from core.record.runfolder import RunFolder, write_json
+from core.record.steps import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def metrics_file(run: RunFolder) -> Path:
 
 
 def _num(value: Any) -> float | None:
-    """A finite-or-not float from a record field, or None when it is absent or not a number."""
+    """A finite-or-not float from a record field, or None when it is unset or not a number."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
@@ -150,27 +152,28 @@ class Metrics:
             self._thread = None
 
     # --- recording ----------------------------------------------------------------------
-    def observe_step(self, record: dict[str, Any]) -> None:
-        """Update every per-step series from one metrics.jsonl record (core.controller.program)."""
-        step = _num(record.get("step"))
+    def observe_step(self, record: StepRecord) -> None:
+        """Update every per-step series from one step's record (core.controller.program)."""
+        step = _num(record.step)
         if step is not None:
             self.step.set(step + 1)
-        for gauge, key in ((self.loss, "loss"), (self.lr, "lr"), (self.grad_norm, "grad_norm"),
-                           (self.tokens_per_s, "tokens_per_s")):
-            value = _num(record.get(key))
-            if value is not None:
-                gauge.set(value)
-        tokens = _num(record.get("tokens"))
-        if tokens is not None and tokens >= 0:
+        for gauge, value in ((self.loss, record.loss), (self.lr, record.lr), (self.grad_norm, record.grad_norm),
+                             (self.tokens_per_s, record.tokens_per_s)):
+            num = _num(value)
+            if num is not None:
+                gauge.set(num)
+        tokens = _num(record.tokens)
+        if tokens is not None and tokens >= 0:  # NaN fails this too: a Counter only goes up
             self.tokens.inc(tokens)
-        wall = _num(record.get("step_time_s"))
+        wall = _num(record.step_time_s)
         if wall is not None and wall >= 0:
             self.step_time.observe(wall)
         self._observe_ranks(record)
 
-    def _observe_ranks(self, record: dict[str, Any]) -> None:
-        times = _per_rank(record.get("rank_step_time_s"))
-        known = [t for t in times if t is not None]
+    def _observe_ranks(self, record: StepRecord) -> None:
+        times = _per_rank(record.rank_step_time_s)
+        # A NaN time would make the median, and so every rank's score, meaningless.
+        known = [t for t in times if t is not None and math.isfinite(t)]
         median = statistics.median(known) if known else 0.0
         for rank, t in enumerate(times):
             if t is None:
@@ -178,11 +181,12 @@ class Metrics:
             self.rank_step_time.labels(rank=str(rank)).set(t)
             # With all-zero times (no timing from the task) every rank is "typical": 1.0.
             self.straggler.labels(rank=str(rank)).set(t / median if median > 0 else 1.0)
-        for key, gauge, scale in (("rss_mb", self.rss, _MIB), ("cuda_peak_mb", self.cuda_peak, _MIB),
-                                  ("data_wait_s", self.data_wait, 1.0), ("grad_sync_s", self.grad_sync, 1.0)):
-            for rank, value in enumerate(_per_rank(record.get(key))):
+        for values, gauge, scale, unset_at_zero in (
+                (record.rss_mb, self.rss, _MIB, True), (record.cuda_peak_mb, self.cuda_peak, _MIB, False),
+                (record.data_wait_s, self.data_wait, 1.0, False), (record.grad_sync_s, self.grad_sync, 1.0, False)):
+            for rank, value in enumerate(_per_rank(values)):
                 # A resident set of 0 is "not measured" (a task that does not report it), never real.
-                if value is not None and not (key == "rss_mb" and value <= 0):
+                if value is not None and not (unset_at_zero and value <= 0):
                     gauge.labels(rank=str(rank)).set(value * scale)
 
     def observe_heartbeat_lag(self, rank: int, lag_s: float) -> None:

@@ -5,7 +5,7 @@
     a UserError (bad config, a checkpoint that cannot load)  fail at once (exit 2)
     RemoteError, the same exception on every rank            fail at once: deterministic (a bug, a config)
     RemoteError, same rank/type/method/step as the last one  fail at once: a restart reproduced it
-    lost worker (exit, silence), missed deadline,            spend one retry (core.supervisor.contract.Budget), then
+    lost worker (exit, silence), missed deadline,            spend one retry (core.record.state.Budget), then
     registration timeout, any other RemoteError                retries spent            → fail, naming them
                                                                node failed twice, Slurm → requeue without it
                                                                supervisor restarts      → new generation
@@ -17,7 +17,7 @@
 A restart inside the allocation: abort the survivors, forget this generation, back off
 (``recovery.backoff_s`` doubling per retry), ask the supervisor for the next generation
 (core.supervisor.contract), then ``run_all`` again: register, setup, resume from the latest
-committed checkpoint, train. Every decision is an event in state.json.
+committed checkpoint, train. Every decision is an event in the run's history.
 """
 from __future__ import annotations
 
@@ -30,18 +30,15 @@ from typing import Literal
 from core.checkpoint import manifest
 from core.controller.program import Program
 from core.controller.stop import StopRequest
-from core.errors import CallTimeoutError, RegistrationError, RemoteError, UserError, WorkerLostError
-from core.record.runfolder import event
-from core.supervisor.contract import Budget, WorkerRequest, request_workers
+from core.errors import CallTimeoutError, ExitCode, RegistrationError, RemoteError, UserError, WorkerLostError
+from core.record import events as ev
+from core.record.state import Budget, Status
+from core.supervisor.contract import WorkerRequest, request_workers
 
 log = logging.getLogger(__name__)
 
 NODE_FAILURE_LIMIT = 2  # failures on one node before a requeue excludes it (Slurm)
 MAX_BACKOFF_FACTOR = 8
-EXIT_FAILED = 1
-EXIT_USER_ERROR = 2
-# Exception names a worker reports for bad input: retrying cannot fix them.
-REMOTE_USER_ERRORS = frozenset({"UserError", "ConfigError", "LayoutError", "CheckpointError"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,9 +66,9 @@ class Outcome:
     """How the controller ends: completed, requeue (exit 85), stopped (checkpointed, Slurm is
     ending the job: not requeued) or failed (exit 1/2)."""
 
-    status: Literal["completed", "requeue", "stopped", "failed"]
+    status: Status  # COMPLETED, REQUEUED, STOPPED or FAILED
     reason: str = ""
-    exit_code: int = 0
+    exit_code: ExitCode = ExitCode.OK
     exclude: tuple[str, ...] = ()
     clean: bool = True  # the workers are in a known state (shutdown) rather than to be aborted
     stop: StopRequest | None = None
@@ -106,7 +103,7 @@ def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: flo
 def deterministic(exc: RemoteError, step: int, previous: tuple[object, ...]) -> str | None:
     """Why a remote error would only repeat on a retry, or None when a retry may help.
     ``previous``: the signature of the last remote error (``signature``), () if none."""
-    if exc.exc_type in REMOTE_USER_ERRORS:
+    if exc.user_error:
         return f"{exc.exc_type} is a user error"
     if exc.same_on_all_ranks:
         return "every rank raised the same exception: deterministic"
@@ -135,96 +132,98 @@ class Recovery:
         self._sleep = sleep
         self._last_signature: tuple[object, ...] = ()
 
-    @property
-    def state(self) -> dict[str, object]:
-        return self.program.state
-
     def run(self) -> Outcome:
         while True:
             try:
                 stop = self.program.run_all()
             except UserError as exc:
-                return self._fail(f"{_first_line(exc)} (a user error: not retried)", EXIT_USER_ERROR)
+                return self._fail(f"{_first_line(exc)} (a user error: not retried)", ExitCode.USER_ERROR)
             except RemoteError as exc:
-                step = int(self.state.get("step", 0))
+                step = self.program.step
                 why_final = deterministic(exc, step, self._last_signature)
                 if why_final is not None:
-                    return self._fail(f"{_first_line(exc)}; not retried: {why_final}", EXIT_FAILED)
+                    return self._fail(f"{_first_line(exc)}; not retried: {why_final}", ExitCode.FAILED)
                 self._last_signature = signature(exc, step)
-                failure = self._failure("remote_error", (exc.rank,), _first_line(exc), step)
+                failure = self._failure("remote_error", (exc.rank,), _first_line(exc))
             except WorkerLostError as exc:
-                failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc), int(self.state.get("step", 0)))
+                failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc))
             except CallTimeoutError as exc:
-                failure = self._failure("timeout", tuple(exc.missing), _first_line(exc), int(self.state.get("step", 0)))
+                failure = self._failure("timeout", tuple(exc.missing), _first_line(exc))
             except RegistrationError as exc:
-                failure = self._failure("registration", (), _first_line(exc), int(self.state.get("step", 0)))
+                failure = self._failure("registration", (), _first_line(exc))
             else:
-                if stop is None:
-                    return Outcome(status="completed")
-                if stop.cause == "ending":
-                    return Outcome(status="stopped", stop=stop, reason=(
-                        f"Slurm is ending the job ({stop.detail}; scancel or the time limit): checkpointed at "
-                        f"step {self.state.get('step', 0)}, not requeued; continue with `baton submit --resume`"))
-                return Outcome(status="requeue", reason=f"{stop.cause} at step {self.state.get('step', 0)}", stop=stop)
+                return self._ended(stop)
             outcome = self._recover(failure)
             if outcome is not None:
                 return outcome
 
+    def _ended(self, stop: StopRequest | None) -> Outcome:
+        step = self.program.step
+        if stop is None:
+            return Outcome(status=Status.COMPLETED)
+        if stop.cause == "ending":
+            return Outcome(status=Status.STOPPED, stop=stop, reason=(
+                f"Slurm is ending the job ({stop.detail}; scancel or the time limit): checkpointed at "
+                f"step {step}, not requeued; continue with `baton submit --resume`"))
+        return Outcome(status=Status.REQUEUED, reason=f"{stop.cause} at step {step}", stop=stop)
+
     # --- one failure ----------------------------------------------------------------------
-    def _failure(self, kind: str, ranks: tuple[int, ...], why: str, step: int) -> Failure:
+    def _failure(self, kind: str, ranks: tuple[int, ...], why: str) -> Failure:
         peers = self.program.group.peers
         nodes = tuple(sorted({peers[r].node for r in ranks if r in peers}))
-        return Failure(kind=kind, ranks=ranks, nodes=nodes, why=why, step=step)
+        return Failure(kind=kind, ranks=ranks, nodes=nodes, why=why, step=self.program.step)
 
     def _recover(self, failure: Failure) -> Outcome | None:
-        group, cfg = self.program.group, self.program.cfg
+        program, group, cfg = self.program, self.program.group, self.program.cfg
+        lost = []
         for r in failure.ranks or (-1,):
             peer = group.peers.get(r)
-            event(self.state, "worker_lost", failure=failure.kind, rank=r if r >= 0 else None,
-                  node=peer.node if peer else None, pid=peer.pid if peer else None,
-                  why=(peer.lost if peer and peer.lost else failure.why), step=failure.step,
-                  epoch=group.epoch, generation=group.generation)
+            lost.append(ev.WorkerLost(failure=failure.kind, rank=r if r >= 0 else None,
+                                      node=peer.node if peer else None, pid=peer.pid if peer else None,
+                                      why=(peer.lost if peer and peer.lost else failure.why), step=failure.step,
+                                      epoch=group.epoch, generation=group.generation))
+        program.record.append(*lost)
         log.error("failure at step %d (%s): %s", failure.step, failure.kind, failure.why)
-        if self.program.stop.stop_requested():
+        if program.stop.stop_requested():
             group.abort("controller: preempted while failing")
-            return Outcome(status="requeue", clean=False,
+            return Outcome(status=Status.REQUEUED, clean=False,
                            reason=f"preempted during a failure ({failure.why}); resuming from the latest checkpoint")
-        steps = manifest.committed_steps(self.program.run.checkpoints)
-        budget = Budget.of(self.state).spend(nodes=failure.nodes, step=failure.step,
-                                             committed_step=steps[-1] if steps else None)
-        decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
-                          worker_restarts=self.worker_restarts, on_slurm=self.on_slurm,
-                          node_failure_limit=cfg.recovery.node_failure_limit)
-        budget.store(self.state)
+        steps = manifest.committed_steps(program.run.checkpoints)
+        with program.record.update() as s:
+            budget = s.recovery.spend(nodes=failure.nodes, step=failure.step, committed_step=steps[-1] if steps else None)
+            decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
+                              worker_restarts=self.worker_restarts, on_slurm=self.on_slurm,
+                              node_failure_limit=cfg.recovery.node_failure_limit)
+            s.recovery = replace(budget, exclude=decision.exclude) if decision.action == "requeue" else budget
         if decision.action == "fail":
-            return self._fail(decision.reason, EXIT_FAILED)
+            return self._fail(decision.reason, ExitCode.FAILED)
         if decision.action == "requeue":
             group.abort(f"controller: {decision.reason}")
-            replace(budget, exclude=decision.exclude).store(self.state)
-            event(self.state, "requeue_decided", reason=decision.reason, exclude=list(decision.exclude),
-                  retry=budget.retries, max_retries=cfg.recovery.max_retries)
-            return Outcome(status="requeue", reason=decision.reason, exclude=decision.exclude, clean=False)
+            program.record.append(ev.RequeueDecided(reason=decision.reason, exclude=decision.exclude,
+                                                    retry=budget.retries, max_retries=cfg.recovery.max_retries))
+            return Outcome(status=Status.REQUEUED, reason=decision.reason, exclude=decision.exclude, clean=False)
         return self._restart(decision, budget)
 
     def _restart(self, decision: Decision, budget: Budget) -> Outcome | None:
         """Abort what is left, back off, ask for the next generation; None: go round again."""
-        group = self.program.group
+        program, group = self.program, self.program.group
         group.abort(f"controller: {decision.reason}")
-        self.program.forget_async()
+        program.checkpoints.forget()
         generation = group.generation + 1
         group.reset(generation)
-        event(self.state, "restarting_workers", generation=generation, backoff_s=round(decision.backoff_s, 2),
-              retry=budget.retries, max_retries=self.program.cfg.recovery.max_retries)
-        self.program.save_state()
+        with program.record.update(ev.RestartingWorkers(
+                generation=generation, backoff_s=round(decision.backoff_s, 2), retry=budget.retries,
+                max_retries=program.cfg.recovery.max_retries)) as s:
+            s.step, s.generation = program.step, generation
         log.warning("%s: generation %d after %.1f s", decision.reason, generation, decision.backoff_s)
         deadline = time.monotonic() + decision.backoff_s
         while time.monotonic() < deadline:  # sliced, so that a preemption cuts the backoff short
-            if self.program.stop.stop_requested():
-                return Outcome(status="requeue", clean=False, reason="preempted while restarting the workers")
+            if program.stop.stop_requested():
+                return Outcome(status=Status.REQUEUED, clean=False, reason="preempted while restarting the workers")
             self._sleep(min(0.1, deadline - time.monotonic()))
-        request_workers(self.program.run, WorkerRequest(epoch=group.epoch, generation=generation,
-                                                        exclude=budget.exclude, reason=decision.reason))
+        request_workers(program.run, WorkerRequest(epoch=group.epoch, generation=generation,
+                                                   exclude=budget.exclude, reason=decision.reason))
         return None
 
-    def _fail(self, reason: str, code: int) -> Outcome:
-        return Outcome(status="failed", reason=reason, exit_code=code, clean=False)
+    def _fail(self, reason: str, code: ExitCode) -> Outcome:
+        return Outcome(status=Status.FAILED, reason=reason, exit_code=code, clean=False)

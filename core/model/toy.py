@@ -1,8 +1,9 @@
 """A deterministic numpy task for the control plane: no torch, starts in milliseconds.
 
 Each rank fits its own linear model to batches drawn from (seed, step, rank), so a run is
-reproducible and a loss that falls shows calls arrive in order. The extra methods
-(``echo``, ``fail``, ``sleep``) exist so tests and benchmarks can drive the runtime.
+reproducible and a loss that falls shows calls arrive in order. It serves the training
+calls (core.wire.calls) and a few of its own so tests and benchmarks can drive the
+runtime: NOOP, ECHO, FAIL, SLEEP, PID, GET_STATE, SET_STATE.
 
 Test-only knobs, read from the environment at setup (the recovery tests use them):
 ``BATON_TOY_FAIL_AT_STEP=s`` makes ``train_step(s)`` raise on every rank (a deterministic
@@ -15,14 +16,58 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from core.checkpoint.spec import TensorSlice
+from core.job.process import rss_mb
+from core.spec.dims import Coords
+from core.wire import calls
+from core.wire.contract import Method, NoArgs
 from core.worker.task import WorkerContext
 
 _DIM = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Echo:
+    """What ECHO sends back, with the rank added: a scalar, a list (split by dp), a string, an array."""
+
+    v: int | None = None
+    xs: tuple[Any, ...] = ()
+    k: str = ""
+    a: Any = None  # a numpy array
+
+
+@dataclass(frozen=True, kw_only=True)
+class Echoed(Echo):
+    rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fail:
+    message: str = "requested failure"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weights:
+    w: Any  # a numpy array of _DIM float64
+
+
+NOOP = Method("noop", NoArgs, None)
+ECHO = Method("echo", Echo, Echoed)
+FAIL = Method("fail", Fail, None)
+SLEEP = Method("sleep", Sleep, float)
+PID = Method("pid", NoArgs, int)
+GET_STATE = Method("get_state", NoArgs, Weights)
+SET_STATE = Method("set_state", Weights, None)
 
 
 class ToyTask:
@@ -36,32 +81,37 @@ class ToyTask:
         self.save_delay_s = 0.0
         self.step_delay_s = 0.0
 
-    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
+    def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         return {
-            "setup": self.setup,
-            "train_step": self.train_step,
-            "get_state": self.get_state,
-            "set_state": self.set_state,
-            "noop": self.noop,
-            "echo": self.echo,
-            "fail": self.fail,
-            "sleep": self.sleep,
-            "pid": self.pid,
+            calls.SETUP: self.setup,
+            calls.TRAIN_STEP: self.train_step,
+            GET_STATE: lambda _: Weights(w=self.w),
+            SET_STATE: self.set_state,
+            NOOP: lambda _: None,
+            ECHO: lambda req: Echoed(rank=self.ctx.rank, v=req.v, xs=req.xs, k=req.k, a=req.a),
+            FAIL: self.fail,
+            SLEEP: self.sleep,
+            PID: lambda _: os.getpid(),
         }
 
-    def setup(self, config: dict[str, Any], master_addr: str = "", master_port: int = 0) -> dict[str, Any]:
-        self.seed = int(config.get("seed", 0))
-        lr = config.get("optimizer", {}).get("lr", 0.1)
+    def close(self) -> None:
+        pass
+
+    def setup(self, req: calls.Setup) -> calls.SetupInfo:
+        cfg = self.ctx.config
+        self.seed = cfg.seed
+        lr = cfg.optimizer.lr
         self.lr = 0.1 if lr == "auto" else min(float(lr), 0.2)
         self.true_w = np.random.default_rng(self.seed).normal(size=_DIM)
         self.w = np.zeros(_DIM)
         self.fail_at_step = int(os.environ.get("BATON_TOY_FAIL_AT_STEP", "-1"))
         self.save_delay_s = float(os.environ.get("BATON_TOY_SAVE_DELAY_S", "0"))
         self.step_delay_s = float(os.environ.get("BATON_TOY_STEP_S", "0"))
-        return {"coords": {"tp": 0, "pp": 0, "dp": self.ctx.rank}, "layers": [], "num_params": _DIM, "device": "cpu"}
+        return calls.SetupInfo(coords=Coords(rank=self.ctx.rank, tp=0, pp=0, dp=self.ctx.rank), num_params=_DIM)
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, req: calls.Step) -> calls.StepResult:
         t0 = time.perf_counter()
+        step = req.step
         if step == self.fail_at_step:
             raise RuntimeError(f"toy failure at step {step} (BATON_TOY_FAIL_AT_STEP)")
         rng = np.random.default_rng([self.seed, step, self.ctx.rank])
@@ -73,8 +123,8 @@ class ToyTask:
         self.w = self.w - self.lr * grad
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # the knob: a longer step
-        return {"loss": loss, "grad_norm": float(np.linalg.norm(grad)), "lr": self.lr, "tokens": 32,
-                "step_time_s": time.perf_counter() - t0}
+        return calls.StepResult(loss=loss, grad_norm=float(np.linalg.norm(grad)), lr=self.lr, tokens=32,
+                                step_time_s=time.perf_counter() - t0, rss_mb=rss_mb())
 
     def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, np.ndarray]], dict[str, Any]]:
         """Each rank's own weights under a per-rank name (the toy has no sharded tensors)."""
@@ -88,24 +138,14 @@ class ToyTask:
                       blobs: dict[str, Any]) -> None:
         self.w = np.array(read(f"toy.w.rank{self.ctx.rank}", (0,), (_DIM,)), dtype=np.float64)
 
-    def get_state(self) -> dict[str, Any]:
-        return {"w": self.w}
+    def set_state(self, req: Weights) -> None:
+        self.w = np.array(req.w, dtype=np.float64)
 
-    def set_state(self, w: np.ndarray) -> None:
-        self.w = np.array(w, dtype=np.float64)
+    @staticmethod
+    def fail(req: Fail) -> None:
+        raise RuntimeError(req.message)
 
-    def noop(self) -> None:
-        return None
-
-    def echo(self, **kwargs: Any) -> dict[str, Any]:
-        return {"rank": self.ctx.rank, **kwargs}
-
-    def fail(self, message: str = "requested failure") -> None:
-        raise RuntimeError(message)
-
-    def sleep(self, seconds: float) -> float:
-        time.sleep(seconds)  # the behaviour under test: a slow call
-        return seconds
-
-    def pid(self) -> int:
-        return os.getpid()
+    @staticmethod
+    def sleep(req: Sleep) -> float:
+        time.sleep(req.seconds)  # the behaviour under test: a slow call
+        return req.seconds

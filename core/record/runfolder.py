@@ -1,11 +1,13 @@
-"""The run folder: where a run's config, keys, state, metrics, logs and checkpoints live.
+"""The run folder: where a run's config, plan, keys, state, metrics, logs and checkpoints live.
 
     <runs_root>/<name>/<run_id>/
-      config.yaml  plan.json  job.sbatch  keys/  controller.json  state.json
+      config.yaml  plan.json  job.sbatch  keys/  controller.json  state.json  events.jsonl
       metrics.jsonl  logs/{controller.log, worker_r00000.log, ...}  checkpoints/
 
-Every JSON file is replaced atomically (temporary file, fsync, rename), so a reader on
-another node never sees half a file. No third-party imports: the launcher uses it too.
+Paths, and the atomic write every JSON file goes through (temporary file, fsync, rename),
+so a reader on another node never sees half a file. What the files hold is read and
+written by the modules beside this one: ``state`` (state.json, events.jsonl), ``steps``
+(metrics.jsonl), ``plans`` (plan.json). No third-party imports: the launcher uses it too.
 """
 from __future__ import annotations
 
@@ -90,6 +92,10 @@ class RunFolder:
         return self.path / "state.json"
 
     @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
 
@@ -131,23 +137,3 @@ class RunFolder:
         if not run.config.is_file():
             raise UserError(f"{path}: not a Baton run folder (no config.yaml); pass the folder `baton submit` printed")
         return run
-
-    def read_state(self) -> dict[str, Any]:
-        try:
-            return read_json(self.state)  # type: ignore[no-any-return]
-        except FileNotFoundError:
-            return {}
-
-    def write_state(self, state: dict[str, Any]) -> None:
-        write_json(self.state, state)
-
-    def append_metrics(self, record: dict[str, Any]) -> None:
-        with self.metrics.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def event(state: dict[str, Any], kind: str, **fields: Any) -> dict[str, Any]:
-    """Append a timestamped event to ``state["history"]`` and return it."""
-    record = {"time": time.time(), "event": kind, **fields}
-    state.setdefault("history", []).append(record)
-    return record

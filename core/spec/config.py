@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,8 @@ import yaml
 
 from core.errors import ConfigError, LayoutError
 
-__all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict"]
+__all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "model_hash",
+           "config_hash"]
 from core.spec.dims import ParallelDims
 from core.spec.schema import build, field_paths, to_data
 
@@ -382,3 +385,17 @@ def dump(cfg: RunConfig) -> str:
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return to_data(cfg)  # type: ignore[no-any-return]
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_hash(cfg: RunConfig) -> str:
+    """What a checkpoint must agree with to be loadable: the model's shape, not its layout."""
+    return _digest(to_dict(cfg)["model"])
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """The whole resolved config: the controller and its workers must have read the same one."""
+    return _digest(to_dict(cfg))

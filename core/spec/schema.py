@@ -1,19 +1,27 @@
-"""Strict conversion between plain data (YAML, msgpack) and frozen config dataclasses.
+"""Strict conversion between plain data (YAML, JSON, msgpack) and dataclasses.
 
 ``build(cls, data)`` checks every key and type against the dataclass annotations and
-raises ``ConfigError`` naming the dotted path, the bad value and what would be valid;
+raises ``ConfigError`` (or the ``error`` class given: the run record and the call
+contracts pass their own) naming the dotted path, the bad value and what would be valid;
 unknown keys get the closest valid name. ``to_data(obj)`` is its inverse. A field whose
 YAML key is not a Python identifier (``async``) declares it with ``metadata={"key": ...}``.
+
+Types understood: bool, int, float, str, None, ``Any`` (taken as it is), Literal, enums
+(by value), unions, ``list[X]`` and ``tuple[X, ...]`` (both built as tuples),
+``dict[str, X]`` and nested dataclasses.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import functools
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from core.errors import ConfigError
+
+ErrorType = type[Exception]
 
 T = TypeVar("T")
 _MISSING = object()
@@ -34,8 +42,10 @@ def _describe(tp: Any) -> str:
         return " or ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(tp))
-    if origin is list:
+    if origin in (list, tuple):
         return f"a list of {_describe(get_args(tp)[0])}"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " or ".join(repr(m.value) for m in tp)
     if origin is dict:
         return "a mapping"
     if tp is type(None):
@@ -47,37 +57,44 @@ def _describe(tp: Any) -> str:
     )
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: Any, value: Any, path: str, error: ErrorType = ConfigError) -> Any:
     if tp is Any:
         return value
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         for option in get_args(tp):
             try:
-                return _convert(option, value, path)
-            except ConfigError:
+                return _convert(option, value, path, error)
+            except error:
                 pass
-        raise ConfigError(f"{path}: {value!r} is not {_describe(tp)}")
+        raise error(f"{path}: {value!r} is not {_describe(tp)}")
     if origin is Literal:
         if value in get_args(tp) and type(value) in {type(a) for a in get_args(tp)}:
             return value
-        raise ConfigError(f"{path}: {value!r} is not {_describe(tp)}")
+        raise error(f"{path}: {value!r} is not {_describe(tp)}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{path}: {value!r} is not null")
-    if origin is list:
+        raise error(f"{path}: {value!r} is not null")
+    if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: {value!r} is not {_describe(tp)}")
-        (item,) = get_args(tp)
-        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+            raise error(f"{path}: {value!r} is not {_describe(tp)}")
+        item = get_args(tp)[0]
+        return tuple(_convert(item, v, f"{path}[{i}]", error) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: {value!r} is not a mapping")
+            raise error(f"{path}: {value!r} is not a mapping")
         _, val_tp = get_args(tp)
-        return {str(k): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()}
+        return {str(k): _convert(val_tp, v, _join(path, str(k)), error) for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, path)  # type: ignore[arg-type]
+        return build(tp, value, path, error=error)  # type: ignore[arg-type]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)
+        except ValueError:
+            raise error(f"{path}: {value!r} is not {_describe(tp)}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -97,7 +114,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return value
     else:  # pragma: no cover - a schema bug, not user input
         raise TypeError(f"unsupported schema type {tp!r} at {path}")
-    raise ConfigError(f"{path}: {value!r} is not {_describe(tp)}")
+    raise error(f"{path}: {value!r} is not {_describe(tp)}")
+
+
+def convert(tp: Any, value: Any, path: str, *, error: ErrorType = ConfigError) -> Any:
+    """``value`` checked (and built) against the type annotation ``tp``; bad data raises ``error``."""
+    return _convert(tp, value, path, error)
 
 
 @functools.cache
@@ -105,29 +127,31 @@ def _schema_of(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field[A
     return get_type_hints(cls), {yaml_key(f): f for f in dataclasses.fields(cls)}
 
 
-def build(cls: type[T], data: Any, path: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping, strictly."""
+def build(cls: type[T], data: Any, path: str = "", *, error: ErrorType = ConfigError) -> T:
+    """Build dataclass ``cls`` from a mapping, strictly; bad data raises ``error``."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
+        raise error(f"{path or 'config'}: expected a mapping, got {data!r}")
     hints, fields = _schema_of(cls)
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
             valid = ", ".join(sorted(fields))
-            raise ConfigError(f"{_join(path, str(key))}: unknown key{hint} (valid keys: {valid})")
+            raise error(f"{_join(path, str(key))}: unknown key{hint} (valid keys: {valid})")
     kwargs = {}
     for key, field in fields.items():
         if key in data:
-            kwargs[field.name] = _convert(hints[field.name], data[key], _join(path, key))
+            kwargs[field.name] = _convert(hints[field.name], data[key], _join(path, key), error)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING and field.init:
+            raise error(f"{_join(path, key)}: missing (required)")
     try:
         return cls(**kwargs)
-    except ConfigError:
+    except (ConfigError, error):
         raise
-    except TypeError as exc:  # a required field without default
-        raise ConfigError(f"{path or 'config'}: {exc}") from None
+    except TypeError as exc:  # pragma: no cover - a schema bug: required fields are checked above
+        raise error(f"{path or 'config'}: {exc}") from None
 
 
 def to_data(obj: Any) -> Any:
@@ -138,6 +162,8 @@ def to_data(obj: Any) -> Any:
         return [to_data(v) for v in obj]
     if isinstance(obj, dict):
         return {k: to_data(v) for k, v in obj.items()}
+    if isinstance(obj, enum.Enum):
+        return obj.value
     return obj
 
 

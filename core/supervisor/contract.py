@@ -9,30 +9,28 @@ controller and generation 0 of the workers; afterwards it acts only on what it i
     supervisor first ends, by pid, whatever is left of the previous generation (a stopped
     process does not act on an abort), then starts the new one.
 
-the controller's exit, read from ``state.json`` (exit codes do not survive every wrapper)
-    status ``requeued`` (exit ``EXIT_REQUEUED``): start the next epoch (on Slurm the job was
-    requeued; locally the supervisor relaunches with epoch + 1);
-    ``completed`` / ``failed`` / ``stopped``: done; still ``running``: the controller died without a last
-    word, so the supervisor requeues within ``recovery.max_retries`` (``after_controller``).
+the controller's exit, read from the run record (exit codes do not survive every wrapper)
+    status ``requeued`` (exit ``ExitCode.REQUEUED``): start the next epoch (on Slurm the job
+    was requeued; locally the supervisor relaunches with epoch + 1); a final status
+    (completed, failed, stopped, cancelled): done; still ``running``: the controller died
+    without a last word, so the supervisor requeues within ``recovery.max_retries``
+    (``after_controller``).
 
 A supervisor says it honours ``workers.json`` by setting ``BATON_WORKER_RESTARTS=1`` in
 the controller's environment; without it, a lost worker costs a requeue instead.
 
-The retry budget (``state["recovery"]``, a ``Budget``) is shared by both sides: the
-controller spends it on worker failures, the supervisor on controller deaths.
+The retry budget (``RunState.recovery``, a ``core.record.state.Budget``) is shared by both
+sides: the controller spends it on worker failures, the supervisor on controller deaths.
 """
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from core.record.runfolder import RunFolder, event, read_json, write_json
-
-EXIT_REQUEUED = 85  # the controller checkpointed and asks for the next epoch
-FINAL = ("completed", "failed", "stopped", "cancelled")
+from core.record import events as ev
+from core.record.runfolder import RunFolder, read_json, write_json
+from core.record.state import RunRecord, Status
 
 
 def request_path(run: RunFolder) -> Path:
@@ -67,102 +65,29 @@ def read_request(run: RunFolder) -> WorkerRequest | None:
         return None
 
 
-# ----------------------------------------------------------------------------- the budget
+def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, committed_step: int | None) -> Status:
+    """The supervisor's decision once the controller has exited: ``REQUEUED`` (start the next
+    epoch) or the run's final status (stop).
 
-
-@dataclass(frozen=True, kw_only=True)
-class Budget:
-    """Retries spent since the run last made durable progress, and failures per node.
-
-    Stored in ``state["recovery"]`` so requeues keep it. It resets once a checkpoint newer
-    than the last failure commits: a run that fails once a day is not a run that fails.
+    A controller that left any other status (``running``, or one from before it started)
+    died: killed, OOM, a crash before its handlers ran. That spends one retry, recorded in
+    the run's history with the exit code.
     """
-
-    retries: int = 0
-    node_failures: dict[str, int] = field(default_factory=dict)
-    exclude: tuple[str, ...] = ()
-    last_failure_step: int = -1
-
-    @classmethod
-    def of(cls, state: dict[str, Any]) -> Budget:
-        d = state.get("recovery") or {}
-        return cls(retries=int(d.get("retries", 0)), node_failures=dict(d.get("node_failures", {})),
-                   exclude=tuple(d.get("exclude", ())), last_failure_step=int(d.get("last_failure_step", -1)))
-
-    def store(self, state: dict[str, Any]) -> None:
-        state["recovery"] = {"retries": self.retries, "node_failures": dict(self.node_failures),
-                             "exclude": list(self.exclude), "last_failure_step": self.last_failure_step}
-
-    def spend(self, *, nodes: tuple[str, ...], step: int, committed_step: int | None) -> Budget:
-        """One more failure at ``step`` on ``nodes``; forgiven first if a newer checkpoint committed."""
-        b = self
-        if committed_step is not None and b.last_failure_step >= 0 and committed_step > b.last_failure_step:
-            b = replace(b, retries=0, node_failures={})
-        counts = dict(b.node_failures)
-        for n in nodes:
-            counts[n] = counts.get(n, 0) + 1
-        return replace(b, retries=b.retries + 1, node_failures=counts, last_failure_step=step)
-
-
-def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, committed_step: int | None) -> str:
-    """The supervisor's decision once the controller has exited: ``requeue`` or ``stop``.
-
-    A controller that left status ``running`` died (killed, OOM, a crash before its
-    handlers ran); that spends one retry, recorded in state.json with the exit code.
-    """
-    state = run.read_state()
-    status = state.get("status")
-    if status == "requeued":
-        return "requeue"
-    if status in FINAL or status is None:
-        return "stop"
-    budget = Budget.of(state).spend(nodes=(), step=int(state.get("step", 0)), committed_step=committed_step)
-    budget.store(state)
-    how = f"signal {-exit_code}" if exit_code < 0 else f"exit code {exit_code}"
-    event(state, "controller_died", exit_code=exit_code, step=state.get("step", 0), epoch=state.get("epoch"),
-          retry=budget.retries, max_retries=max_retries)
-    if budget.retries > max_retries:
-        reason = (f"the controller died ({how}) with no retries left ({max_retries} used, "
-                  f"recovery.max_retries); see {run.controller_log}")
-        state.update(status="failed", reason=reason)
-        event(state, "failed", reason=reason, step=state.get("step", 0))
-        run.write_state(state)
-        return "stop"
-    state.update(status="requeued")
-    event(state, "requeued", by="supervisor", why=f"the controller died ({how})", step=state.get("step", 0))
-    run.write_state(state)
-    return "requeue"
-
-
-def main(argv: list[str]) -> int:
-    """``python -m core.supervisor.contract after-controller RUN_DIR EXIT_CODE``: for a batch script.
-
-    Prints ``requeue`` or ``stop``; on Slurm a ``requeue`` of a controller that died is done
-    here (the controller requeues itself otherwise). Exit 0 either way.
-    """
-    import os
-
-    from core.checkpoint import manifest
-    from core.job import slurmctl
-    from core.spec import config as config_mod
-
-    if len(argv) != 3 or argv[0] != "after-controller":
-        print("usage: python -m core.supervisor.contract after-controller RUN_DIR EXIT_CODE", file=sys.stderr)
-        return 2
-    run = RunFolder.open(Path(argv[1]))
-    cfg = config_mod.load(run.config)
-    steps = manifest.committed_steps(run.checkpoints)
-    before = run.read_state().get("status")
-    decision = after_controller(run, int(argv[2]), max_retries=cfg.recovery.max_retries,
-                                committed_step=steps[-1] if steps else None)
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if decision == "requeue" and before == "running" and job_id:
-        result = slurmctl.requeue(job_id)
-        if not result.ok:
-            print(f"baton: requeue failed: {result.detail}", file=sys.stderr)
-    print(decision)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    record = RunRecord(run)
+    with record.update() as s:
+        if s.status is Status.REQUEUED or s.status.final:
+            return s.status
+        s.recovery = s.recovery.spend(nodes=(), step=s.step, committed_step=committed_step)
+        how = f"signal {-exit_code}" if exit_code < 0 else f"exit code {exit_code}"
+        record.append(ev.ControllerDied(exit_code=exit_code, step=s.step, epoch=s.epoch, retry=s.recovery.retries,
+                                        max_retries=max_retries))
+        if s.recovery.retries > max_retries:
+            s.status = Status.FAILED
+            s.reason = (f"the controller died ({how}) with no retries left ({max_retries} used, "
+                        f"recovery.max_retries); see {run.controller_log}")
+            record.append(ev.Failed(reason=s.reason, step=s.step))
+        else:
+            s.status = Status.REQUEUED
+            record.append(ev.Requeued(by="supervisor", reason=f"the controller died ({how})", step=s.step,
+                                      epoch=s.epoch))
+        return s.status

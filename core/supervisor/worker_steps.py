@@ -8,7 +8,7 @@ lost and aborted the rest), the running step is ended and the command is started
 with ``BATON_GENERATION=g``, inside the same allocation. Ending a step is SIGTERM to its
 srun: Slurm then cancels the step and kills the tasks, also those that ignore SIGTERM or
 are stopped (observed on 22.05). Exits once the step has ended and the controller no
-longer runs (state.json), or on SIGTERM/SIGINT, which it passes on to the step first.
+longer runs (the run record), or on SIGTERM/SIGINT, which it passes on to the step first.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord, Status
 from core.supervisor.contract import read_request
 
 log = logging.getLogger("baton.worker_steps")
@@ -58,6 +59,7 @@ def _end(step: subprocess.Popen[bytes], why: str) -> None:
 def supervise(run: RunFolder, cmd: list[str], *, epoch: int) -> int:
     """Run worker-step generations until the controller is done with them; the last step's code."""
     generation = 0
+    record = RunRecord(run)
     step = _start(cmd, generation)
     try:
         while not _Stop.requested:
@@ -66,7 +68,7 @@ def supervise(run: RunFolder, cmd: list[str], *, epoch: int) -> int:
                 _end(step, f"generation {req.generation} requested: {req.reason}")
                 generation = req.generation
                 step = _start(cmd, generation)
-            elif step.poll() is not None and run.read_state().get("status") != "running":
+            elif step.poll() is not None and record.read().status is not Status.RUNNING:
                 break  # the step ended and no controller is left to ask for another
             time.sleep(POLL_S)  # polling a file another node writes; nothing to wait on instead
     finally:

@@ -8,7 +8,7 @@ Wire format (one ZeroMQ multipart message; the ROUTER adds the peer identity in 
 The header is an array, not a map: decoding five positional items is a third of the cost
 of a five-key map (no key strings to build), and this path runs for every call, result
 and heartbeat. The payload stays a map of named fields. A peer of protocol 1 (a map
-header) is still told which version it speaks.
+header) is still told which version it speaks. Version 3 added ``Error.user_error``.
 
 A numpy array anywhere in the payload is replaced by msgpack ext type 1 holding
 ``[frame index, dtype str, shape]``; the receiver rebuilds it with ``np.frombuffer`` over
@@ -32,7 +32,7 @@ import numpy as np
 
 from core.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _ARRAY_EXT = 1
 _MAX_DIMS = 32
 
@@ -81,11 +81,14 @@ class Result:
 
 @dataclass(kw_only=True, slots=True)
 class Error:
-    """A call raised on the worker; the controller re-raises it with the remote traceback."""
+    """A call raised on the worker (or its request was malformed); the controller re-raises
+    it with the remote traceback. ``user_error``: the exception was bad input (a
+    ``UserError``), which no retry can fix."""
 
     exc_type: str
     message: str
     traceback: str
+    user_error: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

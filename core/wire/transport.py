@@ -13,11 +13,12 @@ subprocess so that it never imports zmq itself).
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,7 @@ def _recv_frames(sock: Any, flags: int = 0, *, routed: bool = False) -> list[Any
 
 
 def recv_or_none(sock: Any) -> list[Any] | None:
-    """A DEALER's next message, waiting at most its receive timeout (``set_timeout``), or
-    None. The serving loops call this directly: one Python frame per message."""
+    """A DEALER's next message, waiting at most its receive timeout (``set_timeout``), or None."""
     try:
         frame = _recv(sock, 0, False)
     except zmq.Again:
@@ -161,7 +161,13 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
 
 
 class ControllerSocket:
-    """ROUTER bound on a random port; CURVE server; only the workers' key may connect."""
+    """ROUTER bound on a random port; CURVE server; only the workers' key may connect.
+
+    One calling style on both sides of the wire: ``send``, ``recv`` (waits up to the
+    timeout set by ``set_timeout``), ``recv_nowait``. They are the module's functions
+    bound to this socket (``functools.partial``, built in C): a serving loop that calls
+    ``sock.recv()`` runs one Python frame per message, as if it called zmq itself.
+    """
 
     def __init__(self, keys_dir: Path, *, bind_host: str = "*") -> None:
         self.ctx = zmq.Context()
@@ -179,31 +185,21 @@ class ControllerSocket:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         self.port = sock.bind_to_random_port(f"tcp://{bind_host}")
-        self.sock = sock
-        self._timeout = _Timeout(sock)
-
-    def send(self, identity: bytes, frames: Frames) -> bool:
-        """Send to one peer; False if the peer is no longer connected."""
-        return send_routed(self.sock, identity, frames)
-
-    def recv(self, timeout_s: float) -> tuple[bytes, list[Any]] | None:
-        """Next (identity, frames), or None after ``timeout_s``."""
-        self._timeout.set(timeout_s)
-        return recv_routed_or_none(self.sock)
-
-    def set_timeout(self, timeout_s: float) -> None:
-        """How long ``recv_routed_or_none(self.sock)`` waits for a message."""
-        self._timeout.set(timeout_s)
+        self._sock = sock
+        self.set_timeout = _Timeout(sock).set
+        self.send: Callable[[bytes, Frames], bool] = functools.partial(send_routed, sock)
+        self.recv: Callable[[], tuple[bytes, list[Any]] | None] = functools.partial(recv_routed_or_none, sock)
 
     def recv_nowait(self) -> tuple[bytes, list[Any]] | None:
+        """The next (identity, frames) if one is queued, else None."""
         try:
-            parts = _recv_frames(self.sock, _NOBLOCK, routed=True)
+            parts = _recv_frames(self._sock, _NOBLOCK, routed=True)
         except zmq.Again:
             return None
         return parts[0], parts[1:]
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self._sock.close(linger=0)
         self.auth.stop()
         self.ctx.term()
 
@@ -211,8 +207,10 @@ class ControllerSocket:
 class WorkerSocket:
     """DEALER connected to the controller as a CURVE client (one per thread).
 
-    Sockets of one process may share a context (``share_context_with``): one I/O thread
-    then serves them all; the context ends with the socket that created it.
+    The calling style of ``ControllerSocket``: ``send(frames)``, ``recv()`` (up to the
+    timeout of ``set_timeout``), ``recv_within(s)``, ``recv_nowait()``. Sockets of one
+    process may share a context (``share_context_with``): one I/O thread then serves them
+    all; the context ends with the socket that created it.
     """
 
     def __init__(self, address: str, keys_dir: Path, *, identity: bytes,
@@ -230,35 +228,26 @@ class WorkerSocket:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(address)
-        self.sock = sock
-        self._timeout = _Timeout(sock)
+        self._sock = sock
+        self.zmq_socket = sock  # for a zmq.Poller over many sockets in one thread (a benchmark's hosts)
+        self.set_timeout = _Timeout(sock).set
+        self.send: Callable[[Frames], None] = functools.partial(send_frames, sock)
+        self.recv: Callable[[], list[Any] | None] = functools.partial(recv_or_none, sock)
 
     def recv_within(self, timeout_s: float) -> list[Any] | None:
-        """Next message's frames, or None after ``timeout_s`` (only from the owning thread)."""
-        self._timeout.set(timeout_s)
-        return recv_or_none(self.sock)
+        """The next message's frames, or None after ``timeout_s``."""
+        self.set_timeout(timeout_s)
+        return self.recv()
 
-    def set_timeout(self, timeout_s: float) -> None:
-        """How long ``recv_or_none(self.sock)`` waits for a message."""
-        self._timeout.set(timeout_s)
-
-    @staticmethod
-    def send(sock: Any, frames: Frames) -> None:
-        _send_frames(sock, frames)
-
-    @staticmethod
-    def recv(sock: Any) -> list[Any]:
-        return _recv_frames(sock)
-
-    @staticmethod
-    def recv_nowait(sock: Any) -> list[Any] | None:
+    def recv_nowait(self) -> list[Any] | None:
+        """The next message's frames if one is queued, else None."""
         try:
-            return _recv_frames(sock, _NOBLOCK)
+            return _recv_frames(self._sock, _NOBLOCK)
         except zmq.Again:
             return None
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self._sock.close(linger=0)
         if self._owns_ctx:
             self.ctx.destroy(linger=0)
 

@@ -1,9 +1,11 @@
-"""The seam between the generic worker runtime and the model code it serves.
+"""The seam between the worker runtime and the model code it serves.
 
-A task is built once per worker process with a ``WorkerContext`` and exposes an explicit
-table of callable methods: the controller calls them by name, with msgpack-able keyword
-arguments, and gets back msgpack-able values (dicts, lists, scalars, numpy arrays).
-No reflection: only what ``rpc_table`` lists can be called.
+A task is built once per worker process with a ``WorkerContext`` and lists its handlers:
+``{TRAIN_STEP: self.train_step, ...}``, each taking the method's typed request and
+returning its typed result (``core.wire.contract``). Only what ``handlers`` lists can be
+called. ``close`` runs when the controller shuts the worker down.
+
+Model packages (``core.model``) import this module and nothing else of the worker role.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from core.spec.config import RunConfig
+from core.wire.contract import Method
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,9 +29,14 @@ class WorkerContext:
     run_dir: Path
     host: str
     log: logging.Logger
+    config: RunConfig  # the run's config.yaml, read once by this process
 
 
 class Task(Protocol):
-    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
-        """Method name → callable; the only methods the controller may call."""
+    def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
+        """Method → handler; the only methods the controller may call."""
+        ...
+
+    def close(self) -> None:
+        """Release what the task holds (process groups, files); the worker exits next."""
         ...

@@ -1,9 +1,10 @@
 """Run ``GPTTask`` ranks as real processes without the ZeroMQ controller.
 
 ``RankGroup`` spawns one process per rank; each builds a ``GPTTask`` and serves commands
-over a pipe: ``call(name, **kw)`` runs an rpc method on every rank, ``apply(fn, **kw)``
-runs a top-level function ``fn(task, **kw)`` (for the non-rpc ``core.model.gpt.state``
-functions). Every wait has a deadline; ``close`` asks the ranks to shut down and
+over a pipe: ``call(name, **kw)`` runs one of the task's calls on every rank (the request
+checked by its method, as the worker runtime does; the result as plain data, fields that
+are None left out), ``apply(fn, **kw)`` runs a top-level function ``fn(task, **kw)`` (for
+the ``core.model.gpt.state`` functions, which are no calls). Every wait has a deadline; ``close`` asks the ranks to shut down and
 terminates (then kills) those it started that are still alive.
 
     with RankGroup(gpt_config(tp=2, pp=2, world_size=4), world_size=4) as g:
@@ -56,28 +57,35 @@ def gpt_config(*, tp: int = 1, pp: int = 1, world_size: int = 1, steps: int = 10
     return cfg
 
 
-def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str) -> None:
+def _call(table: dict[str, Any], name: str, kwargs: dict[str, Any]) -> Any:
+    method, fn = table[name]
+    value = method.encode_result(fn(method.decode_request(kwargs)))
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
+def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict[str, Any]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     warnings.filterwarnings("ignore")  # Megatron's "TE/Apex missing" and deprecation noise
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     from core.model.gpt.task import GPTTask
+    from core.spec import config as config_mod
     from core.worker.task import WorkerContext
 
     ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir),
-                        host="localhost", log=logging.getLogger(f"rank{rank}"))
+                        host="localhost", log=logging.getLogger(f"rank{rank}"), config=config_mod.from_data(config))
     task = GPTTask(ctx)
-    table = task.rpc_table()
+    table = {m.name: (m, fn) for m, fn in task.handlers().items()}
     while True:
         kind, target, kwargs = conn.recv()
         if kind == "exit":
             break
         try:
-            result = table[target](**kwargs) if kind == "call" else target(task, **kwargs)
+            result = _call(table, target, kwargs) if kind == "call" else target(task, **kwargs)
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - sent to the test process, which raises it
             conn.send(("error", traceback.format_exc()))
     try:
-        table["shutdown"]()
+        task.close()
     finally:
         conn.send(("ok", None))
 
@@ -103,7 +111,8 @@ class RankGroup:
         ctx = mp.get_context("spawn")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, self.world_size, child, self.run_dir), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, self.world_size, child, self.run_dir, self.config),
+                               daemon=True)
             proc.start()
             self.procs.append(proc)
             self.conns.append(parent)
@@ -150,7 +159,7 @@ class RankGroup:
         return self._collect(fn.__name__, timeout_s)
 
     def setup(self) -> list[dict[str, Any]]:
-        self.setup_info = self.call("setup", config=self.config, master_addr="127.0.0.1", master_port=free_port())
+        self.setup_info = self.call("setup", master_addr="127.0.0.1", master_port=free_port())
         return self.setup_info
 
     def loss_owner_results(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:

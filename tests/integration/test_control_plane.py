@@ -11,13 +11,16 @@ import pytest
 import zmq
 
 from core.controller import dispatch
-from core.controller.group import WorkerGroup, publish_address
+from core.controller.group import WorkerGroup
+from core.controller.main import publish_address
 from core.errors import CallTimeoutError, RemoteError, WorkerLostError
+from core.model.toy import ECHO, FAIL, NOOP, PID, SLEEP, Echo, Echoed, Fail, Sleep
 from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims
 from core.wire import protocol
+from core.wire.contract import Method, NoArgs
 from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys
-from tests.helpers import LocalRun, baton, make_run, wait_for
+from tests.helpers import LocalRun, baton, history, make_run, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=1.5", "timeouts.controller_lost_s=3"]
@@ -64,7 +67,7 @@ def test_kill_9_of_a_worker_is_reported_naming_its_rank(toy) -> None:
     killed = time.time()
     state = wait_for(lambda: r.state() if r.state().get("status") == "failed" else None, 15, "the run to fail")
     assert "rank 2" in state["reason"] and "process exited" in state["reason"]
-    failed_at = state["history"][-1]["time"]
+    failed_at = history(r.run.path)[-1]["time"]
     assert failed_at - killed < 1.5 + 1.0, f"detected after {failed_at - killed:.2f} s"
     assert r.controller is not None and r.controller.wait(timeout=15) == 1
     for w in r.workers:  # the survivors were told to abort and exited
@@ -113,7 +116,7 @@ def test_clients_without_the_run_keys_get_nothing_and_the_run_is_unaffected(toy,
         ctx, s = _raw_dealer(info["address"], **kwargs)
         try:
             s.send_multipart(register)
-            s.send_multipart(protocol.encode(protocol.Call(method="fail")))
+            s.send_multipart(protocol.encode(protocol.Call(method=FAIL.name)))
             assert s.poll(1500) == 0, "an unauthenticated client got an answer"
         finally:
             ctx.destroy(linger=0)
@@ -127,9 +130,10 @@ def test_a_worker_of_a_stale_epoch_is_refused_by_name(toy) -> None:
                     "controller.json")
     ws = WorkerSocket(info["address"], r.run.keys, identity=b"stale")
     try:
-        WorkerSocket.send(ws.sock, protocol.encode(protocol.Register(rank_hint=0, host="h", node="n", pid=1), epoch=0))
-        assert ws.sock.poll(10000), "no answer to a stale registration"
-        env = protocol.decode(WorkerSocket.recv(ws.sock))
+        ws.send(protocol.encode(protocol.Register(rank_hint=0, host="h", node="n", pid=1), epoch=0))
+        frames = ws.recv_within(10.0)
+        assert frames is not None, "no answer to a stale registration"
+        env = protocol.decode(frames)
     finally:
         ws.close()
     assert isinstance(env.msg, protocol.Refuse)
@@ -159,36 +163,36 @@ def group(tmp_path: Path):
 
 def test_dispatch_and_collect_modes(group) -> None:
     g, _ = group
-    assert [x["rank"] for x in g.call("echo", v=1)] == [0, 1, 2, 3]
-    assert g.call("echo", v=2, collect=dispatch.rank_zero) == {"rank": 0, "v": 2}
-    split = g.call("echo", xs=list(range(8)), k="same", dispatch=dispatch.split_by_dp)
-    assert [x["xs"] for x in split] == [[0, 1], [2, 3], [4, 5], [6, 7]] and {x["k"] for x in split} == {"same"}
+    assert [x.rank for x in g.call(ECHO, Echo(v=1))] == [0, 1, 2, 3]
+    assert g.call(ECHO, Echo(v=2), collect=dispatch.rank_zero) == Echoed(rank=0, v=2)
+    split = g.call(ECHO, Echo(xs=tuple(range(8)), k="same"), dispatch=dispatch.split_by_dp)
+    assert [x.xs for x in split] == [(0, 1), (2, 3), (4, 5), (6, 7)] and {x.k for x in split} == {"same"}
     arr = np.arange(8, dtype=np.float32)
-    back = g.call("echo", a=arr, collect=dispatch.loss_owners)
-    assert len(back) == 4 and all(np.array_equal(b["a"], arr) for b in back)
+    back = g.call(ECHO, Echo(a=arr), collect=dispatch.loss_owners)
+    assert len(back) == 4 and all(np.array_equal(b.a, arr) for b in back)
 
 
 def test_remote_errors_carry_rank_and_traceback(group) -> None:
     g, _ = group
     with pytest.raises(RemoteError) as info:
-        g.call("fail", message="kaboom")
+        g.call(FAIL, Fail(message="kaboom"))
     assert "raised RuntimeError in fail: kaboom" in str(info.value)
     assert "Traceback" in info.value.remote_traceback and "toy.py" in info.value.remote_traceback
     with pytest.raises(RemoteError, match="no method 'nope'"):
-        g.call("nope")
-    assert g.call("noop") == [None] * 4  # the group is usable afterwards
+        g.call(Method("nope", NoArgs, None))
+    assert g.call(NOOP) == [None] * 4  # the group is usable afterwards
 
 
 def test_a_missed_deadline_names_the_missing_ranks(group) -> None:
     g, _ = group
     with pytest.raises(CallTimeoutError) as info:
-        g.call("sleep", seconds=3.0, timeout_s=0.5)
+        g.call(SLEEP, Sleep(seconds=3.0), timeout_s=0.5)
     assert info.value.missing == [0, 1, 2, 3] and "did not answer within 0.5 s" in str(info.value)
 
 
 def test_heartbeats_continue_during_a_long_call_and_between_calls(group) -> None:
     g, _ = group
-    assert g.call("sleep", seconds=2.5, timeout_s=10) == [2.5] * 4  # longer than heartbeat_timeout_s
+    assert g.call(SLEEP, Sleep(seconds=2.5), timeout_s=10) == [2.5] * 4  # longer than heartbeat_timeout_s
     before = g.heartbeats_handled
     wait_for(lambda: g.heartbeats_handled > before + 8, 5, "heartbeats handled by the idle pump")
     g.check()
@@ -196,9 +200,9 @@ def test_heartbeats_continue_during_a_long_call_and_between_calls(group) -> None
 
 def test_a_worker_lost_between_calls_fails_the_next_call(group) -> None:
     g, r = group
-    pids = g.call("pid")
+    pids = g.call(PID)
     os.kill(pids[3], signal.SIGKILL)
     wait_for(lambda: g.lost(), 5, "rank 3 declared lost")
     with pytest.raises(WorkerLostError) as info:
-        g.call("noop")
+        g.call(NOOP)
     assert info.value.ranks == [3]

@@ -10,7 +10,7 @@ import pytest
 
 from core.checkpoint import manifest
 from core.checkpoint.hdf5 import CheckpointReader
-from tests.helpers import baton
+from tests.helpers import baton, history
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 # A constant schedule, so a run of 10 steps and one of 20 share the learning rate of every step.
@@ -64,8 +64,7 @@ def test_resume_in_another_layout_continues_the_curve(runs: dict[str, Path], lay
     full, resumed = _losses(runs["full"]), _losses(run)
     assert len(resumed) == 20
     assert max(abs(a - b) for a, b in zip(full[10:], resumed[10:], strict=True)) <= 1e-6, list(zip(full, resumed, strict=True))[10:]
-    state = json.loads((run / "state.json").read_text())
-    resumed_ev = [e for e in state["history"] if e["event"] == "resumed"][-1]
+    resumed_ev = history(run, "resumed")[-1]
     assert resumed_ev["saved_layout"] == "tp2pp2dp1" and resumed_ev["layout"] == f"tp{tp}pp{pp}dp1"
 
 

@@ -26,7 +26,7 @@ from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims
 from core.wire.protocol import Refuse, Register, decode, encode
 from core.wire.transport import ControllerSocket, WorkerSocket
-from tests.helpers import REPO, baton, make_run, wait_for
+from tests.helpers import REPO, baton, history, make_run, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 1200
@@ -64,7 +64,7 @@ class Submitted:
         return wait_for(lambda: (s := self.state()).get("step", 0) >= step and s, 60, f"step {step}")
 
     def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.state().get("history", []) if e["event"] == kind]
+        return history(self.run_dir, kind)
 
     def worker_pid(self, rank: int, generation: int = 0) -> int:
         def current() -> int | None:

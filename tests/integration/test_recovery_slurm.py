@@ -25,7 +25,7 @@ if _HERE not in sys.path:  # works under any --import-mode
 
 import slurm_helpers as sh  # noqa: E402
 
-from tests.helpers import REPO, baton  # noqa: E402
+from tests.helpers import REPO, baton, history  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 STEPS = 2000
@@ -69,7 +69,7 @@ def _state(run: Path) -> dict[str, Any]:
 
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:
-    return [e for e in _state(run).get("history", []) if e["event"] == kind]
+    return history(run, kind)
 
 
 def _finished(run: Path, job: int) -> dict[str, Any]:

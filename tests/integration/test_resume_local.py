@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from core.checkpoint import manifest
-from tests.helpers import baton
+from tests.helpers import baton, history
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,7 +31,7 @@ def test_resume_continues_the_same_curve_exactly(tmp_path: Path) -> None:
     assert _losses(half) == _losses(full)  # bit-identical: same data, same state
     state = json.loads((half / "state.json").read_text())
     assert state["restarts"] == 1 and state["step"] == 20
-    assert any(e["event"] == "resumed" and e["step"] == 10 for e in state["history"])
+    assert any(e["step"] == 10 for e in history(half, "resumed"))
 
 
 def test_interval_checkpoints_keep_the_last_n_and_latest_points_to_the_newest(tmp_path: Path) -> None:
@@ -46,8 +46,7 @@ def test_async_checkpoints_commit_and_resume(tmp_path: Path) -> None:
     run = _submit("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=12",
                   "checkpoint.interval_steps=4", "checkpoint.async=true")
     assert manifest.committed_steps(run / "checkpoints") == [8, 12]
-    state = json.loads((run / "state.json").read_text())
-    assert [e["step"] for e in state["history"] if e["event"] == "checkpoint_started"] == [4, 8]
+    assert [e["step"] for e in history(run, "checkpoint_started")] == [4, 8]
 
 
 def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> None:
@@ -58,7 +57,6 @@ def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
     shard.write_bytes(bytes(data))
     res = baton("submit", "--resume", str(run), "--backend", "local")
     assert res.returncode == 0, res.stderr
-    state = json.loads((run / "state.json").read_text())
-    resumed = [e for e in state["history"] if e["event"] == "resumed"]
+    resumed = history(run, "resumed")
     assert resumed and resumed[-1]["step"] == 5
     assert "rank_00001.h5" in (run / "logs" / "controller.log").read_text()

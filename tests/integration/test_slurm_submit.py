@@ -23,7 +23,7 @@ if _HERE not in sys.path:  # works under any --import-mode
 
 import slurm_helpers as sh  # noqa: E402
 
-from tests.helpers import baton  # noqa: E402
+from tests.helpers import baton, history  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 RUN_S = 180.0  # queue + start + 30 toy steps, with room for one requeue after a preemption
@@ -134,7 +134,7 @@ def test_failed_preflight_exits_2_with_the_reason_and_submits_nothing(slurm_clus
 @pytest.mark.timeout(300)
 def test_cancel_ends_both_components_and_status_says_cancelled(slurm_cluster, slurm_jobs, runs_root):
     job, run = submitted(submit(runs_root, "trainer.steps=100000000", *PLACE), slurm_jobs)
-    sh.wait_until(lambda: state(run), lambda s: any(e["event"] == "workers_ready" for e in s.get("history", [])),
+    sh.wait_until(lambda: history(run, "workers_ready"), bool,
                   RUN_S, awaited=f"the workers of job {job} to be ready")
     res = baton("cancel", str(run), timeout=120)
     assert res.returncode == 0, res.stderr

@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 
 from core.checkpoint.async_writer import AsyncWriter
+from core.checkpoint.calls import CKPT_SAVE, CKPT_WAIT, Save, Saved, ShardAttrs
 from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.service import CheckpointedTask
 from core.checkpoint.spec import TensorSlice, current
+from core.spec.config import ModelConfig, RunConfig
+from core.wire.calls import Step
 from core.worker.task import WorkerContext
 
-ATTRS = {"step": 3, "rank": 0, "layout": {"dp": 1}, "config_hash": "x"}
+ATTRS = {"step": 3, "rank": 0, "layout": "tp1pp1dp1", "config_hash": "x"}  # what the service writes for SAVE_3
+SAVE_3 = ShardAttrs(step=3, layout="tp1pp1dp1", config_hash="x")
 
 
 class Gated:
@@ -92,8 +96,11 @@ class FencedTask:
         self.items = items
         self.fence = None
 
-    def rpc_table(self) -> dict[str, Any]:
-        return {"update": self.update}
+    def handlers(self) -> dict[Any, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def bind_checkpoint_fence(self, fence: Any) -> None:
         self.fence = fence
@@ -112,7 +119,7 @@ class FencedTask:
 
 def _ctx(tmp_path: Path) -> WorkerContext:
     return WorkerContext(rank=0, world_size=1, epoch=0, run_dir=tmp_path, host="localhost",
-                         log=logging.getLogger("test"))
+                         log=logging.getLogger("test"), config=RunConfig(model=ModelConfig(kind="toy")))
 
 
 def test_the_update_after_an_async_save_waits_for_the_snapshot_and_the_file_has_the_old_values(tmp_path: Path) -> None:
@@ -120,12 +127,13 @@ def test_the_update_after_an_async_save_waits_for_the_snapshot_and_the_file_has_
     expected = [a.copy() for _, a in items]
     gated = Gated(items[0][1])
     task = FencedTask([(items[0][0], gated), *items[1:]])
-    table = CheckpointedTask(task, _ctx(tmp_path)).rpc_table()
+    served = CheckpointedTask(task, _ctx(tmp_path))
+    table = served.handlers()
     (tmp_path / "sync").mkdir()
     (tmp_path / "async").mkdir()
-    assert table["ckpt_save"](3, str(tmp_path / "async"), ATTRS, async_save=True) == {"pending": 3}
+    assert table[CKPT_SAVE](Save(step=3, tmp_dir=str(tmp_path / "async"), attrs=SAVE_3, async_save=True)) == Saved()
     updated = threading.Event()
-    trainer = threading.Thread(target=lambda: (table["update"](), updated.set()), daemon=True)
+    trainer = threading.Thread(target=lambda: (task.update(), updated.set()), daemon=True)
     trainer.start()
     assert gated.entered.wait(30)
     trainer.join(0.5)
@@ -133,13 +141,13 @@ def test_the_update_after_an_async_save_waits_for_the_snapshot_and_the_file_has_
     gated.release.set()
     trainer.join(30)
     assert updated.is_set(), "the update never ran after the snapshot was taken"
-    ack = table["ckpt_wait"](3, 30)
+    ack = table[CKPT_WAIT](Step(step=3))
     write_shard(tmp_path / "sync" / "rank_00000.h5", list(zip([s for s, _ in items], expected, strict=True)),
                 {"step": 3}, ATTRS)
     assert filecmp.cmp(tmp_path / "sync" / "rank_00000.h5", tmp_path / "async" / "rank_00000.h5", shallow=False)
-    assert ack["file"] == "rank_00000.h5"
+    assert ack.file == "rank_00000.h5"
     assert np.array_equal(items[1][1], expected[1] + 1.0)  # and the update did happen, after the copy
-    table["shutdown"]()
+    served.close()
 
 
 def test_without_a_fence_live_items_are_copied_before_the_save_returns(tmp_path: Path) -> None:
@@ -152,13 +160,14 @@ def test_without_a_fence_live_items_are_copied_before_the_save_returns(tmp_path:
     gated = Gated(items[0][1])
     gated.release.set()
     task = Unfenced([(items[0][0], gated), *items[1:]])
-    table = CheckpointedTask(task, _ctx(tmp_path)).rpc_table()
-    table["ckpt_save"](3, str(tmp_path), ATTRS, async_save=True)
+    served = CheckpointedTask(task, _ctx(tmp_path))
+    table = served.handlers()
+    table[CKPT_SAVE](Save(step=3, tmp_dir=str(tmp_path), attrs=SAVE_3, async_save=True))
     assert gated.entered.is_set()  # the copy happened on the caller's thread, before ckpt_save returned
     items[0][1][...] = 0.0
-    table["ckpt_wait"](3, 30)
+    table[CKPT_WAIT](Step(step=3))
     (tmp_path / "ref").mkdir()
     write_shard(tmp_path / "ref" / "rank_00000.h5", list(zip([s for s, _ in items], expected, strict=True)),
                 {"step": 3}, ATTRS)
     assert filecmp.cmp(tmp_path / "ref" / "rank_00000.h5", tmp_path / "rank_00000.h5", shallow=False)
-    table["shutdown"]()
+    served.close()

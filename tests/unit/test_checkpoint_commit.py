@@ -10,20 +10,22 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from core.checkpoint import manifest
+from core.checkpoint.commit import commit, remove_uncommitted, retain, tmp_step_dir
 from core.checkpoint.hdf5 import CheckpointReader, write_shard
-from core.checkpoint.spec import TensorSlice
+from core.checkpoint.spec import ShardAck, TensorSlice
 from core.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _write_ranks(tmp: Path, step: int, value: float, world: int = 2, n: int = 64) -> list[dict]:
+def _write_ranks(tmp: Path, step: int, value: float, world: int = 2, n: int = 64) -> list[ShardAck]:
     """Rank r writes rows [4r, 4r+4) of a (4*world, n) tensor 'w' filled with ``value``; return the acks."""
     acks = []
     for r in range(world):
@@ -34,8 +36,8 @@ def _write_ranks(tmp: Path, step: int, value: float, world: int = 2, n: int = 64
 
 
 def _save(root: Path, step: int, *, keep_last: int = 10, world: int = 2) -> Path:
-    tmp = manifest.tmp_step_dir(root, step)
-    return manifest.commit(root, step, tmp, _write_ranks(tmp, step, float(step), world), {"layout": {"dp": world}},
+    tmp = tmp_step_dir(root, step)
+    return commit(root, step, tmp, _write_ranks(tmp, step, float(step), world), {"layout": {"dp": world}},
                            keep_last=keep_last)
 
 
@@ -45,48 +47,48 @@ def _value(step_dir: Path) -> float:
 
 
 def test_commit_renames_tmp_writes_manifest_and_moves_latest(tmp_path: Path) -> None:
-    tmp = manifest.tmp_step_dir(tmp_path, 7)
+    tmp = tmp_step_dir(tmp_path, 7)
     assert tmp.name.startswith("step_00000007.tmp-") and tmp.is_dir()
     acks = _write_ranks(tmp, 7, 1.0)
     assert manifest.committed_steps(tmp_path) == []  # files without a manifest are no checkpoint
-    final = manifest.commit(tmp_path, 7, tmp, acks, {"layout": {"dp": 2}, "config_hash": "abc"})
+    final = commit(tmp_path, 7, tmp, acks, {"layout": {"dp": 2}, "config_hash": "abc"})
     assert final == tmp_path / "step_00000007" and not tmp.exists()
     assert manifest.committed_steps(tmp_path) == [7] and manifest.read_latest(tmp_path) == 7
     m = manifest.read_manifest(final)
     assert m.step == 7 and m.layout == {"dp": 2} and m.config_hash == "abc"
     assert [(f.name, f.rank, f.size_bytes) for f in m.files] == [
-        (a["file"], a["rank"], (final / a["file"]).stat().st_size) for a in acks]
+        (a.file, a.rank, (final / a.file).stat().st_size) for a in acks]
     assert [s.file for s in m.tensors["w"].slices] == ["rank_00000.h5", "rank_00001.h5"]
     assert manifest.verify(final) == [] and manifest.latest_valid(tmp_path) == final
 
 
 @pytest.mark.parametrize("damage", ["missing_rank", "size", "missing_file", "overlap", "gap", "wrong_name", "outside"])
 def test_commit_refuses_bad_acks_and_commits_nothing(tmp_path: Path, damage: str) -> None:
-    tmp = manifest.tmp_step_dir(tmp_path, 1)
+    tmp = tmp_step_dir(tmp_path, 1)
     acks = _write_ranks(tmp, 1, 1.0)
     world = 2
     if damage == "missing_rank":
         acks, pattern = acks[:1], r"acks missing from ranks \[1\]"
     elif damage == "size":
-        acks[1]["size_bytes"] += 1
+        acks[1] = replace(acks[1], size_bytes=acks[1].size_bytes + 1)
         pattern = "rank_00001.h5: acked .* bytes but holds"
     elif damage == "missing_file":
         (tmp / "rank_00001.h5").unlink()
         pattern = "rank_00001.h5: acked by rank 1 but missing"
     elif damage == "overlap":
-        acks[1]["slices"][0]["offset"] = [2, 0]
+        acks[1] = replace(acks[1], slices=(replace(acks[1].slices[0], offset=(2, 0)),))
         pattern = "'w': slices overlap"
     elif damage == "gap":
-        acks[1]["slices"][0]["shape"] = [2, 64]
+        acks[1] = replace(acks[1], slices=(replace(acks[1].slices[0], shape=(2, 64)),))
         pattern = "'w': slices do not cover"
     elif damage == "outside":
-        acks[1]["slices"][0]["offset"] = [6, 0]
+        acks[1] = replace(acks[1], slices=(replace(acks[1].slices[0], offset=(6, 0)),))
         pattern = "rank 1 acked a bad slice .*outside"
     else:
-        acks[1]["file"] = "rank_00000.h5"
+        acks[1] = replace(acks[1], file="rank_00000.h5")
         pattern = "rank 1 acked file 'rank_00000.h5'"
     with pytest.raises(CheckpointError, match=pattern):
-        manifest.commit(tmp_path, 1, tmp, acks, {}, world_size=world)
+        commit(tmp_path, 1, tmp, acks, {}, world_size=world)
     assert manifest.committed_steps(tmp_path) == [] and manifest.read_latest(tmp_path) is None
     assert not (tmp / "manifest.json").exists()
 
@@ -129,19 +131,19 @@ def test_bad_manifest_is_a_one_line_checkpoint_error_naming_the_file(tmp_path: P
 
 def test_uncommitted_folders_are_never_loaded_and_are_cleaned(tmp_path: Path) -> None:
     good = _save(tmp_path, 1)
-    stale = manifest.tmp_step_dir(tmp_path, 2)  # a save that crashed before its commit
+    stale = tmp_step_dir(tmp_path, 2)  # a save that crashed before its commit
     _write_ranks(stale, 2, 2.0)
     no_manifest = tmp_path / "step_00000003"  # a final name without a manifest
     no_manifest.mkdir()
     _write_ranks(no_manifest, 3, 3.0)
-    in_flight = manifest.tmp_step_dir(tmp_path, 9)  # a newer save still being written
+    in_flight = tmp_step_dir(tmp_path, 9)  # a newer save still being written
     assert manifest.committed_steps(tmp_path) == [1]
     assert manifest.latest_valid(tmp_path) == good
     listing = {(e.step, e.committed) for e in manifest.list_checkpoints(tmp_path)}
     assert listing == {(1, True), (2, False), (3, False), (9, False)}
     _save(tmp_path, 4)
     assert not stale.exists() and not no_manifest.exists() and in_flight.exists()
-    assert manifest.remove_uncommitted(tmp_path) == [in_flight] and not in_flight.exists()
+    assert remove_uncommitted(tmp_path) == [in_flight] and not in_flight.exists()
     assert manifest.committed_steps(tmp_path) == [1, 4]
 
 
@@ -156,18 +158,18 @@ def test_retention_never_deletes_the_only_good_checkpoint(tmp_path: Path) -> Non
     good = _save(tmp_path, 1)
     for step in (2, 3):
         os.truncate(_save(tmp_path, step) / "rank_00000.h5", 10)
-    assert manifest.retain(tmp_path, 2) == []  # both kept ones are bad: the older good one stays
+    assert retain(tmp_path, 2) == []  # both kept ones are bad: the older good one stays
     assert manifest.committed_steps(tmp_path) == [1, 2, 3] and manifest.latest_valid(tmp_path) == good
     _save(tmp_path, 4, keep_last=2)  # a good newer one exists again: now the old ones may go
     assert manifest.committed_steps(tmp_path) == [3, 4]
     with pytest.raises(ValueError):
-        manifest.retain(tmp_path, 0)
+        retain(tmp_path, 0)
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
     _save(tmp_path, 5)
-    tmp = manifest.tmp_step_dir(tmp_path, 5)
-    final = manifest.commit(tmp_path, 5, tmp, _write_ranks(tmp, 5, 50.0), {})
+    tmp = tmp_step_dir(tmp_path, 5)
+    final = commit(tmp_path, 5, tmp, _write_ranks(tmp, 5, 50.0), {})
     assert _value(final) == 50.0 and manifest.committed_steps(tmp_path) == [5]
     assert [p.name for p in tmp_path.iterdir() if p.name != "latest"] == ["step_00000005"]
 
@@ -213,17 +215,18 @@ _CHILD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from core.checkpoint import manifest
+    from core.checkpoint.commit import commit, tmp_step_dir
     from core.checkpoint.hdf5 import write_shard
     from core.checkpoint.spec import TensorSlice
     root = Path(sys.argv[1])
-    tmp = manifest.tmp_step_dir(root, 2)
+    tmp = tmp_step_dir(root, 2)
     big = np.ones(32 << 20, np.float32)  # 128 MiB per rank, 8 ranks: long enough to be caught mid-write
     acks = []
     for r in range(8):
         s = TensorSlice(name="big", global_shape=(8 * big.size,), offset=(r * big.size,), shape=big.shape,
                         dtype="float32")
         acks.append(write_shard(tmp / manifest.rank_file_name(r), [(s, big)], {}, {"step": 2, "rank": r}))
-    manifest.commit(root, 2, tmp, acks, {})
+    commit(root, 2, tmp, acks, {})
 """)
 
 

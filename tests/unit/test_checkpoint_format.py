@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from core.checkpoint import manifest
 from core.checkpoint.async_writer import AsyncWriter
+from core.checkpoint.commit import commit, tmp_step_dir
 from core.checkpoint.hdf5 import CheckpointReader, ShardReader, write_shard
 from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
@@ -23,7 +24,7 @@ def _grid_save(root: Path, step: int, tensors: dict[str, np.ndarray], grid: tupl
                blobs_of: dict[int, dict] | None = None) -> Path:
     """Commit ``tensors`` (2-D) split over a ``grid`` of ranks, rank r holding block (r // cols, r % cols)."""
     rows, cols = grid
-    tmp = manifest.tmp_step_dir(root, step)
+    tmp = tmp_step_dir(root, step)
     acks = []
     for r in range(rows * cols):
         items = []
@@ -36,7 +37,7 @@ def _grid_save(root: Path, step: int, tensors: dict[str, np.ndarray], grid: tupl
         blobs = (blobs_of or {}).get(r, {"rank": r})
         acks.append(write_shard(tmp / manifest.rank_file_name(r), items, blobs,
                                 {"step": step, "rank": r, "layout": {"tp": cols, "pp": rows}, "config_hash": "c0"}))
-    return manifest.commit(root, step, tmp, acks, {"layout": {"tp": cols, "pp": rows}, "config_hash": "c0"})
+    return commit(root, step, tmp, acks, {"layout": {"tp": cols, "pp": rows}, "config_hash": "c0"})
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -91,7 +92,7 @@ def test_shard_is_contiguous_datasets_with_global_attrs(tmp_path: Path) -> None:
     ack = write_shard(path, [(s, np.full((3, 4), 2.0, np.float32))], {"k": 1},
                       {"step": 7, "rank": 2, "layout": {"tp": 2}, "config_hash": "h"})
     with h5py.File(path, "r") as f:
-        ds = f[ack["slices"][0]["dataset"]]
+        ds = f[ack.slices[0].dataset]
         assert ds.chunks is None and ds.compression is None
         assert ds.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
         assert ds.attrs["name"].decode() == s.name and list(ds.attrs["global_shape"]) == [6, 4]
@@ -100,7 +101,7 @@ def test_shard_is_contiguous_datasets_with_global_attrs(tmp_path: Path) -> None:
     with ShardReader(path) as shard:
         assert shard.slices() == {"tensor_00000": s}
         assert shard.attrs == {"step": 7, "rank": 2, "layout": {"tp": 2}, "config_hash": "h"}
-    assert ack["rank"] == 2 and ack["file"] == "rank_00002.h5" and ack["size_bytes"] == path.stat().st_size
+    assert ack.rank == 2 and ack.file == "rank_00002.h5" and ack.size_bytes == path.stat().st_size
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int8", "int64", "uint16", "bool"])
@@ -110,7 +111,7 @@ def test_ack_checksum_is_the_checksum_of_the_file_bytes(tmp_path: Path, dtype: s
     items = [(TensorSlice(name=f"t{i}", global_shape=shape, offset=(0,) * len(shape), shape=shape, dtype=dtype),
               (rng.standard_normal(shape) * 50).astype(dtype)) for i, shape in enumerate(shapes)]
     ack = write_shard(tmp_path / "rank_00000.h5", items, {}, {"step": 0})
-    assert ack["checksum"] == manifest.file_checksum(tmp_path / "rank_00000.h5")
+    assert ack.checksum == manifest.file_checksum(tmp_path / "rank_00000.h5")
     with ShardReader(tmp_path / "rank_00000.h5") as shard:
         for (item, array), (dataset, stored) in zip(items, shard.slices().items(), strict=True):
             out = np.empty(item.shape, dtype)
@@ -173,7 +174,7 @@ def test_async_save_writes_the_same_file_as_a_sync_save(tmp_path: Path) -> None:
     with ShardReader(tmp_path / "async2" / "rank_00000.h5") as shard:
         out = np.empty((64, 32), np.float32)
         shard.read_into("tensor_00000", (slice(0, 64), slice(0, 32)), out, (slice(0, 64), slice(0, 32)))
-        assert np.array_equal(out, expected[0][1] + 1.0) and second["checksum"] != async_ack["checksum"]
+        assert np.array_equal(out, expected[0][1] + 1.0) and second.checksum != async_ack.checksum
 
 
 def test_async_save_of_private_copies_writes_them_without_another_copy(tmp_path: Path) -> None:
@@ -207,7 +208,7 @@ def test_async_background_failure_surfaces_from_result_and_never_acks(tmp_path: 
         handle.result(timeout=0)
     ok = writer.submit(tmp_path / "rank_00000.h5", _state(4), {}, {"step": 1, "rank": 0}).result(timeout=30)
     writer.close()
-    assert ok["size_bytes"] == (tmp_path / "rank_00000.h5").stat().st_size
+    assert ok.size_bytes == (tmp_path / "rank_00000.h5").stat().st_size
 
 
 def test_async_submit_rejects_blobs_that_are_not_json_on_the_callers_thread(tmp_path: Path) -> None:

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from core.controller.group import Peer, _diagnose
+from core.controller.diagnose import diagnose
 
 
-def _peer(pid: int) -> Peer:
-    return Peer(rank=0, identity=b"w0", host=socket.gethostname(), node="local", pid=pid, last_seen=0.0)
+def _here(pid: int, settle_s: float = 0.0) -> str:
+    return diagnose(socket.gethostname(), pid, settle_s=settle_s)
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def child():
 
 def test_a_living_process_is_called_hung(child) -> None:
     p = child()
-    assert _diagnose(_peer(p.pid)) == "process alive but unresponsive (hung)"
+    assert _here(p.pid) == "process alive but unresponsive (hung)"
 
 
 def test_a_stopped_process_is_called_stopped(child) -> None:
@@ -43,7 +43,7 @@ def test_a_stopped_process_is_called_stopped(child) -> None:
     os.kill(p.pid, signal.SIGSTOP)
     try:
         # SIGSTOP is delivered asynchronously; settle_s waits for the state to show it
-        assert _diagnose(_peer(p.pid), settle_s=5.0) == "process stopped (SIGSTOP)"
+        assert _here(p.pid, settle_s=5.0) == "process stopped (SIGSTOP)"
     finally:
         os.kill(p.pid, signal.SIGCONT)
 
@@ -52,16 +52,15 @@ def test_a_killed_process_is_called_exited_also_before_it_is_reaped(child) -> No
     p = child()
     os.kill(p.pid, signal.SIGKILL)
     # not waited for: a zombie (or a process still tearing down) must read as exited
-    assert _diagnose(_peer(p.pid), settle_s=5.0) == "process exited"
+    assert _here(p.pid, settle_s=5.0) == "process exited"
 
 
 def test_a_pid_that_is_gone_is_called_exited(child) -> None:
     p = child()
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=10)
-    assert _diagnose(_peer(p.pid)) == "process exited"
+    assert _here(p.pid) == "process exited"
 
 
 def test_a_worker_on_another_host_is_not_guessed_at() -> None:
-    peer = Peer(rank=0, identity=b"w0", host="elsewhere.invalid", node="n1", pid=1, last_seen=0.0)
-    assert _diagnose(peer) == "exited or hung"
+    assert diagnose("elsewhere.invalid", 1) == "exited or hung"

@@ -5,23 +5,28 @@ import argparse
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from core.errors import UserError
+from core.record import steps
+from core.record.runfolder import RunFolder
+from core.record.state import Coords, RankInfo, RunRecord, RunState, Status
+from core.record.steps import StepRecord
 from launcher import cmd_doctor, doctor
 
 WORLD = 4
-STATE = {
-    "status": "completed", "step": 40, "total_steps": 40,
-    "ranks": [{"rank": r, "node": f"node{1 + r // 2}", "host": f"host{1 + r // 2}", "pid": 100 + r,
-               "coords": {"tp": 0, "pp": 0, "dp": r}} for r in range(WORLD)],
-}
+STATE = RunState(
+    status=Status.COMPLETED, step=40, total_steps=40,
+    ranks=tuple(RankInfo(rank=r, node=f"node{1 + r // 2}", host=f"host{1 + r // 2}", pid=100 + r,
+                         coords=Coords(tp=0, pp=0, dp=r)) for r in range(WORLD)),
+)
 
 
-def _records(n: int = 40, *, seed: int = 0, **per_step: Any) -> list[dict[str, Any]]:
+def _records(n: int = 40, *, seed: int = 0, **per_step: Any) -> list[StepRecord]:
     """A healthy run: ~100 ms steps with a little jitter, steady memory, short data waits.
 
     ``per_step`` values are callables (step, rng) -> field value that replace or add a field.
@@ -39,7 +44,7 @@ def _records(n: int = 40, *, seed: int = 0, **per_step: Any) -> list[dict[str, A
         }
         for key, fn in per_step.items():
             rec[key] = fn(step, rng)
-        out.append(rec)
+        out.append(steps.from_data(rec, f"step {step}"))
     return out
 
 
@@ -99,14 +104,14 @@ def test_memory_swinging_step_to_step_is_found_but_a_different_stage_is_not() ->
     swing = _records(cuda_peak_mb=lambda s, rng: [8000.0 + (4000.0 if s % 2 else 0.0)] * WORLD)
     assert _titles(doctor.diagnose(swing, STATE)) == ["memory varies strongly across ranks or steps"]
     # Two pipeline stages holding different layers differ in memory by design.
-    staged = {**STATE, "ranks": [{**e, "coords": {"tp": 0, "pp": e["rank"] // 2, "dp": e["rank"] % 2}}
-                                 for e in STATE["ranks"]]}
+    staged = replace(STATE, ranks=tuple(replace(e, coords=Coords(tp=0, pp=e.rank // 2, dp=e.rank % 2))
+                                        for e in STATE.ranks))
     by_stage = _records(cuda_peak_mb=lambda s, rng: [12_000.0, 12_000.0, 6_000.0, 6_000.0])
     assert doctor.diagnose(by_stage, staged) == []
 
 
 def test_failed_run_is_an_error_finding_listed_first() -> None:
-    state = {**STATE, "status": "failed", "step": 12, "reason": "lost 1 worker(s): rank 2 ..."}
+    state = replace(STATE, status=Status.FAILED, step=12, reason="lost 1 worker(s): rank 2 ...")
     slow = _records(grad_sync_s=lambda s, rng: [0.9] * WORLD)
     findings = doctor.diagnose(slow, state)
     assert [f.severity for f in findings] == ["error", "warning"]
@@ -114,22 +119,24 @@ def test_failed_run_is_an_error_finding_listed_first() -> None:
 
 
 def test_records_without_optional_fields_trigger_nothing() -> None:
-    bare = [{"step": s, "loss": 1.0, "step_time_s": 0.01} for s in range(30)]
-    assert doctor.diagnose(bare, {}) == []
-    assert doctor.diagnose([], {}) == []
+    bare = [StepRecord(step=s, loss=1.0, step_time_s=0.01) for s in range(30)]
+    assert doctor.diagnose(bare, RunState()) == []
+    assert doctor.diagnose([], RunState()) == []
 
 
-def test_read_records_skips_a_half_written_last_line(tmp_path: Path) -> None:
+def test_the_records_read_skip_a_half_written_last_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 1}) + "\n" + '{"step": 2, "lo')
-    assert [r["step"] for r in doctor.read_records(path)] == [0, 1]
-    assert doctor.read_records(tmp_path / "absent.jsonl") == []
+    path.write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n" + json.dumps({"step": 1, "loss": 1.0}) + "\n"
+                    + '{"step": 2, "lo')
+    assert [r.step for r in steps.read(path)] == [0, 1]
+    assert steps.read(tmp_path / "absent.jsonl") == []
 
 
-def _run_folder(tmp_path: Path, records: list[dict[str, Any]], state: dict[str, Any]) -> Path:
+def _run_folder(tmp_path: Path, records: list[StepRecord], state: RunState) -> Path:
     (tmp_path / "config.yaml").write_text("name: t\n")
-    (tmp_path / "state.json").write_text(json.dumps(state))
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    RunRecord(RunFolder(tmp_path)).create(state)
+    for r in records:
+        steps.append(tmp_path / "metrics.jsonl", r)
     return tmp_path
 
 
@@ -147,7 +154,7 @@ def test_command_exits_0_on_warnings_and_1_on_a_failed_run(tmp_path: Path, capsy
     assert _doctor(str(_run_folder(tmp_path / "a", slow, STATE))) == 0
     assert "[warning] data loading is the bottleneck" in capsys.readouterr().out
     (tmp_path / "b").mkdir()
-    assert _doctor(str(_run_folder(tmp_path / "b", _records(), {**STATE, "status": "failed"})), "--json") == 1
+    assert _doctor(str(_run_folder(tmp_path / "b", _records(), replace(STATE, status=Status.FAILED))), "--json") == 1
     assert [f["severity"] for f in json.loads(capsys.readouterr().out)] == ["error"]
     with pytest.raises(UserError, match="not a Baton run folder"):
         _doctor(str(tmp_path / "nowhere"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +13,19 @@ import pytest
 from core.controller.metrics import Metrics
 from core.errors import UserError
 from core.record.runfolder import RunFolder
+from core.record.steps import StepRecord
 from tests.helpers import scrape
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "grafana" / "baton-dashboard.json"
 
 
-def _record(step: int, **extra: Any) -> dict[str, Any]:
-    return {
+def _record(step: int, **extra: Any) -> StepRecord:
+    return StepRecord(**{
         "step": step, "loss": 2.0 - 0.1 * step, "grad_norm": 0.5, "lr": 1e-3, "tokens": 1024,
-        "tokens_per_s": 5000.0, "step_time_s": 0.2, "rank_step_time_s": [0.1, 0.1, 0.3, 0.1],
-        "rss_mb": [100.0, 110.0, 120.0, 130.0], "time": 1.7e9 + step, **extra,
-    }
+        "tokens_per_s": 5000.0, "step_time_s": 0.2, "rank_step_time_s": (0.1, 0.1, 0.3, 0.1),
+        "rss_mb": (100.0, 110.0, 120.0, 130.0), "time": 1.7e9 + step, **extra,
+    })
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def test_start_on_port_zero_publishes_a_reachable_address(served) -> None:
 def test_step_record_becomes_gauges_with_the_values_fed(served) -> None:
     m, _, address = served
     for step in range(3):
-        m.observe_step(_record(step, cuda_peak_mb=[1000.0, 1000.0, 2000.0, 1000.0], data_wait_s=[0.01, 0.02, 0.0, 0.05]))
+        m.observe_step(_record(step, cuda_peak_mb=(1000.0, 1000.0, 2000.0, 1000.0), data_wait_s=(0.01, 0.02, 0.0, 0.05)))
     got = scrape(address)
     assert got["baton_step"][0].value == 3
     assert got["baton_loss"][0].value == pytest.approx(1.8)
@@ -69,7 +71,7 @@ def test_step_record_becomes_gauges_with_the_values_fed(served) -> None:
 def test_step_time_histogram_counts_every_step_into_its_bucket(served) -> None:
     m, _, address = served
     for step, wall in enumerate([0.003, 0.2, 0.2, 7.0]):
-        m.observe_step(_record(step) | {"step_time_s": wall})
+        m.observe_step(replace(_record(step), step_time_s=wall))
     got = scrape(address)
     assert got["baton_step_time_seconds_count"][0].value == 4
     assert got["baton_step_time_seconds_sum"][0].value == pytest.approx(7.403)
@@ -79,12 +81,25 @@ def test_step_time_histogram_counts_every_step_into_its_bucket(served) -> None:
 
 def test_optional_fields_absent_leave_their_series_empty(served) -> None:
     m, _, address = served
-    m.observe_step({"step": 0, "loss": 1.0, "grad_norm": None, "rank_step_time_s": [0.0, 0.0], "rss_mb": [0.0, 0.0]})
+    m.observe_step(StepRecord(step=0, loss=1.0, grad_norm=None, rank_step_time_s=(0.0, 0.0), rss_mb=(0.0, 0.0)))
     got = scrape(address)
     assert "baton_rank_cuda_peak_bytes" not in got and "baton_rank_data_wait_seconds" not in got
     assert "baton_rank_rss_bytes" not in got  # 0 MiB means "not measured"
     assert _by_rank(got["baton_straggler_score"]) == {"0": 1.0, "1": 1.0}  # no timing: nobody straggles
     assert got["baton_grad_norm"][0].value == 0.0  # untouched, not crashed on None
+
+
+def test_nan_and_infinite_values_neither_raise_nor_spoil_the_other_ranks(served) -> None:
+    m, _, address = served
+    nan = float("nan")
+    m.observe_step(StepRecord(step=0, loss=nan, grad_norm=float("inf"), step_time_s=nan,
+                              rank_step_time_s=(0.1, nan, 0.1, 0.3), rss_mb=(nan, 100.0)))
+    got = scrape(address)
+    assert got["baton_loss"][0].value != got["baton_loss"][0].value  # NaN, as recorded
+    assert got["baton_step_time_seconds_count"][0].value == 0  # a NaN wall is no observation
+    scores = _by_rank(got["baton_straggler_score"])
+    assert (scores["0"], scores["2"], scores["3"]) == pytest.approx((1.0, 1.0, 3.0))  # median of the finite times
+    assert _by_rank(got["baton_rank_rss_bytes"])["1"] == 100 * 2**20
 
 
 def test_heartbeat_dispatch_checkpoint_restarts_and_goodput(served) -> None:
@@ -145,7 +160,7 @@ def _dashboard_names() -> set[str]:
 
 def test_every_metric_the_dashboard_queries_is_exposed(served) -> None:
     m, _, address = served
-    m.observe_step(_record(0, cuda_peak_mb=[1.0] * 4, data_wait_s=[0.1] * 4, grad_sync_s=[0.2] * 4))
+    m.observe_step(_record(0, cuda_peak_mb=(1.0,) * 4, data_wait_s=(0.1,) * 4, grad_sync_s=(0.2,) * 4))
     m.observe_heartbeat_lag(0, 0.1)
     m.observe_dispatch("train_step", 0.001)
     m.observe_checkpoint(1.0, 10**9)

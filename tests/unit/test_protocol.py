@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from core.errors import ProtocolError
 from core.wire import protocol as p
 
+V = p.PROTOCOL_VERSION
+
 EXAMPLES = [
     p.Register(rank_hint=3, host="h", node="node2", pid=12, rendezvous_port=29500),
     p.Welcome(rank=3, world_size=8, heartbeat_interval_s=0.25, controller_lost_s=10.0, master_addr="h", master_port=1),
@@ -48,28 +50,28 @@ def test_arrays_travel_as_separate_zero_copy_frames() -> None:
 
 def test_version_mismatch_names_both_versions() -> None:
     header = msgpack.packb([99, "heartbeat", 0, 0, {"seq": 1}])
-    with pytest.raises(ProtocolError, match=r"peer speaks 99, this side speaks 2"):
+    with pytest.raises(ProtocolError, match=rf"peer speaks 99, this side speaks {p.PROTOCOL_VERSION}"):
         p.decode([header])
 
 
 def test_a_protocol_1_peer_is_told_both_versions() -> None:
     """Protocol 1 sent its header as a map: such a peer still learns what we speak."""
     header = msgpack.packb({"v": 1, "k": "heartbeat", "id": 0, "e": 0, "p": {"seq": 1}})
-    with pytest.raises(ProtocolError, match=r"peer speaks 1, this side speaks 2"):
+    with pytest.raises(ProtocolError, match=rf"peer speaks 1, this side speaks {p.PROTOCOL_VERSION}"):
         p.decode([header])
 
 
 @pytest.mark.parametrize(
     "header, fragment",
     [
-        ([2, "nope", 0, 0, {}], "unknown message kind"),
-        ([2, ["call"], 0, 0, {}], "unknown message kind"),
-        ([2, "call", 0, 0, {}], "missing field 'method'"),
-        ([2, "call", 0, 0, {"method": 3}], "wrong type"),
-        ([2, "call", "x", 0, {"method": "m"}], "request id"),
-        ([2, "call", 0, 1.5, {"method": "m"}], "epoch"),
-        ([2, "call", 0, 0, ["m"]], "payload is not a map"),
-        ([2, "call", 0, 0, {"method": "m", "evil": 1}], "unknown fields"),
+        ([V, "nope", 0, 0, {}], "unknown message kind"),
+        ([V, ["call"], 0, 0, {}], "unknown message kind"),
+        ([V, "call", 0, 0, {}], "missing field 'method'"),
+        ([V, "call", 0, 0, {"method": 3}], "wrong type"),
+        ([V, "call", "x", 0, {"method": "m"}], "request id"),
+        ([V, "call", 0, 1.5, {"method": "m"}], "epoch"),
+        ([V, "call", 0, 0, ["m"]], "payload is not a map"),
+        ([V, "call", 0, 0, {"method": "m", "evil": 1}], "unknown fields"),
         ([1, 2, 3], "not a 5-item array"),
         ({"k": "call"}, "not a 5-item array"),
     ],
@@ -81,7 +83,7 @@ def test_malformed_headers_are_protocol_errors(header: object, fragment: str) ->
 
 def test_array_header_pointing_past_the_frames_is_refused() -> None:
     ext = msgpack.ExtType(1, msgpack.packb([5, "<f4", [2]]))
-    header = msgpack.packb([2, "result", 0, 0, {"value": ext}])
+    header = msgpack.packb([V, "result", 0, 0, {"value": ext}])
     with pytest.raises(ProtocolError, match="frame index"):
         p.decode([header])
 
@@ -125,7 +127,7 @@ _values = st.recursive(
     max_leaves=8,
 )
 _headers = st.tuples(
-    st.sampled_from([2, 1, 2.0, True, "2"]),
+    st.sampled_from([V, 1, float(V), True, str(V)]),
     st.sampled_from(["call", "result", "heartbeat", 3]),
     st.integers(0, 2**40) | st.text(max_size=2) | st.none(),
     st.integers(0, 9) | st.floats(allow_nan=False),

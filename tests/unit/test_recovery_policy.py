@@ -1,4 +1,5 @@
-"""core.controller.recovery.decide / deterministic and core.supervisor.contract's budget and contract: pure functions."""
+"""core.controller.recovery.decide / deterministic, the retry budget (core.record.state) and
+core.supervisor.contract: pure functions, and the contract on a real run record."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +8,10 @@ import pytest
 
 from core.controller.recovery import Failure, decide, deterministic, signature
 from core.errors import RemoteError
+from core.record import events as ev
 from core.record.runfolder import RunFolder
-from core.supervisor.contract import Budget, WorkerRequest, after_controller, read_request, request_workers
+from core.record.state import Budget, RunRecord, RunState, Status, state_from_data, state_to_data
+from core.supervisor.contract import WorkerRequest, after_controller, read_request, request_workers
 
 
 def _failure(node: str = "n1", step: int = 10) -> Failure:
@@ -61,19 +64,18 @@ def test_the_budget_is_forgiven_once_a_newer_checkpoint_commits() -> None:
 
 def test_the_budget_round_trips_through_state() -> None:
     b = Budget(retries=2, node_failures={"n1": 2}, exclude=("n1",), last_failure_step=7)
-    state: dict[str, object] = {}
-    b.store(state)
-    assert Budget.of(state) == b and Budget.of({}) == Budget()
+    assert state_from_data(state_to_data(RunState(recovery=b)), "state.json").recovery == b
+    assert state_from_data(state_to_data(RunState()), "state.json").recovery == Budget()
 
 
-def _remote(rank: int = 1, exc_type: str = "RuntimeError", same: bool = False) -> RemoteError:
+def _remote(rank: int = 1, exc_type: str = "RuntimeError", same: bool = False, user: bool = False) -> RemoteError:
     return RemoteError("boom", rank=rank, exc_type=exc_type, remote_traceback="", method="train_step",
-                       same_on_all_ranks=same)
+                       same_on_all_ranks=same, user_error=user)
 
 
 @pytest.mark.parametrize(("exc", "previous", "final"), [
     (_remote(same=True), (), True),                                      # every rank: a bug
-    (_remote(exc_type="ConfigError"), (), True),                         # a user error
+    (_remote(exc_type="ConfigError", user=True), (), True),              # a user error (the worker flags it)
     (_remote(), (), False),                                              # one rank: maybe its node
     (_remote(), (1, "RuntimeError", "train_step", 10), True),            # the same again at step 10
     (_remote(), (1, "RuntimeError", "train_step", 9), False),            # another step
@@ -86,26 +88,28 @@ def test_deterministic_remote_errors_are_not_retried(exc: RemoteError, previous:
 def _run(tmp_path: Path, status: str) -> RunFolder:
     run = RunFolder(tmp_path)
     (tmp_path / "logs").mkdir(exist_ok=True)
-    run.write_state({"status": status, "step": 40, "epoch": 0, "history": []})
+    RunRecord(run).create(RunState(status=Status(status), step=40, epoch=0))
     return run
 
 
 def test_a_controller_that_died_is_requeued_within_the_budget_then_failed(tmp_path: Path) -> None:
     run = _run(tmp_path, "running")
-    assert after_controller(run, -9, max_retries=1, committed_step=None) == "requeue"
-    state = run.read_state()
-    assert state["status"] == "requeued" and state["recovery"]["retries"] == 1
-    assert [e["event"] for e in state["history"]] == ["controller_died", "requeued"]
-    run.write_state({**state, "status": "running"})
-    assert after_controller(run, -9, max_retries=1, committed_step=None) == "stop"
-    state = run.read_state()
-    assert state["status"] == "failed" and "the controller died (signal 9)" in state["reason"]
+    record = RunRecord(run)
+    assert after_controller(run, -9, max_retries=1, committed_step=None) is Status.REQUEUED
+    state = record.read()
+    assert state.status is Status.REQUEUED and state.recovery.retries == 1
+    assert [ev.kind_of(e) for e in record.events()] == ["controller_died", "requeued"]
+    with record.update() as s:
+        s.status = Status.RUNNING
+    assert after_controller(run, -9, max_retries=1, committed_step=None) is Status.FAILED
+    state = record.read()
+    assert state.status is Status.FAILED and "the controller died (signal 9)" in state.reason
 
 
-@pytest.mark.parametrize(("status", "decision"), [("requeued", "requeue"), ("completed", "stop"),
-                                                  ("failed", "stop"), ("stopped", "stop")])
-def test_a_controller_that_had_its_last_word_is_followed(tmp_path: Path, status: str, decision: str) -> None:
-    assert after_controller(_run(tmp_path, status), 0, max_retries=3, committed_step=None) == decision
+@pytest.mark.parametrize(("status", "decision"), [("requeued", Status.REQUEUED), ("completed", Status.COMPLETED),
+                                                  ("failed", Status.FAILED), ("stopped", Status.STOPPED)])
+def test_a_controller_that_had_its_last_word_is_followed(tmp_path: Path, status: str, decision: Status) -> None:
+    assert after_controller(_run(tmp_path, status), 0, max_retries=3, committed_step=None) is decision
 
 
 def test_worker_requests_round_trip(tmp_path: Path) -> None:

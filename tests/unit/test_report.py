@@ -6,11 +6,14 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from core.errors import UserError
+from core.record import steps
+from core.record.runfolder import RunFolder
+from core.record.state import RunRecord, RunState, Status
+from core.record.steps import StepRecord
 from launcher import cmd_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -21,19 +24,17 @@ needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is 
 def _run_folder(path: Path, *, n: int = 30, lr: float = 0.1, world: int = 4, requeued_at: int | None = None) -> Path:
     path.mkdir(parents=True)
     (path / "config.yaml").write_text("name: t\n")
-    (path / "state.json").write_text(json.dumps({"status": "completed", "step": n, "total_steps": n}))
-    steps: list[int] = list(range(n))
+    RunRecord(RunFolder(path)).create(RunState(status=Status.COMPLETED, step=n, total_steps=n))
+    (path / "metrics.jsonl").touch()
+    done: list[int] = list(range(n))
     if requeued_at is not None:  # a requeue from a checkpoint re-runs the steps after it
-        steps = list(range(n)) + list(range(requeued_at, n))
-    lines = []
-    for step in steps:
-        rec: dict[str, Any] = {
-            "step": step, "loss": 4.0 * (1 - lr) ** step + 0.01, "tokens_per_s": 1000.0 + step,
-            "step_time_s": 0.1, "rank_step_time_s": [0.09 + 0.001 * r for r in range(world)],
-            "rss_mb": [500.0 + r for r in range(world)], "time": 1.7e9 + step,
-        }
-        lines.append(json.dumps(rec) + "\n")
-    (path / "metrics.jsonl").write_text("".join(lines))
+        done = list(range(n)) + list(range(requeued_at, n))
+    for step in done:
+        steps.append(path / "metrics.jsonl", StepRecord(
+            step=step, loss=4.0 * (1 - lr) ** step + 0.01, tokens_per_s=1000.0 + step,
+            step_time_s=0.1, rank_step_time_s=tuple(0.09 + 0.001 * r for r in range(world)),
+            rss_mb=tuple(500.0 + r for r in range(world)), time=1.7e9 + step,
+        ))
     return path
 
 
@@ -96,8 +97,9 @@ def test_a_folder_of_several_runs_without_a_ledger_is_a_sweep(tmp_path: Path) ->
 
 
 def test_requeued_steps_are_plotted_once_with_the_last_record() -> None:
-    recs = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.0}, {"step": 1, "loss": 1.5}, {"step": 2, "loss": 1.0}]
-    assert [r["loss"] for r in cmd_report.by_step(recs)] == [3.0, 1.5, 1.0]
+    recs = [StepRecord(step=0, loss=3.0), StepRecord(step=1, loss=2.0), StepRecord(step=1, loss=1.5),
+            StepRecord(step=2, loss=1.0)]
+    assert [r.loss for r in cmd_report.by_step(recs)] == [3.0, 1.5, 1.0]
 
 
 def test_run_without_steps_is_a_one_line_user_error(tmp_path: Path) -> None:

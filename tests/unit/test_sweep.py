@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from core.errors import ConfigError, UserError
+from core.record.runfolder import RunFolder
+from core.record.state import RunRecord, RunState, SlurmInfo, Status
 from core.spec import config as config_mod
 from launcher import cli, cmd_sweep
 from launcher import ledger as ledger_mod
@@ -243,8 +245,8 @@ def test_refresh_reads_run_folders_and_survives_a_failing_slurm_lookup(tmp_path:
                                             state="queued") for e in led.points))
     run0 = tmp_path / "p0"
     run0.mkdir()
-    (run0 / "state.json").write_text(json.dumps({"status": "completed", "step": 4, "total_steps": 4,
-                                                 "last_loss": 0.5, "restarts": 1}))
+    RunRecord(RunFolder(run0)).create(RunState(status=Status.COMPLETED, step=4, total_steps=4, last_loss=0.5,
+                                               restarts=1))
     (run0 / "metrics.jsonl").write_text('{"step": 3, "loss": 0.5, "lr": 0.1}\n{"step": 4, "lo')  # partial line
 
     def broken(jobs: dict[str, Path]) -> dict[str, str]:
@@ -261,9 +263,26 @@ def test_refresh_reads_run_folders_and_survives_a_failing_slurm_lookup(tmp_path:
 def test_refresh_takes_the_job_id_the_run_folder_recorded_over_a_stale_ledger(tmp_path: Path) -> None:
     led = _ledger(1)
     led = replace(led, points=(replace(led.points[0], run_dir=str(tmp_path)),))  # interrupted before the ledger write
-    (tmp_path / "state.json").write_text(json.dumps({"status": "submitted", "slurm": {"job_id": "77"}}))
+    RunRecord(RunFolder(tmp_path)).create(RunState(status=Status.SUBMITTED, slurm=SlurmInfo(job_id="77")))
     (row,) = ledger_mod.refresh(led, lambda jobs: {"77": "RUNNING"} if "77" in jobs else {})
     assert (row.entry.job_id, row.entry.backend, row.state) == ("77", "slurm", "running")
+
+
+def test_refresh_reads_a_state_json_of_an_older_baton_and_survives_a_damaged_one(tmp_path: Path,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    led = _ledger(2)
+    led = replace(led, points=tuple(replace(e, run_dir=str(tmp_path / e.run_id)) for e in led.points))
+    for e in led.points:
+        Path(e.run_dir).mkdir()
+    (tmp_path / "p0" / "state.json").write_text(json.dumps({"status": "failed", "step": 2, "reason": "boom",
+                                                           "history": []}))  # version 1: untyped
+    (tmp_path / "p1" / "state.json").write_text('{"status": ')
+    (tmp_path / "p1" / "metrics.jsonl").write_text('{"step": 0, "loss": 2.0, "lr": 0.1}\n["not", "a record"]\n')
+    rows = ledger_mod.refresh(led, None)
+    assert [(r.state, r.step, r.total_steps, r.reason) for r in rows] == [("failed", 2, None, "boom"),
+                                                                          ("unsubmitted", 0, None, None)]
+    assert "state.json: not valid JSON" in caplog.text
+    assert rows[1].metrics == {"step": 0.0, "loss": 2.0, "lr": 0.1}  # the last line that is a record
 
 
 # --- status and results ---------------------------------------------------------------------

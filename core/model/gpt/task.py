@@ -1,67 +1,72 @@
 """``GPTTask``: one rank of a Megatron-core GPT run, served to the controller.
 
-The controller calls, in order: ``setup`` once (process group, Megatron's parallel state,
-model, optimizer, data), then ``train_step`` / ``eval_step`` with the step number, and
-``shutdown``. Every method returns msgpack-able values (floats, ints, strings, lists).
-``checkpoint_state`` / ``restore_state`` are not rpc methods: ``core.checkpoint.service`` wraps
-them into the checkpoint calls.
+The controller calls (core.wire.calls), in order: SETUP once (process group, Megatron's
+parallel state, model, optimizer, data), then TRAIN_STEP / EVAL_STEP with the step number;
+``close`` runs at shutdown. ``checkpoint_state`` / ``restore_state`` are not calls:
+``core.checkpoint.service`` wraps them into the checkpoint calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from core.checkpoint.spec import TensorSlice
+from core.errors import ConfigError, LayoutError
+from core.job.process import rss_mb
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
-from core.worker.runtime import rss_mb
+from core.spec.dims import Coords
+from core.spec.plan import resolve_micro_batch, static_bytes
+from core.wire import calls
+from core.wire.contract import Method
 from core.worker.task import WorkerContext
 
 log = logging.getLogger(__name__)
 
 
 class GPTTask:
-    """A Megatron-core GPT rank: the rpc methods the controller may call."""
+    """A Megatron-core GPT rank: the calls the controller may make."""
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
-        self.cfg: RunConfig | None = None
+        self.cfg: RunConfig = ctx.config
         self._step_ctx: Any = None  # core.model.gpt.step.StepContext once set up
         self._next_step = 0  # steps done: what a checkpoint taken now is "after"
         self._fence: Callable[[], None] = lambda: None  # core.checkpoint.service's, once bound
 
-    def rpc_table(self) -> Mapping[str, Callable[..., Any]]:
+    def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         return {
-            "setup": self.setup,
-            "train_step": self.train_step,
-            "eval_step": self.eval_step,
-            "load_global_weights": self.load_global_weights,
-            "save_global_weights": self.save_global_weights,
-            "shutdown": self.shutdown,
+            calls.SETUP: self.setup,
+            calls.TRAIN_STEP: self.train_step,
+            calls.EVAL_STEP: self.eval_step,
+            calls.LOAD_WEIGHTS: self.load_global_weights,
+            calls.SAVE_WEIGHTS: self.save_global_weights,
         }
 
-    # --- rpc ------------------------------------------------------------------------------
-    def setup(self, config: dict[str, Any], master_addr: str, master_port: int) -> dict[str, Any]:
-        """Join the group and build model, optimizer and data.
+    # --- calls ------------------------------------------------------------------------------
+    def setup(self, req: calls.Setup) -> calls.SetupInfo:
+        """Join the group and build model, optimizer and data; where this rank sits and what it holds."""
+        import torch  # torch and megatron: this module loads without them
+        from megatron.core.distributed import finalize_model_grads  # torch and megatron: this module loads without them
 
-        Returns ``{"coords": {"tp", "pp", "dp"}, "layers": [global layer indices],
-        "num_params": local parameter count, "device": "cpu" | "cuda"}``.
-        """
-        import torch
-        from megatron.core.distributed import finalize_model_grads
+        from core.model.gpt import data, model, optim  # torch and megatron: this module loads without them
+        from core.model.gpt.step import StepContext  # torch and megatron: this module loads without them
+        from core.parallel import cpu_shim  # torch and megatron: this module loads without them
+        from core.parallel.megatron import init_megatron  # torch and megatron: this module loads without them
 
-        from core.model.gpt import data, model, optim
-        from core.model.gpt.step import StepContext
-        from core.parallel import cpu_shim
-        from core.parallel.megatron import init_megatron
-
-        cfg = config_mod.from_data(config)
+        cfg = self.cfg
+        if req.config_hash and req.config_hash != config_mod.config_hash(cfg):
+            raise ConfigError(f"{self.ctx.run_dir / 'config.yaml'}: changed since the controller read it "
+                              f"(hash {config_mod.config_hash(cfg)}, controller {req.config_hash}); resume the run "
+                              "again with `baton submit --resume`")
         if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-            raise config_mod.ConfigError(
+            raise ConfigError(
                 f"trainer.device: 'cuda' but rank {self.ctx.rank} on {self.ctx.host} sees no GPU; "
                 "use trainer.device=auto or cpu"
             )
@@ -70,13 +75,13 @@ class GPTTask:
             cpu_shim.activate_if_needed()
         dims = cfg.dims
         if dims.world_size != self.ctx.world_size:
-            raise config_mod.LayoutError(
+            raise LayoutError(
                 f"config describes {dims.world_size} workers ({dims.describe()}) but this group "
                 f"has {self.ctx.world_size}"
             )
         init_megatron(
-            dims, rank=self.ctx.rank, world_size=self.ctx.world_size, master_addr=master_addr,
-            master_port=int(master_port), backend="nccl" if on_cuda else "gloo", seed=cfg.seed,
+            dims, rank=self.ctx.rank, world_size=self.ctx.world_size, master_addr=req.master_addr,
+            master_port=req.master_port, backend="nccl" if on_cuda else "gloo", seed=cfg.seed,
             timeout_s=cfg.timeouts.setup_s,
         )
         tconfig = model.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda)
@@ -90,59 +95,59 @@ class GPTTask:
         if tconfig.fp16:
             tconfig.grad_scale_func = optimizer.scale_loss
         coords = dims.coords(self.ctx.rank)
-        if cfg.training.micro_batch_size == "auto":
-            cfg = _with_auto_micro_batch(cfg, on_cuda=on_cuda)
+        if req.micro_batch_size is not None:
+            cfg = _with_micro_batch(cfg, req.micro_batch_size)
+        elif cfg.training.micro_batch_size == "auto":
+            cfg = _with_micro_batch(cfg, _auto_micro_batch(cfg, on_cuda=on_cuda))
         source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.cfg = cfg
         self._step_ctx = StepContext(cfg=cfg, model_chunks=chunks, optimizer=optimizer, source=source, device=device)
-        info = {
-            "coords": {"tp": coords.tp, "pp": coords.pp, "dp": coords.dp},
-            "layers": model.global_layer_indices(gpt),
-            "num_params": model.num_local_params(gpt),
-            "device": "cuda" if on_cuda else "cpu",
-        }
+        info = calls.SetupInfo(
+            coords=Coords(rank=self.ctx.rank, tp=coords.tp, pp=coords.pp, dp=coords.dp),
+            layers=tuple(model.global_layer_indices(gpt)), num_params=model.num_local_params(gpt),
+            device="cuda" if on_cuda else "cpu", micro_batch_size=int(cfg.training.micro_batch_size))
         log.info("rank %d set up: %s", self.ctx.rank, info)
         return info
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """One optimizer step. Every rank: ``step_time_s``, ``rss_mb``; loss owners also
-        ``loss``, ``grad_norm``, ``lr``, ``tokens`` (global tokens of the step)."""
-        from core.model.gpt.step import train_step
+    def train_step(self, req: calls.Step) -> calls.StepResult:
+        """One optimizer step on the global batch of ``req.step``."""
+        from core.model.gpt.step import train_step  # torch and megatron: this module loads without them
 
-        out = train_step(self._ready(), int(step), before_update=self._fence)
-        self._next_step = int(step) + 1
-        out["rss_mb"] = rss_mb()
-        return out
+        out = train_step(self._ready(), req.step, before_update=self._fence)
+        self._next_step = req.step + 1
+        return calls.StepResult(rss_mb=rss_mb(), **out)
 
-    def eval_step(self, step: int) -> dict[str, Any]:
-        """Forward only on the held-out batch of ``step``; ``loss`` on loss owners."""
-        from core.model.gpt.step import eval_step
+    def eval_step(self, req: calls.Step) -> calls.StepResult:
+        """Forward only on the held-out batch of ``req.step``; the loss on loss owners."""
+        from core.model.gpt.step import eval_step  # torch and megatron: this module loads without them
 
-        out = eval_step(self._ready(), int(step))
-        out["rss_mb"] = rss_mb()
-        return out
+        return calls.StepResult(rss_mb=rss_mb(), **eval_step(self._ready(), req.step))
 
-    def load_global_weights(self, path: str) -> None:
+    def load_global_weights(self, req: calls.WeightsFile) -> None:
         """Load this rank's slices of an .npz of full global tensors (global name → array)."""
-        from core.model.gpt.state import load_model_slices
+        from core.model.gpt.state import load_model_slices  # torch and megatron: this module loads without them
 
         self._fence()
-        with np.load(path) as arrays:
+        with np.load(req.path) as arrays:
             def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
                 return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
             load_model_slices(self._ready().model_chunks, read)
         self._resync_main_params()
 
-    def save_global_weights(self, path: str) -> None:
+    def save_global_weights(self, req: calls.WeightsFile) -> None:
         """Collective: global rank 0 writes every global weight, assembled, to ``path`` (.npz).
 
         Meant for tests and small models: all slices travel to rank 0 over the process group.
         """
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch and megatron: this module loads without them
 
-        from core.model.gpt.state import is_writer, sharded_params, slice_of
+        from core.model.gpt.state import (  # torch and megatron: this module loads without them
+            is_writer,
+            sharded_params,
+            slice_of,
+        )
 
         mine = [(slice_of(sh), p.detach().float().cpu().numpy()) for sh, p in
                 sharded_params(self._ready().model_chunks) if is_writer(sh)]
@@ -150,13 +155,13 @@ class GPTTask:
         dist.gather_object(mine, gathered if self.ctx.rank == 0 else None, dst=0)
         if self.ctx.rank == 0:
             arrays = assemble([item for part in gathered for item in part])
-            tmp = Path(f"{path}.tmp.npz")
+            tmp = Path(f"{req.path}.tmp.npz")
             np.savez(tmp, **arrays)
-            tmp.replace(path)  # readers never see a half-written file
+            tmp.replace(req.path)  # readers never see a half-written file
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Tear down Megatron and the process group."""
-        from core.parallel.megatron import destroy_megatron
+        from core.parallel.megatron import destroy_megatron  # torch and megatron: this module loads without them
 
         if self._step_ctx is not None:
             destroy_megatron()
@@ -171,7 +176,7 @@ class GPTTask:
     def checkpoint_state(self) -> tuple[list[tuple[TensorSlice, Any]], dict[str, Any]]:
         """This rank's slices (live: read until the next update) and blobs (collective over
         DP with the distributed optimizer)."""
-        from core.model.gpt.state import export_state
+        from core.model.gpt.state import export_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()
         return export_state(ctx.model_chunks, ctx.optimizer, self._next_step)
@@ -179,7 +184,7 @@ class GPTTask:
     def restore_state(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray],
                       blobs: dict[str, Any]) -> None:
         """Load this rank's slices of a checkpoint, in this rank's layout."""
-        from core.model.gpt.state import import_state
+        from core.model.gpt.state import import_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()  # CheckpointService.load has passed the fence already
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
@@ -198,23 +203,22 @@ class GPTTask:
 def assemble(items: list[tuple[TensorSlice, np.ndarray]]) -> dict[str, np.ndarray]:
     """Global arrays from slices that cover them (each element written once)."""
     out: dict[str, np.ndarray] = {}
-    for s, data in items:
-        full = out.setdefault(s.name, np.zeros(s.global_shape, dtype=data.dtype))
-        full[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = data.reshape(s.shape)
+    for s, part in items:
+        full = out.setdefault(s.name, np.zeros(s.global_shape, dtype=part.dtype))
+        full[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = part.reshape(s.shape)
     return out
 
 
-def _with_auto_micro_batch(cfg: Any, *, on_cuda: bool) -> Any:
+def _with_micro_batch(cfg: RunConfig, micro: int) -> RunConfig:
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch_size=micro))
+
+
+def _auto_micro_batch(cfg: RunConfig, *, on_cuda: bool) -> int:
     """``micro_batch_size: auto``: max(1, floor(free memory × 0.9 / memory per sample)),
     from this rank's free memory less the static state ``core.spec.plan`` estimates; the
     smallest answer over all ranks wins, so every stage runs the same schedule."""
-    import dataclasses
-
-    import psutil
-    import torch
-    import torch.distributed as dist
-
-    from core.spec.plan import resolve_micro_batch, static_bytes
+    import torch  # torch and megatron: this module loads without them
+    import torch.distributed as dist  # torch and megatron: this module loads without them
 
     if on_cuda:
         free = float(torch.cuda.mem_get_info()[0])
@@ -226,4 +230,4 @@ def _with_auto_micro_batch(cfg: Any, *, on_cuda: bool) -> Any:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         micro = int(t.item())
     logging.getLogger(__name__).info("micro_batch_size auto: %d", micro)
-    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch_size=micro))
+    return micro

@@ -1,0 +1,157 @@
+"""The controller's side of checkpoints: ask every rank, collect the acks, commit, keep.
+
+    resume_point()   the newest committed checkpoint that verifies, checked against the model
+    load(step_dir)   every rank reads its slices in its own layout (CKPT_LOAD)
+    save(step)       every rank writes its shard (CKPT_SAVE); sync: committed on return;
+                     async: the ranks snapshot and return, the commit follows later
+    poll()           after a step: commit an async save whose ranks are all durable
+    drain()          wait for an async save in flight and commit it (before a stop, at the end)
+    forget()         after a failure: an async save in flight will never be committed
+
+The commit itself (manifest last, rename, ``latest``, retention) is core.checkpoint.commit;
+each commit and each async start is an event in the run's history. No torch, no h5py:
+this runs in the controller.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from core.checkpoint import calls, manifest
+from core.checkpoint.commit import commit, tmp_step_dir
+from core.checkpoint.spec import ShardAck
+from core.errors import ConfigError
+from core.record import events as ev
+from core.record.state import RunRecord
+from core.spec.dims import ParallelDims
+from core.wire.calls import Step
+from core.wire.contract import Method
+
+log = logging.getLogger(__name__)
+
+
+class Group(Protocol):
+    """What the coordinator needs of a worker group (core.controller.group.WorkerGroup)."""
+
+    dims: ParallelDims
+    world_size: int
+    epoch: int
+    generation: int
+
+    def call(self, method: Method[Any, Any], request: Any = ..., *, timeout_s: float | None = None) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pending:
+    """An async save the ranks are still writing."""
+
+    step: int
+    tmp: Path
+    started: float  # perf_counter
+    loss: float | None
+
+
+class CheckpointCoordinator:
+    def __init__(self, group: Group, record: RunRecord, *, root: Path, model_hash: str, keep_last: int,
+                 async_save: bool, timeout_s: float, poll_timeout_s: float,
+                 on_commit: Callable[[float, int], None] | None = None) -> None:
+        self.group = group
+        self.record = record
+        self.root = root
+        self.model_hash = model_hash
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.timeout_s = timeout_s
+        self.poll_timeout_s = poll_timeout_s
+        self.on_commit = on_commit  # (seconds, bytes): the metrics endpoint
+        self.last_save_s: float | None = None  # how long the last save took to commit
+        self._pending: Pending | None = None
+
+    # --- resume -----------------------------------------------------------------------------
+    def resume_point(self) -> Path | None:
+        """The newest committed checkpoint that verifies (any layout), or None.
+
+        One saved with another model is a ConfigError: resuming it would load wrong shapes."""
+        step_dir = manifest.latest_valid(self.root, log=log)
+        if step_dir is None:
+            return None
+        saved = manifest.read_manifest(step_dir)
+        if saved.config_hash not in (None, self.model_hash):
+            raise ConfigError(
+                f"{step_dir}: saved with another model (config hash {saved.config_hash}, "
+                f"this config {self.model_hash}); resume with the run's own model section")
+        return step_dir
+
+    def load(self, step_dir: Path) -> int:
+        """Every rank loads ``step_dir``; the step it holds."""
+        t0 = time.perf_counter()
+        self.group.call(calls.CKPT_LOAD, calls.Load(step_dir=str(step_dir)), timeout_s=self.timeout_s)
+        saved = manifest.read_manifest(step_dir)
+        self.record.append(ev.Resumed(step=saved.step, checkpoint=step_dir.name, saved_layout=saved.layout,
+                                      layout=self.group.dims.describe(), seconds=round(time.perf_counter() - t0, 3)))
+        log.info("resumed from %s (saved as %s, now %s)", step_dir, saved.layout, self.group.dims.describe())
+        return saved.step
+
+    def committed(self, step: int) -> bool:
+        return step in manifest.committed_steps(self.root)
+
+    # --- save -------------------------------------------------------------------------------
+    def save(self, step: int, *, loss: float | None, blocking: bool = False, timeout_s: float | None = None) -> None:
+        """Order every rank to write its shard of ``step``; commit once all have acked."""
+        self.drain()
+        tmp = tmp_step_dir(self.root, step)
+        attrs = calls.ShardAttrs(step=step, layout=self.group.dims.describe(), config_hash=self.model_hash)
+        async_save = self.async_save and not blocking
+        t0 = time.perf_counter()
+        saved = self.group.call(calls.CKPT_SAVE, calls.Save(step=step, tmp_dir=str(tmp), attrs=attrs,
+                                                            async_save=async_save),
+                                timeout_s=timeout_s or self.timeout_s)
+        if async_save:
+            self._pending = Pending(step=step, tmp=tmp, started=t0, loss=loss)
+            self.record.append(ev.CheckpointStarted(step=step, blocked_s=round(time.perf_counter() - t0, 3)))
+            return
+        self._commit(Pending(step=step, tmp=tmp, started=t0, loss=loss), [s.ack for s in saved])
+
+    def poll(self) -> None:
+        """Commit the async save in flight if every rank has made its shard durable."""
+        p = self._pending
+        if p is None:
+            return
+        acks = self.group.call(calls.CKPT_POLL, Step(step=p.step), timeout_s=self.poll_timeout_s)
+        if all(a is not None for a in acks):
+            self._pending = None
+            self._commit(p, acks)
+
+    def drain(self) -> None:
+        """Wait for the async save in flight (if any) and commit it."""
+        p, self._pending = self._pending, None
+        if p is not None:
+            self._commit(p, self.group.call(calls.CKPT_WAIT, Step(step=p.step), timeout_s=self.timeout_s))
+
+    def forget(self) -> None:
+        """After a failure: the async save in flight will never be committed (its folder is debris)."""
+        self._pending = None
+
+    def _commit(self, p: Pending, acks: list[ShardAck]) -> None:
+        dims = self.group.dims
+        meta = {
+            "layout": dims.describe(),
+            "dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+            "config_hash": self.model_hash,
+            "loop": {"step": p.step, "epoch": self.group.epoch, "generation": self.group.generation,
+                     "last_loss": p.loss},
+        }
+        final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.world_size,
+                       keep_last=self.keep_last)
+        seconds = time.perf_counter() - p.started
+        self.last_save_s = seconds
+        nbytes = sum(a.size_bytes for a in acks)
+        self.record.append(ev.CheckpointCommitted(step=p.step, folder=final.name, seconds=round(seconds, 3),
+                                                  bytes=nbytes))
+        log.info("checkpoint of step %d committed in %.2f s (%.1f MB)", p.step, seconds, nbytes / 1e6)
+        if self.on_commit is not None:
+            self.on_commit(seconds, nbytes)

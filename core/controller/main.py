@@ -1,0 +1,158 @@
+"""The controller process: wire the adapters, run the program under recovery, say how it ended.
+
+Started by ``python -m core.entrypoint controller`` (the local backend) or, on Slurm, by
+submitit in component 0 of the het job (``run_on_slurm``). Exit codes (core.errors.ExitCode):
+OK completed (or stopped: checkpointed while Slurm ends the job), FAILED (the run record
+says why), USER_ERROR, REQUEUED (checkpointed; on Slurm the job was requeued, locally the
+supervisor relaunches the next epoch).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from core.checkpoint.coordinator import CheckpointCoordinator
+from core.controller.group import WorkerGroup
+from core.controller.program import Program
+from core.controller.recovery import Outcome, Recovery
+from core.controller.stop import StopPolicy
+from core.errors import BatonRuntimeError, ExitCode
+from core.job import logsetup, slurmctl
+from core.job.env import JobEnv
+from core.job.signals import PreemptionFlag
+from core.record import events as ev
+from core.record.runfolder import RunFolder, write_json
+from core.record.state import RunRecord, SlurmInfo, Status
+from core.spec import config as config_mod
+from core.spec.runplan import read_plan
+from core.supervisor.contract import WorkerRequest, request_workers
+from core.wire.transport import ControllerSocket
+
+log = logging.getLogger("baton.controller")
+
+
+def publish_address(run: RunFolder, sock: ControllerSocket, *, host: str, epoch: int) -> dict[str, Any]:
+    """Write controller.json so workers can find this controller."""
+    info = {
+        "address": f"tcp://{host}:{sock.port}", "host": host, "port": sock.port, "epoch": epoch,
+        "pid": os.getpid(), "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "started": time.time(),
+    }
+    write_json(run.controller, info)
+    return info
+
+
+def run_controller(env: JobEnv) -> int:
+    """The controller role; its ExitCode."""
+    run = RunFolder(env.run_dir)
+    logsetup.configure("controller", run.controller_log)
+    signals = PreemptionFlag.install()  # before anything slow: a signal now is not lost
+    cfg = config_mod.load(run.config)
+    plan = read_plan(run.plan, cfg)
+    metrics = None
+    if cfg.metrics.enabled:  # first: a port in use fails before the run is marked running
+        from core.controller.metrics import Metrics  # prometheus_client: only when metrics are on
+
+        metrics = Metrics()
+        metrics.start(run, cfg.metrics.port, host=env.controller_host)
+        metrics.set_restarts(env.epoch)
+    record = RunRecord(run)
+    with record.update(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid())) as s:
+        s.status, s.epoch, s.restarts, s.total_steps, s.reason = Status.RUNNING, env.epoch, env.epoch, cfg.trainer.steps, ""
+    sock = ControllerSocket(run.keys)
+    publish_address(run, sock, host=env.controller_host, epoch=env.epoch)
+    request_workers(run, WorkerRequest(epoch=env.epoch, generation=0, reason="epoch start"))
+    group = WorkerGroup(sock, world_size=plan.world_size, epoch=env.epoch, dims=plan.dims,
+                        timeouts=cfg.timeouts, run=run, signals=signals)
+    checkpoints = CheckpointCoordinator(
+        group, record, root=run.checkpoints, model_hash=config_mod.model_hash(cfg), keep_last=cfg.checkpoint.keep_last,
+        async_save=cfg.checkpoint.async_save, timeout_s=cfg.timeouts.checkpoint_s, poll_timeout_s=cfg.timeouts.call_s,
+        on_commit=metrics.observe_checkpoint if metrics is not None else None)
+    program = Program(cfg=cfg, plan=plan, run=run, record=record, group=group, checkpoints=checkpoints, metrics=metrics,
+                      stop=StopPolicy(signals, slurmctl.clock_for(os.environ), margin_s=cfg.recovery.walltime_margin_s))
+    try:
+        return _end(env, program, Recovery(program, worker_restarts=env.worker_restarts,
+                                           on_slurm=env.job_id is not None).run())
+    except BatonRuntimeError as exc:  # a failure recovery does not handle (e.g. a failed commit)
+        return _failed(program, str(exc).splitlines()[0], ExitCode.FAILED)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        group.close()
+        time.sleep(0.05)  # let the last broadcast leave the socket before it closes (linger is 0)
+        sock.close()
+
+
+def _end(env: JobEnv, program: Program, outcome: Outcome) -> int:
+    """Record how the run ended and release the workers; the exit code."""
+    program.save_progress()
+    if outcome.status is Status.REQUEUED:
+        return _requeue(env, program, outcome)
+    if outcome.status is Status.FAILED:
+        return _failed(program, outcome.reason, outcome.exit_code)
+    done: ev.Event = ev.Completed(step=program.step)
+    if outcome.status is Status.STOPPED:
+        log.warning("%s", outcome.reason)
+        done = ev.Stopped(step=program.step, reason=outcome.reason)
+    with program.record.update(done) as s:
+        s.status, s.reason = outcome.status, outcome.reason
+    program.group.shutdown(outcome.reason or "run completed")
+    return ExitCode.OK
+
+
+def _failed(program: Program, reason: str, code: ExitCode) -> int:
+    log.error("run failed: %s", reason)
+    with program.record.update(ev.Failed(reason=reason, step=program.step)) as s:
+        s.status, s.reason = Status.FAILED, reason
+    program.group.abort(f"controller: {reason}")
+    return code
+
+
+def _requeue(env: JobEnv, program: Program, outcome: Outcome) -> int:
+    """Record the requeue, release the workers, and requeue: Slurm's ``scontrol requeue``
+    (which ends this job at once), or locally the supervisor relaunches on REQUEUED."""
+    with program.record.update(ev.Requeued(step=program.step, reason=outcome.reason, epoch=env.epoch,
+                                           exclude=outcome.exclude, backend="slurm" if env.job_id else "local")) as s:
+        s.status = Status.REQUEUED
+    group = program.group
+    if outcome.clean:
+        group.shutdown(f"requeued: {outcome.reason}")
+    else:
+        group.abort(f"controller: requeued: {outcome.reason}")
+    log.warning("requeueing at step %s: %s", program.step, outcome.reason)
+    if env.job_id is None:
+        return ExitCode.REQUEUED
+    time.sleep(0.05)  # the shutdown must leave before scontrol ends the job
+    het = os.environ.get("SLURM_HET_SIZE")  # the workers are component 1: raw id leader + 1
+    component = str(int(env.job_id) + 1) if het and env.job_id.isdigit() else None
+    result = slurmctl.requeue(env.job_id, exclude=outcome.exclude, component_id=component)
+    if not result.ok:
+        return _failed(program, f"requeue refused ({result.detail}); the latest checkpoint stands: "
+                       "continue with `baton submit --resume RUN_DIR`", ExitCode.FAILED)
+    log.info("%s", result.detail)
+    return ExitCode.REQUEUED
+
+
+def run_on_slurm(run_dir: str) -> int:
+    """Component 0's task on Slurm (core.controller.slurm_entry): the controller, in-process.
+
+    Records what the task sees of Slurm in the run's state (``slurm.controller_task``),
+    then runs ``run_controller`` under the env contract (core.job.env). A non-zero exit
+    raises, so that Slurm and submitit record the component as failed.
+    """
+    os.environ["BATON_RUN_DIR"] = run_dir
+    run = RunFolder(run_dir)
+    seen = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURMD_NODENAME",
+                                           "SLURM_RESTART_COUNT", "SLURM_HET_SIZE", "SLURM_JOB_NODELIST_HET_GROUP_1")}
+    with RunRecord(run).update() as s:
+        s.slurm = SlurmInfo(job_id=seen["SLURM_JOB_ID"], controller_task={"het_group": 0, **seen})
+    # submitit logs and ignores SIGTERM; scancel should end the controller now, through its finally.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    code = run_controller(JobEnv.from_environ())
+    if code != 0:
+        raise RuntimeError(f"controller exited with code {code}; see {run.controller_log}")
+    return code

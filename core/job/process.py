@@ -1,0 +1,21 @@
+"""This process on its host: resident memory, a free port."""
+from __future__ import annotations
+
+import os
+import socket
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (offered to torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])

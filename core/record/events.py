@@ -1,0 +1,249 @@
+"""The events of a run's history: one frozen dataclass per kind, and an explicit kind table.
+
+Every process that changes a run appends events (the CLI at submit, resume and cancel;
+the controller as the run goes; the supervisors when a controller dies); `baton status`
+shows them. On disk (``events.jsonl``, one JSON object a line, written by
+``core.record.state``) an event is flat: ``{"time": 1.7e9, "event": "resumed", "step": 10, ...}``.
+
+``to_data`` and ``from_data`` are inverses. A line of a kind this Baton does not know
+(written by a newer one) is kept as ``OtherEvent`` and written back unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from core.errors import RunFolderError
+from core.spec.schema import build
+from core.spec.schema import to_data as _plain
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """When it happened (unix seconds); each kind adds its own fields."""
+
+    KIND: ClassVar[str] = ""
+    time: float = field(default_factory=time.time)
+
+
+# --- the CLI -------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Created(Event):
+    KIND: ClassVar[str] = "created"
+    backend: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeRequested(Event):
+    KIND: ClassVar[str] = "resume_requested"
+    epoch: int
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Submitted(Event):
+    KIND: ClassVar[str] = "submitted"
+    backend: str
+    job_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitFailed(Event):
+    KIND: ClassVar[str] = "submit_failed"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cancelled(Event):
+    KIND: ClassVar[str] = "cancelled"
+    job_id: str
+    slurm: dict[str, str] = field(default_factory=dict)
+
+
+# --- the controller ------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ControllerStarted(Event):
+    KIND: ClassVar[str] = "controller_started"
+    node: str
+    epoch: int
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkersReady(Event):
+    KIND: ClassVar[str] = "workers_ready"
+    world_size: int
+    epoch: int
+    generation: int
+    micro_batch_size: int | None = None  # as the workers resolved it (``auto``)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resumed(Event):
+    KIND: ClassVar[str] = "resumed"
+    step: int
+    checkpoint: str
+    saved_layout: Any
+    layout: str
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartFromScratch(Event):
+    KIND: ClassVar[str] = "restart_from_scratch"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preempted(Event):
+    """A stop at a step boundary: a signal arrived (preemption, walltime warning, scancel)."""
+
+    KIND: ClassVar[str] = "preempted"
+    step: int
+    cause: str
+    signal: str
+    detail: str
+    time_left_s: float | None = None
+    signal_at: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeRunningOut(Preempted):
+    """A stop at a step boundary before Slurm had to send anything: the walltime is near."""
+
+    KIND: ClassVar[str] = "time_running_out"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStarted(Event):
+    KIND: ClassVar[str] = "checkpoint_started"
+    step: int
+    blocked_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointCommitted(Event):
+    KIND: ClassVar[str] = "checkpoint_committed"
+    step: int
+    folder: str
+    seconds: float
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLost(Event):
+    KIND: ClassVar[str] = "worker_lost"
+    failure: str  # "worker_lost" | "timeout" | "registration" | "remote_error"
+    rank: int | None
+    node: str | None
+    pid: int | None
+    why: str
+    step: int
+    epoch: int
+    generation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequeueDecided(Event):
+    KIND: ClassVar[str] = "requeue_decided"
+    reason: str
+    exclude: tuple[str, ...]
+    retry: int
+    max_retries: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartingWorkers(Event):
+    KIND: ClassVar[str] = "restarting_workers"
+    generation: int
+    backoff_s: float
+    retry: int
+    max_retries: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Requeued(Event):
+    """The run goes to its next epoch: asked by the controller, or by a supervisor whose
+    controller died without a last word (``by``)."""
+
+    KIND: ClassVar[str] = "requeued"
+    step: int
+    reason: str
+    epoch: int | None = None
+    exclude: tuple[str, ...] = ()
+    by: str = "controller"
+    backend: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completed(Event):
+    KIND: ClassVar[str] = "completed"
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopped(Event):
+    KIND: ClassVar[str] = "stopped"
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failed(Event):
+    KIND: ClassVar[str] = "failed"
+    reason: str
+    step: int
+
+
+# --- the supervisors -----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ControllerDied(Event):
+    KIND: ClassVar[str] = "controller_died"
+    exit_code: int
+    step: int
+    epoch: int | None
+    retry: int
+    max_retries: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class OtherEvent(Event):
+    """An event of a kind this Baton does not know, kept as it was read."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
+    Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
+    RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
+    RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
+)}
+
+
+def kind_of(event: Event) -> str:
+    """The event's kind as written on disk."""
+    return event.kind if isinstance(event, OtherEvent) else event.KIND
+
+
+def to_data(event: Event) -> dict[str, Any]:
+    """``{"time": t, "event": kind, **fields}``: the line written to events.jsonl."""
+    if isinstance(event, OtherEvent):
+        return {"time": event.time, "event": event.kind, **event.fields}
+    fields = {f.name: _plain(getattr(event, f.name)) for f in dataclasses.fields(event) if f.name != "time"}
+    return {"time": event.time, "event": event.KIND, **fields}
+
+
+def from_data(data: Any, where: str) -> Event:
+    """The inverse of ``to_data``; ``where`` names the file and line in errors."""
+    if not isinstance(data, dict) or not isinstance(data.get("event"), str):
+        raise RunFolderError(f"{where}: not an event (a JSON object with an \"event\" name): {str(data)[:80]}")
+    fields = {k: v for k, v in data.items() if k != "event"}
+    cls = KINDS.get(data["event"])
+    if cls is None:
+        t = fields.pop("time", 0.0)
+        return OtherEvent(time=float(t) if isinstance(t, int | float) else 0.0, kind=data["event"], fields=fields)
+    return build(cls, fields, f"{where}: {data['event']}", error=RunFolderError)

@@ -1,0 +1,110 @@
+"""metrics.jsonl: one ``StepRecord`` per training step, written by the controller.
+
+Read by `baton status --watch`, `baton report`, `baton doctor`, the sweep ledger and the
+Prometheus endpoint. On disk a record is a flat JSON object; optional per-rank fields are
+left out when the task does not measure them. ``to_data``/``from_data`` are inverses;
+readers ignore keys they do not know (a newer Baton may add some) and skip a torn last
+line (a crash mid-append).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import RunFolderError
+from core.record.runfolder import write_atomic
+from core.spec.schema import build
+from core.spec.schema import to_data as _plain
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One step as the controller saw it. Per-rank lists are in rank order."""
+
+    step: int  # 0-based index of the step
+    loss: float  # mean over the data-parallel replicas
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int = 0  # tokens of the global batch
+    tokens_per_s: float = 0.0
+    step_time_s: float = 0.0  # wall time of the step's call, as the controller measured it
+    time: float = 0.0  # unix seconds when it was recorded
+    rank_step_time_s: tuple[float, ...] = ()
+    rss_mb: tuple[float, ...] = ()
+    data_wait_s: tuple[float, ...] | None = None
+    grad_sync_s: tuple[float, ...] | None = None
+    cuda_peak_mb: tuple[float, ...] | None = None
+
+
+_FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
+OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb")
+
+
+def to_data(record: StepRecord) -> dict[str, Any]:
+    """The JSON object of one line (optional fields that are None left out)."""
+    return {k: v for k, v in _plain(record).items() if not (v is None and k in OPTIONAL_PER_RANK)}
+
+
+def from_data(data: Any, where: str) -> StepRecord:
+    """A record from one JSON object; unknown keys are ignored, bad values are a RunFolderError."""
+    if not isinstance(data, dict):
+        raise RunFolderError(f"{where}: not a JSON object")
+    return build(StepRecord, {k: v for k, v in data.items() if k in _FIELDS}, where, error=RunFolderError)
+
+
+def append(path: Path, record: StepRecord) -> None:
+    """Add one record (one line; the controller is the only writer)."""
+    with path.open("a") as f:
+        f.write(json.dumps(to_data(record)) + "\n")
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return
+    lines = raw.split(b"\n")
+    for n, line in enumerate(lines, start=1):
+        if line.strip():
+            yield n, line
+
+
+def read(path: Path, *, strict: bool = False) -> list[StepRecord]:
+    """Every record, oldest first. A torn last line is skipped with a warning; another bad line
+    is skipped too unless ``strict`` (then a RunFolderError names it)."""
+    out = []
+    lines = list(_lines(path))
+    for i, (n, line) in enumerate(lines):
+        try:
+            out.append(from_data(json.loads(line), f"{path} line {n}"))
+        except (ValueError, RunFolderError) as exc:
+            if i == len(lines) - 1 and not line.endswith(b"}"):
+                log.warning("%s: skipped a torn last line (%d bytes)", path, len(line))
+            elif strict:
+                raise RunFolderError(f"{path} line {n}: {exc}") from None
+            else:
+                log.warning("%s line %d: skipped: %s", path, n, exc)
+    return out
+
+
+def keep_before(path: Path, step: int) -> list[StepRecord]:
+    """After a resume from step ``step``, the steps past it are redone: drop their records.
+    Returns what is kept (a torn last line goes too)."""
+    if not path.exists():
+        return []
+    kept = [r for r in read(path) if r.step < step]
+    write_atomic(path, "".join(json.dumps(to_data(r)) + "\n" for r in kept))
+    return kept
+
+
+def finite(x: float | None) -> bool:
+    """A number that is neither None nor NaN nor infinite."""
+    return x is not None and math.isfinite(x)

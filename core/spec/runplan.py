@@ -1,0 +1,70 @@
+"""The plan a job runs: written at submit as ``plan.json``, read by the controller.
+
+``plan_run(cfg)`` is what the login node computes before anything is submitted: the
+parallel layout, the resources (nodes × tasks per node), the micro-batch size where it can
+be resolved (``training.micro_batch_size: auto`` is resolved at run time by the workers
+from their free memory, reported back and recorded in the run's state), and for a GPT the
+model plan `baton plan` prints (core.spec.plan). The controller takes its layout and world
+size from here, and checks that the plan was made for the config it reads.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from core.errors import RunFolderError
+from core.spec.config import RunConfig, config_hash
+from core.spec.dims import ParallelDims
+from core.spec.plan import Plan, make_plan
+from core.spec.schema import build
+
+VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    version: int = VERSION
+    config_hash: str  # of the config this plan was made for
+    kind: str  # model.kind
+    dims: ParallelDims
+    nodes: int
+    tasks_per_node: int  # one worker per GPU (per CPU slot on the local backend)
+    micro_batch_size: int | None  # None: ``auto``, resolved by the workers at setup
+    model: Plan | None = None  # the GPT's layers, parameters and memory; None for the toy model
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+
+def plan_run(cfg: RunConfig) -> RunPlan:
+    """The plan of ``cfg`` (pure: no GPU memory is known here)."""
+    model = make_plan(cfg) if cfg.model.kind == "gpt" else None
+    micro = cfg.training.micro_batch_size
+    return RunPlan(
+        config_hash=config_hash(cfg), kind=cfg.model.kind, dims=cfg.dims, nodes=cfg.trainer.nodes,
+        tasks_per_node=cfg.trainer.n_gpus_per_node, micro_batch_size=None if micro == "auto" else int(micro),
+        model=model,
+    )
+
+
+def read_plan(path: Path, cfg: RunConfig) -> RunPlan:
+    """plan.json, checked against the config it must have been made for."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise RunFolderError(f"{path}: missing; resume the run with `baton submit --resume` to plan it again") from None
+    except (OSError, ValueError) as exc:
+        raise RunFolderError(f"{path}: unreadable ({exc}); resume with `baton submit --resume` to plan it again") from None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        raise RunFolderError(f"{path}: not a plan of this Baton (version {VERSION}); "
+                             "resume with `baton submit --resume` to plan it again")
+    plan = build(RunPlan, data, str(path), error=RunFolderError)
+    if plan.config_hash != config_hash(cfg):
+        raise RunFolderError(f"{path}: made for another config.yaml (config hash {plan.config_hash}, "
+                             f"config.yaml {config_hash(cfg)}); resume with `baton submit --resume` to plan it again")
+    return plan

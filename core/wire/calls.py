@@ -1,0 +1,67 @@
+"""The training calls: what the controller's program asks of every training task.
+
+    SETUP        Setup       → SetupInfo    join the process group, build model, optimizer, data
+    TRAIN_STEP   Step        → StepResult   one optimizer step on the global batch of ``step``
+    EVAL_STEP    Step        → StepResult   forward only on the held-out batch of ``step``
+    LOAD_WEIGHTS WeightsFile → None         this rank's slices of an .npz of global tensors
+    SAVE_WEIGHTS WeightsFile → None         collective: rank 0 writes every global tensor
+
+The checkpoint calls are ``core.checkpoint.calls``; the toy model's test calls are in
+``core.model.toy``. See ``core.wire.contract`` for how a call is checked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.spec.dims import Coords
+from core.wire.contract import Method
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    master_addr: str  # torch.distributed's rendezvous (rank 0's host and a free port there)
+    master_port: int
+    config_hash: str = ""  # the controller's config.yaml; a worker that read another refuses
+    micro_batch_size: int | None = None  # the plan's; None: the workers resolve ``auto``
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetupInfo:
+    coords: Coords
+    layers: tuple[int, ...] = ()  # global indices of the transformer layers this rank holds
+    num_params: int = 0  # parameters on this rank
+    device: str = "cpu"
+    micro_batch_size: int | None = None  # what this rank trains with (``auto`` resolved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """Every rank: its time and memory. Loss owners (last stage, tp rank 0) also the loss,
+    gradient norm, learning rate and the step's global token count."""
+
+    step_time_s: float
+    rss_mb: float = 0.0
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int = 0
+    data_wait_s: float | None = None
+    grad_sync_s: float | None = None
+    cuda_peak_mb: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsFile:
+    path: str  # an .npz of global tensors (global name → full array)
+
+
+SETUP = Method("setup", Setup, SetupInfo)
+TRAIN_STEP = Method("train_step", Step, StepResult)
+EVAL_STEP = Method("eval_step", Step, StepResult)
+LOAD_WEIGHTS = Method("load_global_weights", WeightsFile, None)
+SAVE_WEIGHTS = Method("save_global_weights", WeightsFile, None)
