@@ -7,7 +7,7 @@
 The view reads state.json and only the new part of metrics.jsonl on each redraw (a
 long run's file is never re-read from the start). On a terminal it redraws in place;
 into a file or pipe it writes one line per redraw, so it also works as a progress log.
-Exit status: 0 when the run completed (or ``max_iterations`` ran out first), 1 when it
+Exit status: 0 when the run completed or stopped (or ``max_iterations`` ran out first), 1 when it
 failed or was cancelled.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, RunState, Status
 from core.record.steps import StepRecord
 
-ENDED = {Status.COMPLETED: 0, Status.FAILED: 1, Status.CANCELLED: 1}
+ENDED = {Status.COMPLETED: 0, Status.STOPPED: 0, Status.FAILED: 1, Status.CANCELLED: 1}
 RECENT = 20  # records the ETA and the rates average over
 _CLEAR = "\x1b[H\x1b[2J"
 

@@ -211,7 +211,7 @@ class RunRecord:
         return state_from_data(_parse_json(raw, self.path), str(self.path))
 
     def events(self) -> list[ev.Event]:
-        """The history, oldest first. A torn last line (a crash mid-append) is skipped."""
+        """The history, oldest first. A torn line (a crash mid-append) is skipped with a warning."""
         out = [ev.from_data(d, f"{self.events_path} line {n}") for n, d in self._event_lines()]
         if not out and not self.events_path.exists():
             out = self._version_1_history()
@@ -222,17 +222,13 @@ class RunRecord:
             raw = self.events_path.read_bytes()
         except FileNotFoundError:
             return
-        lines = raw.split(b"\n")
-        for n, line in enumerate(lines, start=1):
+        for n, line in enumerate(raw.split(b"\n"), start=1):
             if not line.strip():
                 continue
             try:
                 yield n, json.loads(line)
-            except ValueError:
-                if n == len(lines):  # no newline after it: cut short by a crash
-                    log.warning("%s: skipped a torn last line (%d bytes)", self.events_path, len(line))
-                    return
-                raise RunFolderError(f"{self.events_path} line {n}: not JSON; the run's history is damaged") from None
+            except ValueError:  # the part of an event a crash cut short; the appends after it go on
+                log.warning("%s line %d: skipped a torn event (%d bytes)", self.events_path, n, len(line))
 
     def _version_1_history(self) -> list[ev.Event]:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,25 @@ def test_remote_errors_carry_rank_and_traceback(group) -> None:
     with pytest.raises(RemoteError, match="no method 'nope'"):
         g.call(Method("nope", NoArgs, None))
     assert g.call(NOOP) == [None] * 4  # the group is usable afterwards
+
+
+@dataclass(frozen=True, kw_only=True)
+class SleepAsText:
+    seconds: str
+
+
+def test_a_malformed_request_or_result_fails_that_call_by_method_and_field_and_both_sides_keep_serving(group) -> None:
+    g, _ = group
+    with pytest.raises(RemoteError) as info:  # the worker checks the request against its own method
+        g.call(Method("sleep", SleepAsText, float), SleepAsText(seconds="long"))
+    first = str(info.value).splitlines()[0]
+    assert info.value.exc_type == "ProtocolError" and "sleep request.seconds: 'long' is not a number" in first
+    assert "the same on all 4 ranks" in first
+    with pytest.raises(RemoteError) as info:  # the controller checks every result
+        g.call(Method("pid", NoArgs, str))
+    first = str(info.value).splitlines()[0]
+    assert "in pid: malformed result: pid result: " in first and "is not a string" in first
+    assert g.call(NOOP) == [None] * 4 and len(set(g.call(PID))) == 4  # both sides serve on
 
 
 def test_a_missed_deadline_names_the_missing_ranks(group) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from core.checkpoint import manifest
-from core.controller.group import WorkerGroup, publish_address
+from core.controller.group import WorkerGroup
+from core.controller.main import publish_address
 from core.errors import RegistrationError
 from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims
@@ -264,9 +265,10 @@ def test_a_worker_of_an_older_generation_is_refused_by_name(tmp_path: Path) -> N
     t.start()
     ws = WorkerSocket(info["address"], r.run.keys, identity=b"straggler")
     try:
-        WorkerSocket.send(ws.sock, encode(Register(rank_hint=0, host="h", node="n", pid=1, generation=0)))
-        assert ws.sock.poll(5000), "no answer to a registration of generation 0"
-        env = decode(WorkerSocket.recv(ws.sock))
+        ws.send(encode(Register(rank_hint=0, host="h", node="n", pid=1, generation=0)))
+        frames = ws.recv_within(5.0)
+        assert frames is not None, "no answer to a registration of generation 0"
+        env = decode(frames)
     finally:
         ws.close()
         t.join()

@@ -14,15 +14,16 @@ import pytest
 from core.errors import UserError
 from core.record import steps
 from core.record.runfolder import RunFolder
-from core.record.state import Coords, RankInfo, RunRecord, RunState, Status
+from core.record.state import RankInfo, RunRecord, RunState, Status
 from core.record.steps import StepRecord
+from core.spec.dims import Coords
 from launcher import cmd_doctor, doctor
 
 WORLD = 4
 STATE = RunState(
     status=Status.COMPLETED, step=40, total_steps=40,
     ranks=tuple(RankInfo(rank=r, node=f"node{1 + r // 2}", host=f"host{1 + r // 2}", pid=100 + r,
-                         coords=Coords(tp=0, pp=0, dp=r)) for r in range(WORLD)),
+                         coords=Coords(rank=r, tp=0, pp=0, dp=r)) for r in range(WORLD)),
 )
 
 
@@ -104,7 +105,7 @@ def test_memory_swinging_step_to_step_is_found_but_a_different_stage_is_not() ->
     swing = _records(cuda_peak_mb=lambda s, rng: [8000.0 + (4000.0 if s % 2 else 0.0)] * WORLD)
     assert _titles(doctor.diagnose(swing, STATE)) == ["memory varies strongly across ranks or steps"]
     # Two pipeline stages holding different layers differ in memory by design.
-    staged = replace(STATE, ranks=tuple(replace(e, coords=Coords(tp=0, pp=e.rank // 2, dp=e.rank % 2))
+    staged = replace(STATE, ranks=tuple(replace(e, coords=Coords(rank=e.rank, tp=0, pp=e.rank // 2, dp=e.rank % 2))
                                         for e in STATE.ranks))
     by_stage = _records(cuda_peak_mb=lambda s, rng: [12_000.0, 12_000.0, 6_000.0, 6_000.0])
     assert doctor.diagnose(by_stage, staged) == []
