@@ -26,7 +26,7 @@ def task_factory(cfg: RunConfig) -> Callable[[WorkerContext], Task]:
         from core.model.toy import ToyTask as cls  # numpy only: the toy starts in milliseconds
     else:
         from core.model.gpt.task import GPTTask as cls  # type: ignore[assignment]  # torch, megatron: only on GPT workers
-    return lambda ctx: CheckpointedTask(cls(ctx), ctx)
+    return lambda ctx: CheckpointedTask(cls(ctx), ctx.rank)
 
 
 def main(argv: list[str]) -> int:

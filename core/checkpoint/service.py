@@ -32,7 +32,6 @@ from core.checkpoint.manifest import rank_file_name
 from core.checkpoint.spec import ShardAck, TensorSlice, current
 from core.errors import BatonRuntimeError
 from core.wire.contract import Method
-from core.worker.task import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +42,11 @@ ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
 class CheckpointService:
     def __init__(
         self,
-        ctx: WorkerContext,
+        rank: int,
         export: Callable[[], tuple[Items, dict[str, Any]]],
         restore: Callable[[ReadFn, dict[str, Any]], None],
     ) -> None:
-        self.ctx = ctx
+        self.rank = rank
         self.export = export
         self.restore = restore
         self._writer: Any = None
@@ -70,9 +69,9 @@ class CheckpointService:
             self.wait(self._pending_step)  # never two saves in flight
         self._acks.clear()
         items, blobs = self.export()
-        path = Path(req.tmp_dir) / rank_file_name(self.ctx.rank)
+        path = Path(req.tmp_dir) / rank_file_name(self.rank)
         attrs = {"step": req.attrs.step, "layout": req.attrs.layout, "config_hash": req.attrs.config_hash,
-                 "rank": self.ctx.rank}
+                 "rank": self.rank}
         if not req.async_save:
             return calls.Saved(ack=hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs))
         from core.checkpoint.async_writer import AsyncWriter  # h5py, as above
@@ -96,7 +95,7 @@ class CheckpointService:
             return
         start = time.monotonic()
         if not handle.wait_snapshot(self.snapshot_timeout_s):
-            raise BatonRuntimeError(f"rank {self.ctx.rank}: the checkpoint snapshot of step {self._pending_step} "
+            raise BatonRuntimeError(f"rank {self.rank}: the checkpoint snapshot of step {self._pending_step} "
                                     f"is not taken after {self.snapshot_timeout_s:.0f} s; training cannot go on "
                                     "without overwriting it")
         waited = time.monotonic() - start
@@ -116,7 +115,7 @@ class CheckpointService:
         if step in self._acks:
             return self._acks[step]
         if self._pending is None or self._pending_step != step:
-            raise RuntimeError(f"no asynchronous save of step {step} in flight on rank {self.ctx.rank}")
+            raise RuntimeError(f"no asynchronous save of step {step} in flight on rank {self.rank}")
         handle, self._pending = self._pending, None
         ack: ShardAck = handle.result(timeout_s)
         self._acks[step] = ack
@@ -131,7 +130,7 @@ class CheckpointService:
         try:
             saved_ranks = {f.rank for f in reader.manifest.files}
             # Per-rank blobs (RNG streams) map to the same rank when it existed; else rank 0's.
-            blobs = reader.blobs(self.ctx.rank if self.ctx.rank in saved_ranks else 0)
+            blobs = reader.blobs(self.rank if self.rank in saved_ranks else 0)
 
             def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
                 return reader.read(name, offset, shape)
@@ -153,9 +152,9 @@ class CheckpointService:
 class CheckpointedTask:
     """A task's own handlers plus the checkpoint calls, as one task."""
 
-    def __init__(self, task: Any, ctx: WorkerContext) -> None:
+    def __init__(self, task: Any, rank: int) -> None:
         self.task = task
-        self.service = CheckpointService(ctx, task.checkpoint_state, task.restore_state)
+        self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state)
         bind = getattr(task, "bind_checkpoint_fence", None)
         if bind is not None:
             bind(self.service.fence)

@@ -93,7 +93,7 @@ def _find_eos(path: Path, token_to_id: Any) -> int:
 
 def _from_tokenizer_json(path: Path) -> HFTokenizer:
     try:
-        from tokenizers import Tokenizer as HFBackend
+        from tokenizers import Tokenizer as HFBackend  # optional: only a tokenizer.json needs it
     except ImportError:
         raise TokenizerError(f"{path}: reading a tokenizer.json needs the tokenizers library; "
                              "pip install tokenizers (or use --tokenizer byte)") from None
@@ -107,7 +107,7 @@ def _from_tokenizer_json(path: Path) -> HFTokenizer:
 
 def _from_folder(path: Path) -> HFTokenizer:
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: only a tokenizer folder needs it
     except ImportError:
         if (path / "tokenizer.json").is_file():
             return _from_tokenizer_json(path / "tokenizer.json")

@@ -133,7 +133,7 @@ def _patch_megatron_rng() -> None:
     # restoring goes through torch.cuda._lazy_call, which on a CPU build queues the
     # callback (with a formatted stack) forever: a leak per layer per step. Nothing is
     # there to restore, so drop it. Megatron binds the name at import: patch its copy.
-    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.tensor_parallel import random as megatron_random  # patched only when the shim is activated
 
     megatron_random._lazy_call = _noop
 

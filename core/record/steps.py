@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +103,3 @@ def keep_before(path: Path, step: int) -> list[StepRecord]:
     write_atomic(path, "".join(json.dumps(to_data(r)) + "\n" for r in kept))
     return kept
 
-
-def finite(x: float | None) -> bool:
-    """A number that is neither None nor NaN nor infinite."""
-    return x is not None and math.isfinite(x)

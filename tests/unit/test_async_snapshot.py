@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import filecmp
-import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,7 @@ from core.checkpoint.calls import CKPT_SAVE, CKPT_WAIT, Save, Saved, ShardAttrs
 from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.service import CheckpointedTask
 from core.checkpoint.spec import TensorSlice, current
-from core.spec.config import ModelConfig, RunConfig
 from core.wire.calls import Step
-from core.worker.task import WorkerContext
 
 ATTRS = {"step": 3, "rank": 0, "layout": "tp1pp1dp1", "config_hash": "x"}  # what the service writes for SAVE_3
 SAVE_3 = ShardAttrs(step=3, layout="tp1pp1dp1", config_hash="x")
@@ -117,17 +114,12 @@ class FencedTask:
         raise AssertionError("not used")
 
 
-def _ctx(tmp_path: Path) -> WorkerContext:
-    return WorkerContext(rank=0, world_size=1, epoch=0, run_dir=tmp_path, host="localhost",
-                         log=logging.getLogger("test"), config=RunConfig(model=ModelConfig(kind="toy")))
-
-
 def test_the_update_after_an_async_save_waits_for_the_snapshot_and_the_file_has_the_old_values(tmp_path: Path) -> None:
     items = _items(4)
     expected = [a.copy() for _, a in items]
     gated = Gated(items[0][1])
     task = FencedTask([(items[0][0], gated), *items[1:]])
-    served = CheckpointedTask(task, _ctx(tmp_path))
+    served = CheckpointedTask(task, rank=0)
     table = served.handlers()
     (tmp_path / "sync").mkdir()
     (tmp_path / "async").mkdir()
@@ -160,7 +152,7 @@ def test_without_a_fence_live_items_are_copied_before_the_save_returns(tmp_path:
     gated = Gated(items[0][1])
     gated.release.set()
     task = Unfenced([(items[0][0], gated), *items[1:]])
-    served = CheckpointedTask(task, _ctx(tmp_path))
+    served = CheckpointedTask(task, rank=0)
     table = served.handlers()
     table[CKPT_SAVE](Save(step=3, tmp_dir=str(tmp_path), attrs=SAVE_3, async_save=True))
     assert gated.entered.is_set()  # the copy happened on the caller's thread, before ckpt_save returned

@@ -80,7 +80,7 @@ def _open_token_file(path: str) -> tuple[np.ndarray, int]:
     The only h5py use of the training code: the file is closed again before training, so
     no HDF5 handle lives across the run; the tokens are read through ``np.memmap``.
     """
-    import h5py
+    import h5py  # only for data.kind: hdf5; this module loads without it
 
     p = Path(path)
     if not p.is_file():

@@ -100,7 +100,9 @@ def transformer_config(
 def layer_spec(*, on_cuda: bool) -> ModuleSpec:
     """TransformerEngine layers on GPU when TE is installed; Megatron's local ones otherwise."""
     if on_cuda and importlib.util.find_spec("transformer_engine") is not None:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (  # only with Transformer Engine installed
+            get_gpt_layer_with_transformer_engine_spec,
+        )
 
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec()

@@ -38,7 +38,10 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, *, grad_reduce_in_fp32: bool) -> Any:
     """Megatron's DistributedDataParallel: grads reduced (averaged) over DP in finalize."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (  # lr_at loads without torch
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
@@ -50,7 +53,7 @@ def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, *, grad_reduce_in_fp32: boo
 
 def build_optimizer(model_chunks: list[Any], cfg: RunConfig) -> Any:
     """Adam over fp32 main weights; ZeRO-1 sharding over DP when distributed_optimizer."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # lr_at loads without torch
 
     tc = model_chunks[0].config
     o = cfg.optimizer

@@ -39,6 +39,7 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params,
 
 from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
+from core.model.gpt.model import unwrap
 
 Items = list[tuple[TensorSlice, Any]]  # LiveTensor items on export
 ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
@@ -49,8 +50,6 @@ FORMAT = 1
 # --- model tensors -------------------------------------------------------------------
 def sharded_params(model_chunks: list[Any]) -> Iterator[tuple[ShardedTensor, torch.nn.Parameter]]:
     """Each local parameter with its ShardedTensor (global name, shape, offset), in order."""
-    from core.model.gpt.model import unwrap
-
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         by_id = {id(p): p for p in gpt.parameters()}
