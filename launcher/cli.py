@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `baton logs ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return ExitCode.OK
 
 
 if __name__ == "__main__":

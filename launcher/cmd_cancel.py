@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+from core.errors import ExitCode
+from launcher import slurm_jobs
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("cancel", help="cancel a run's Slurm job (controller and workers)",
@@ -15,10 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from launcher import slurm_jobs
-
     run_folder = slurm_jobs.resolve_status_target(args.run_dir)
     states = slurm_jobs.cancel(run_folder, timeout_s=args.timeout)
     shown = ", ".join(f"{comp} {state}" for comp, state in states.items()) or "no longer known to Slurm"
     print(f"cancelled {run_folder.path}: {shown}")
-    return 0
+    return ExitCode.OK

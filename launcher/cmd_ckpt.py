@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from core.checkpoint import manifest
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ExitCode
 from core.record.runfolder import RunFolder
 
 
@@ -54,12 +54,12 @@ def run_ls(args: argparse.Namespace) -> int:
     entries = manifest.list_checkpoints(_root(args.run_dir))
     if not entries:
         print("no checkpoints")
-        return 0
+        return ExitCode.OK
     print(f"{'step':>8}  {'state':<11} {'size':>10}  layout")
     for e in entries:
         state = ("latest" if e.is_latest else "committed") if e.committed else "uncommitted"
         print(f"{e.step:>8}  {state:<11} {e.size_bytes / 2**20:>8.1f}MB  {json.dumps(e.layout)}")
-    return 0
+    return ExitCode.OK
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -72,9 +72,9 @@ def run_verify(args: argparse.Namespace) -> int:
         problems = manifest.verify(_step_dir(root, step))
         print(f"step {step}: " + ("ok" if not problems else "BAD: " + "; ".join(problems)))
         bad += bool(problems)
-    return 1 if bad else 0
+    return ExitCode.FAILED if bad else ExitCode.OK
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     print(manifest.describe(_step_dir(_root(args.run_dir), args.step)))
-    return 0
+    return ExitCode.OK

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from core.errors import ExitCode
 from core.record import steps
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord
@@ -43,4 +44,4 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{run_folder.path}: {state.status}, {len(records)} steps recorded")
         print(doctor.format_findings(findings))
-    return 1 if any(f.severity == doctor.ERROR for f in findings) else 0
+    return ExitCode.FAILED if any(f.severity == doctor.ERROR for f in findings) else ExitCode.OK

@@ -5,7 +5,7 @@ import argparse
 import heapq
 from pathlib import Path
 
-from core.errors import UserError
+from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
 
 
@@ -41,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
             s.close()
     for line in lines[-args.tail:] if args.tail else lines:
         print(line, end="")
-    return 0
+    return ExitCode.OK

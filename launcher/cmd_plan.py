@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from core.errors import ExitCode
 from core.spec import config
 from core.spec.plan import format_plan, make_plan
 
@@ -27,4 +28,4 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.overrides)
     plan = make_plan(cfg, gpu_mem_gb=args.gpu_mem_gb)
     print(plan.to_json() if args.json else format_plan(plan))
-    return 1 if plan.fits is False else 0
+    return ExitCode.FAILED if plan.fits is False else ExitCode.OK

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from core.errors import UserError
+from core.errors import ExitCode, UserError
 from core.record import steps
 from core.record.runfolder import RunFolder
 from core.record.steps import StepRecord
@@ -48,17 +48,17 @@ def run(args: argparse.Namespace) -> int:
     written = report_sweep(path, args.out) if is_sweep(path) else report_run(path, args.out)
     for p in written:
         print(p)
-    return 0
+    return ExitCode.OK
 
 
 # --- finding the data ---------------------------------------------------------------------
 def _figure_class() -> Any:
     """matplotlib's Figure with the Agg canvas, or a UserError naming the extra to install."""
     try:
-        import matplotlib
+        import matplotlib  # optional: pip install 'baton[plots]'
 
         matplotlib.use("Agg")  # a login node has no display; harmless when already Agg
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # optional, as above
     except ImportError:
         raise UserError(MISSING) from None
     return Figure

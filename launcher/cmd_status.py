@@ -5,8 +5,11 @@ import argparse
 import datetime
 import sys
 
+from core.errors import ExitCode
 from core.record import events as ev
 from core.record.state import RunRecord, RunState
+from launcher import slurm_jobs
+from launcher.cmd_watch import watch
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,13 +44,9 @@ def format_status(state: RunState, history: list[ev.Event]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launcher import slurm_jobs  # a job id → its run folder; the Slurm states of both components
-
     run_folder = slurm_jobs.resolve_status_target(args.run_dir)
     if args.watch:
-        from launcher.cmd_watch import watch
-
         return watch(run_folder.path, args.interval, stream=sys.stdout)
     record = RunRecord(run_folder)
     print("\n".join([format_status(record.read(), record.events()), *slurm_jobs.slurm_status_lines(run_folder)]))
-    return 0
+    return ExitCode.OK

@@ -68,18 +68,18 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: RunFolder | None, epoch: int) -> int:
     """Preflight, then one heterogeneous job; returns at once (or prints the script: --dry-run)."""
-    controller, workers = slurm.component_options(cfg, args)
+    spec = slurm.job_spec_for(cfg, args)  # built once: the dry run, preflight and submit use this value
     runs_root = Path(cfg.runs_root).expanduser().resolve()
     if args.dry_run:
         planned = run_folder or RunFolder(runs_root / cfg.name / new_run_id())
-        print(slurm.render(planned, cfg, controller, workers, epoch=epoch), end="")
-        return 0
-    slurm.preflight(cfg, controller, workers, runs_root)
+        print(slurm.render(planned, cfg, spec, epoch=epoch), end="")
+        return ExitCode.OK
+    slurm.preflight(spec, runs_root)
     if run_folder is None:
         run_folder = runprep.prepare_run(cfg, backend="slurm")
-    job_id = slurm.submit(run_folder, cfg, controller, workers, epoch=epoch)
+    job_id = slurm.submit(run_folder, cfg, spec, epoch=epoch)
     print(f"submitted job {job_id} (controller {job_id}+0, workers {job_id}+1)")
     print(f"run folder: {run_folder.path}")
     where = shlex.quote(str(run_folder.path))
     print(f"follow it:  baton status {where}   baton logs {where}   baton cancel {where}")
-    return 0
+    return ExitCode.OK

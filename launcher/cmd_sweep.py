@@ -22,6 +22,7 @@ from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
+from core.spec.jobspec import HetJobSpec
 from launcher import ledger as ledger_mod
 from launcher import local, runprep, slurm_jobs
 from launcher import sweep as sweep_mod
@@ -70,24 +71,30 @@ class SlurmBackend:
 
     def __init__(self) -> None:
         try:
-            from launcher import slurm
+            from launcher import slurm  # submitit: the local backend does without it
         except ImportError as exc:
             raise UserError(f"--backend slurm: launcher.slurm is not available ({exc}); use --backend local") from None
         self._slurm = slurm
-        self._checked: set[str] = set()
+        self._checked: set[tuple[HetJobSpec, Path]] = set()
 
     def preflight(self, cfg: RunConfig) -> None:
-        """sinfo-backed checks, once per distinct set of sbatch options (a sweep repeats them)."""
-        key = repr((self._slurm.component_options(cfg), cfg.runs_root))
+        """sinfo-backed checks, once per distinct job spec and runs root (a sweep repeats them)."""
+        spec = self._slurm.job_spec_for(cfg)
+        runs_root = Path(cfg.runs_root).expanduser().resolve()
+        key = (spec, runs_root)
         if key not in self._checked:
-            self._slurm.preflight(cfg)
+            self._slurm.preflight(spec, runs_root)
             self._checked.add(key)
 
     def render(self, run: RunFolder, cfg: RunConfig, *, after: str | None) -> str:
-        return str(self._slurm.render(run, cfg, extra_sbatch=_dependency(after)))
+        """The exact script of one point; ``after``: the job it waits for."""
+        spec = self._slurm.job_spec_for(cfg).with_job_flags(_dependency(after))
+        return str(self._slurm.render(run, cfg, spec))
 
     def submit(self, run: RunFolder, cfg: RunConfig, *, epoch: int, after: str | None) -> str:
-        return str(self._slurm.submit(run, cfg, epoch=epoch, extra_sbatch=_dependency(after)))
+        """Submit one point (after the job ``after``, if given); returns its job id."""
+        spec = self._slurm.job_spec_for(cfg).with_job_flags(_dependency(after))
+        return str(self._slurm.submit(run, cfg, spec, epoch=epoch))
 
     def job_states(self, jobs: dict[str, Path]) -> dict[str, str]:
         """The leader's state of each job; answers are cached in the run folder for a few seconds."""
@@ -153,7 +160,7 @@ def run_submit(args: argparse.Namespace) -> int:
         print(format_plan(sweep, backend, waits))
         if scripts:  # the chains add --dependency=afterany:<job of the point waited for>
             print(f"--- job script of point 0 (1 of {len(scripts)}) ---\n{scripts[0]}")
-        return 0
+        return ExitCode.OK
     ledger = new_ledger(sweep, backend)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     ledger_mod.write_copy(sweep_dir, sweep.text)
@@ -183,7 +190,7 @@ def run_resume(args: argparse.Namespace) -> int:
     todo = [r for r in rows if r.state in ledger_mod.RESUBMIT]
     if not todo:
         print(f"nothing to resume: {ledger_mod.count_line(rows)}")
-        return 0
+        return ExitCode.OK
     slurm = SlurmBackend() if backend == "slurm" else None
     configs = [_point_config(ledger, r.entry) for r in todo]
     if slurm is not None:
@@ -248,7 +255,7 @@ def launch(sweep_dir: Path, ledger: Ledger, ready: list[Ready], backend: str, *,
         print(f"point {item.entry.index} ({ledger_mod.describe(item.entry)}): job {job_id}"
               + (f" after {after}" if after else "") + f"  {item.run.path}")
     print(f"submitted {len(ready)} job(s); watch with `baton sweep status {sweep_dir}`")
-    return 0
+    return ExitCode.OK
 
 
 def _run_locally(sweep_dir: Path, ledger: Ledger, ready: list[Ready]) -> int:
@@ -274,7 +281,7 @@ def _run_locally(sweep_dir: Path, ledger: Ledger, ready: list[Ready]) -> int:
             return ExitCode.INTERRUPTED
         failed += final != ledger_mod.COMPLETED
     print(f"{len(ready) - failed} of {len(ready)} point(s) completed; `baton sweep results {sweep_dir}`")
-    return 1 if failed else 0
+    return ExitCode.FAILED if failed else ExitCode.OK
 
 
 # --- status and results -------------------------------------------------------------------
@@ -284,7 +291,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Print one row per point, the counts per state and the best point so far."""
     ledger = ledger_mod.read_ledger(args.sweep_dir)
     print(ledger_mod.format_status(ledger, ledger_mod.refresh(ledger, _lookup(ledger))))
-    return 0
+    return ExitCode.OK
 
 
 def run_results(args: argparse.Namespace) -> int:
@@ -295,7 +302,7 @@ def run_results(args: argparse.Namespace) -> int:
     if args.csv is not None:
         args.csv.write_text(ledger_mod.results_csv(ledger, rows))
         print(f"csv: {args.csv}")
-    return 0
+    return ExitCode.OK
 
 
 def format_plan(sweep: sweep_mod.Sweep, backend: str, waits: list[str | int | None]) -> str:

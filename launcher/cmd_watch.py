@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from core.errors import RunFolderError
+from core.errors import ExitCode, RunFolderError
 from core.record import steps
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, RunState, Status
 from core.record.steps import StepRecord
 
-ENDED = {Status.COMPLETED: 0, Status.STOPPED: 0, Status.FAILED: 1, Status.CANCELLED: 1}
+ENDED = {Status.COMPLETED: ExitCode.OK, Status.STOPPED: ExitCode.OK, Status.FAILED: ExitCode.FAILED,
+         Status.CANCELLED: ExitCode.FAILED}
 RECENT = 20  # records the ETA and the rates average over
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -145,5 +146,5 @@ def watch(
         if state is not None and state.status in ENDED:
             return ENDED[state.status]
         if max_iterations is not None and iterations >= max_iterations:
-            return 0
+            return ExitCode.OK
         sleep(interval_s)

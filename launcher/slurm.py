@@ -6,16 +6,15 @@
     component 1  the workers: ``trainer.nodes`` x ``trainer.n_gpus_per_node`` tasks on
                  ``slurm.workers.partition``, started with ``srun --het-group=1``
 
-Steps, in order: ``component_options`` (YAML + CLI flags → two option dicts), ``render``
-(pure: the exact script, for ``--dry-run`` and golden tests), ``preflight`` (checks
-against ``sinfo`` and the file system; nothing is submitted when one fails), ``submit``
-(the one side effect). Then ``launcher.slurm_jobs``: states, status lines, cancel.
+Steps, in order: ``job_spec_for`` (YAML + CLI flags → one ``core.spec.jobspec.HetJobSpec``,
+built once and passed to every later step), ``render`` (pure: the exact script, for
+``--dry-run`` and golden tests), ``preflight`` (checks against ``sinfo`` and the file system;
+nothing is submitted when one fails), ``submit`` (the one side effect). Then
+``launcher.slurm_jobs``: states, status lines, cancel.
 
 submitit has no heterogeneous jobs. Its private seam ``_make_submission_file_text`` is
 overridden here and only here (``HetJobExecutor``); tests/unit/test_slurm_render.py fails
 loudly if submitit changes it. This is submitit's only home module (tests/unit/test_layering.py).
-
-Option dicts have the keys of ``OPTION_KEYS``; ``time`` is in whole minutes.
 """
 from __future__ import annotations
 
@@ -39,40 +38,22 @@ from core.record import events as ev
 from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig, SlurmComponentConfig
+from core.spec.jobspec import Component, HetJobSpec, job_spec, parse_time_min
 from launcher import slurm_jobs
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "slurm_templates" / "hetjob.sbatch.tmpl"
-DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
-DEFAULT_TIME_MIN = 60
 # The walltime must hold startup, one step and one checkpoint. Neither is known before the
 # run, so the floor is conservative: 2 min to start (queue-to-register, imports), 1 min for a
 # step, 2 min to write and commit a checkpoint.
 MIN_WALLTIME_MIN = 2 + 1 + 2
 WORKERS_GRACE_S = 30.0  # after the controller exits, on top of timeouts.controller_lost_s
-OPTION_KEYS = ("partition", "account", "qos", "time", "nodes", "ntasks_per_node", "gpus_per_node",
-               "cpus_per_task", "mem", "constraint", "exclude", "reservation", "signal", "extra")
 _CLI_OPTIONS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem",
                 "constraint", "exclude", "reservation", "signal")
 
 # ------------------------------------------------------------------------------- options
-
-
-def parse_time_min(text: str, what: str) -> int:
-    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) → whole minutes, rounded up."""
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not m:
-        raise UserError(f"{what}: {text!r} is not a Slurm time; use minutes, H:MM:SS or D-HH:MM:SS")
-    days, a, b, c = (int(g) if g else None for g in m.groups())
-    if days is not None:  # D-H[:M[:S]]
-        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
-    elif c is not None:  # H:M:S
-        seconds = a * 3600 + b * 60 + c  # type: ignore[operator]
-    else:  # M or M:S
-        seconds = a * 60 + (b or 0)
-    return -(-seconds // 60)
 
 
 def add_sbatch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,57 +67,17 @@ def add_sbatch_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a raw sbatch flag for the workers component (repeatable)")
 
 
-def _check_signal(value: str, what: str) -> str:
-    if not re.fullmatch(r"(?:[BR]{1,2}:)?(?:SIG)?[A-Z0-9]+(?:@\d+)?", value):
-        raise UserError(f"{what}: {value!r} is not an sbatch --signal; use e.g. USR2@90")
-    return value
+def cli_overrides(args: argparse.Namespace | None) -> SlurmComponentConfig | None:
+    """The workers' sbatch options given on the command line (unset ones are None)."""
+    if args is None:
+        return None
+    given = {k: getattr(args, f"slurm_{k}", None) for k in _CLI_OPTIONS}
+    return SlurmComponentConfig(**given, extra=list(getattr(args, "slurm_extra", None) or []))
 
 
-def _check_extra(raw: str, what: str) -> str:
-    if not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=[^\n]*)?", raw):
-        raise UserError(f"{what}: {raw!r} is not a raw sbatch flag; use --flag or --flag=value")
-    return raw
-
-
-def component_options(cfg: RunConfig, args: argparse.Namespace | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(controller, workers) sbatch options from YAML, with CLI flags over the workers'.
-
-    Worker nodes and tasks per node follow ``trainer``; ``gpus_per_node`` defaults to the
-    tasks per node (0 asks for none). The controller inherits the workers' account and
-    time when its own are unset. Every component gets ``--signal`` (default USR2@90).
-    """
-    def merged(yaml_cfg: SlurmComponentConfig, cli: dict[str, Any], section: str) -> dict[str, Any]:
-        out = {k: getattr(yaml_cfg, k) for k in OPTION_KEYS if k not in ("ntasks_per_node",)}
-        out.update({k: v for k, v in cli.items() if v is not None and k != "extra"})
-        out["extra"] = [_check_extra(x, f"{section}.extra") for x in [*yaml_cfg.extra, *cli.get("extra", [])]]
-        if out["signal"] is not None:
-            _check_signal(out["signal"], f"{section}.signal")
-        return out
-
-    cli = {k: getattr(args, f"slurm_{k}", None) for k in (*_CLI_OPTIONS, "extra")} if args else {}
-    cli["extra"] = list(cli.get("extra") or [])
-    wrk = merged(cfg.slurm.workers, cli, "slurm.workers")
-    ctl = merged(cfg.slurm.controller, {}, "slurm.controller")
-    t = cfg.trainer
-    if wrk["nodes"] not in (None, t.nodes):
-        raise UserError(f"--nodes / slurm.workers.nodes = {wrk['nodes']} differs from trainer.nodes = {t.nodes}; "
-                        f"set trainer.nodes={wrk['nodes']} (the worker count follows it)")
-    if ctl["nodes"] not in (None, 1):
-        raise UserError(f"slurm.controller.nodes: {ctl['nodes']} must be 1 (the controller is one task)")
-    wrk.update(nodes=t.nodes, ntasks_per_node=t.n_gpus_per_node)
-    if wrk["gpus_per_node"] is None:
-        wrk["gpus_per_node"] = t.n_gpus_per_node
-    ctl.update(nodes=1, ntasks_per_node=1)
-    ctl["account"] = ctl["account"] or wrk["account"]
-    w_time = parse_time_min(wrk["time"], "slurm.workers.time") if wrk["time"] else None
-    c_time = parse_time_min(ctl["time"], "slurm.controller.time") if ctl["time"] else None
-    wrk["time"] = w_time or c_time or DEFAULT_TIME_MIN
-    ctl["time"] = c_time or wrk["time"]
-    for opts in (ctl, wrk):
-        opts["signal"] = opts["signal"] or DEFAULT_SIGNAL
-        if opts["gpus_per_node"] == 0:
-            opts["gpus_per_node"] = None
-    return ctl, wrk
+def job_spec_for(cfg: RunConfig, args: argparse.Namespace | None = None) -> HetJobSpec:
+    """The run's het job: ``cfg``'s YAML with the command line's sbatch flags over the workers'."""
+    return job_spec(cfg, cli_overrides(args))
 
 
 # -------------------------------------------------------------------------------- render
@@ -158,29 +99,36 @@ def controller_command(folder: Path, python: str) -> str:
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def _submitit_parameters(run: RunFolder, cfg: RunConfig, ctl: dict[str, Any]) -> dict[str, Any]:
+def _submitit_parameters(run: RunFolder, spec: HetJobSpec) -> dict[str, Any]:
     """Component 0, in submitit's parameter names (its builder writes those #SBATCH lines)."""
-    extra: dict[str, Any] = {"signal": ctl["signal"], "requeue": True, "chdir": str(run.path)}
-    if ctl["reservation"]:
-        extra["reservation"] = ctl["reservation"]
-    extra.update(_raw_flag(x) for x in ctl["extra"])
+    ctl = spec.controller
+    extra: dict[str, Any] = {"signal": ctl.signal, "requeue": True, "chdir": str(run.path)}
+    if ctl.reservation:
+        extra["reservation"] = ctl.reservation
+    extra.update(_raw_flag(x) for x in ctl.extra)
     params: dict[str, Any] = {
-        "job_name": f"baton-{cfg.name}", "time": ctl["time"], "nodes": 1, "ntasks_per_node": 1,
+        "job_name": spec.name, "time": ctl.time_min, "nodes": 1, "ntasks_per_node": 1,
         "comment": str(run.path),  # `baton status JOB_ID` finds the run folder from it
         "stderr_to_stdout": True, "wckey": None, "srun_args": ["--het-group=0"], "additional_parameters": extra,
     }
     for key in ("partition", "account", "qos", "cpus_per_task", "gpus_per_node", "mem", "constraint", "exclude"):
-        if ctl[key] is not None:
-            params[key] = ctl[key]
+        if getattr(ctl, key) is not None:
+            params[key] = getattr(ctl, key)
     return params
 
 
-def _component1_flags(cfg: RunConfig, wrk: dict[str, Any]) -> list[str]:
-    flags = [_flag("job_name", f"baton-{cfg.name}")]
-    for key in OPTION_KEYS[:-1]:
-        if wrk[key] is not None:
-            flags.append(_flag(key, wrk[key]))
-    return flags + [_flag(*_raw_flag(x)) for x in wrk["extra"]]
+def _sbatch_options(c: Component) -> list[tuple[str, Any]]:
+    """The set options of ``c`` under sbatch's names, in the order the script lists them."""
+    options = [("partition", c.partition), ("account", c.account), ("qos", c.qos), ("time", c.time_min),
+               ("nodes", c.nodes), ("ntasks_per_node", c.ntasks_per_node), ("gpus_per_node", c.gpus_per_node),
+               ("cpus_per_task", c.cpus_per_task), ("mem", c.mem), ("constraint", c.constraint),
+               ("exclude", c.exclude), ("reservation", c.reservation), ("signal", c.signal)]
+    return [(key, value) for key, value in options if value is not None]
+
+
+def _component1_flags(spec: HetJobSpec) -> list[str]:
+    flags = [_flag("job_name", spec.name)] + [_flag(k, v) for k, v in _sbatch_options(spec.workers)]
+    return flags + [_flag(*_raw_flag(x)) for x in spec.workers.extra]
 
 
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -224,11 +172,11 @@ def compose(submitit_text: str, fields: dict[str, str | list[str]]) -> str:
     return fill_template(TEMPLATE.read_text(), values)
 
 
-def _fields(run: RunFolder, cfg: RunConfig, wrk: dict[str, Any], python: str, pythonpath: str,
+def _fields(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, python: str, pythonpath: str,
             epoch: int = 0) -> dict[str, Any]:
     return {
         "epoch_base": str(int(epoch)),
-        "component1_flags": _component1_flags(cfg, wrk), "setup": list(cfg.slurm.setup),
+        "component1_flags": _component1_flags(spec), "setup": list(spec.setup),
         "run_dir": shlex.quote(str(run.path)), "pythonpath": shlex.quote(pythonpath), "python": python,
         "world_size": str(cfg.trainer.world_size), "nodes": str(cfg.trainer.nodes),
         "tasks_per_node": str(cfg.trainer.n_gpus_per_node),
@@ -236,44 +184,44 @@ def _fields(run: RunFolder, cfg: RunConfig, wrk: dict[str, Any], python: str, py
     }
 
 
-def _resolve(cfg: RunConfig, controller_opts: dict[str, Any] | None, worker_opts: dict[str, Any] | None,
-             extra_sbatch: list[str] | tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-    ctl, wrk = (controller_opts, worker_opts) if controller_opts and worker_opts else component_options(cfg)
-    if extra_sbatch:  # job-level flags (e.g. --dependency) belong to component 0
-        ctl = dict(ctl, extra=[*ctl["extra"], *(_check_extra(x, "extra_sbatch") for x in extra_sbatch)])
-    return ctl, wrk
+def _shell_python(python: str | None) -> str:
+    """The interpreter as one shell word (submitit puts it into the command unquoted)."""
+    return shlex.quote(python or sys.executable)
 
 
-def render(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | None = None,
-           worker_opts: dict[str, Any] | None = None, *, epoch: int = 0, extra_sbatch: list[str] | tuple[str, ...] = (),
-           python: str | None = None, pythonpath: str | None = None) -> str:
+def render(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, *, epoch: int = 0, python: str | None = None,
+           pythonpath: str | None = None) -> str:
     """The exact script ``submit`` would hand to sbatch (pure; the run folder need not exist).
 
-    Options default to ``component_options(cfg)``; ``extra_sbatch`` adds raw job-level flags
-    to component 0. ``epoch`` is the run's epoch at submit (0, or the next one on resume):
-    the job's BATON_EPOCH is it plus SLURM_RESTART_COUNT. ``python`` is the interpreter path (default: this one), ``pythonpath``
-    the folder that holds ``core`` and ``launcher`` (default: this checkout).
+    ``spec`` is the run's het job (``job_spec_for``; job-level flags such as a dependency:
+    ``spec.with_job_flags``). ``epoch`` is the run's epoch at submit (0, or the next one on
+    resume): the job's BATON_EPOCH is it plus SLURM_RESTART_COUNT. ``python`` is the
+    interpreter path (default: this one), ``pythonpath`` the folder that holds ``core`` and
+    ``launcher`` (default: this checkout).
     """
-    ctl, wrk = _resolve(cfg, controller_opts, worker_opts, extra_sbatch)
-    py = shlex.quote(python or sys.executable)
+    py = _shell_python(python)
     folder = slurm_jobs.submitit_folder(run)
     text = submitit_slurm._make_sbatch_string(command=controller_command(folder, py), folder=folder,
-                                              **_submitit_parameters(run, cfg, ctl))
-    return compose(text, _fields(run, cfg, wrk, py, pythonpath or str(REPO), epoch))
+                                              **_submitit_parameters(run, spec))
+    return compose(text, _fields(run, cfg, spec, py, pythonpath or str(REPO), epoch))
 
 
 class HetJobExecutor(submitit_slurm.SlurmExecutor):
-    """submitit's SlurmExecutor, writing a heterogeneous job: its own text for component 0,
-    then ``#SBATCH hetjob``, the workers' flags and Baton's body (``compose``).
+    """submitit's SlurmExecutor, writing a heterogeneous job: its own text for component 0
+    (from ``spec.controller``), then ``#SBATCH hetjob``, the workers' flags and Baton's body
+    (``compose``).
 
-    ``expected`` is the script ``render`` gave; a different text is refused before sbatch runs,
-    so ``--dry-run`` always shows what is submitted.
+    ``expected`` is the script ``render`` gave for the same arguments; a different text is
+    refused before sbatch runs, so ``--dry-run`` always shows what is submitted.
     """
 
-    def __init__(self, folder: Path, *, fields: dict[str, Any], expected: str, python: str) -> None:
-        super().__init__(folder, python=python)
-        self._fields = fields
+    def __init__(self, run: RunFolder, cfg: RunConfig, spec: HetJobSpec, *, expected: str, epoch: int = 0,
+                 python: str | None = None, pythonpath: str | None = None) -> None:
+        py = _shell_python(python)
+        super().__init__(slurm_jobs.submitit_folder(run), python=py)
+        self._fields = _fields(run, cfg, spec, py, pythonpath or str(REPO), epoch)
         self._expected = expected
+        self.update_parameters(**_submitit_parameters(run, spec))
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         text = compose(super()._make_submission_file_text(command, uid), self._fields)
@@ -294,73 +242,63 @@ def _limit_min(text: str) -> int | None:
     return None if text.strip().lower() in ("infinite", "unlimited", "n/a", "") else parse_time_min(text, "sinfo")
 
 
-def preflight(cfg: RunConfig, controller_opts: dict[str, Any] | None = None, worker_opts: dict[str, Any] | None = None,
-              run_root: Path | None = None) -> None:
-    """Checks that a submission can start; the first failure raises UserError naming it.
+def preflight(spec: HetJobSpec, runs_root: Path) -> None:
+    """Checks that ``spec`` can start; the first failure raises UserError naming it.
 
     Partitions exist (``sinfo``); some partition nodes hold the workers' GPUs and CPUs;
-    the runs root is writable; each walltime holds one step plus one checkpoint
+    ``runs_root`` is writable; each walltime holds one step plus one checkpoint
     (MIN_WALLTIME_MIN, conservative) and fits the partition's limit; the controller's
-    walltime is not shorter than the workers'. Defaults: ``component_options(cfg)`` and
-    ``cfg.runs_root``.
+    walltime is not shorter than the workers'.
     """
-    controller_opts, worker_opts = _resolve(cfg, controller_opts, worker_opts, ())
-    run_root = run_root or Path(cfg.runs_root).expanduser().resolve()
     proc = slurm_jobs.run_cli(["sinfo", "-h", "-N", "-o", "%P|%N|%G|%c|%l"])
     if proc.returncode != 0:
         raise UserError(f"preflight: sinfo failed: {proc.stderr.strip() or proc.stdout.strip()}")
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 4]
     default = next((p.rstrip("*") for p, *_ in rows if p.endswith("*")), None)
     partitions = sorted({p.rstrip("*") for p, *_ in rows})
-    for role, opts in (("controller", controller_opts), ("workers", worker_opts)):
-        part = opts["partition"] or default
+    for c in (spec.controller, spec.workers):
+        role, part = c.role, c.partition or default
         where = f"slurm.{role}.partition" + (" / --partition" if role == "workers" else "")
         if part is None:
             raise UserError(f"preflight: {where}: not set and the cluster has no default partition; set one of {partitions}")
         nodes = [r for r in rows if r[0].rstrip("*") == part]
         if not nodes:
             raise UserError(f"preflight: {where}: partition {part!r} does not exist; choose one of {partitions}")
-        gpus, cpus = opts["gpus_per_node"] or 0, opts["ntasks_per_node"] * (opts["cpus_per_task"] or 1)
+        gpus, cpus = c.gpus_per_node or 0, c.ntasks_per_node * (c.cpus_per_task or 1)
         fit = [r for r in nodes if _gpus(r[2]) >= gpus and int(r[3]) >= cpus]
-        if len(fit) < opts["nodes"]:
+        if len(fit) < c.nodes:
             most = max(_gpus(r[2]) for r in nodes)
             raise UserError(
-                f"preflight: {role} ask {opts['nodes']} node(s) with {gpus} GPU(s) and {cpus} CPU(s) each on partition "
+                f"preflight: {role} ask {c.nodes} node(s) with {gpus} GPU(s) and {cpus} CPU(s) each on partition "
                 f"{part!r}, but only {len(fit)} of its nodes fit (at most {most} GPU(s) per node); lower "
                 f"trainer.n_gpus_per_node / --gpus-per-node / --cpus-per-task or pick another partition")
         limits = [_limit_min(r[4]) for r in nodes]
         limit = None if None in limits else max(x for x in limits if x is not None)
-        if limit is not None and opts["time"] > limit:
-            raise UserError(f"preflight: slurm.{role}.time: {opts['time']} min exceeds partition {part!r}'s limit "
+        if limit is not None and c.time_min > limit:
+            raise UserError(f"preflight: slurm.{role}.time: {c.time_min} min exceeds partition {part!r}'s limit "
                             f"of {limit} min; ask for less")
-        if opts["time"] < MIN_WALLTIME_MIN:
-            raise UserError(f"preflight: slurm.{role}.time: {opts['time']} min cannot hold startup, one step and one "
+        if c.time_min < MIN_WALLTIME_MIN:
+            raise UserError(f"preflight: slurm.{role}.time: {c.time_min} min cannot hold startup, one step and one "
                             f"checkpoint; ask for at least {MIN_WALLTIME_MIN} min")
-    if controller_opts["time"] < worker_opts["time"]:
-        raise UserError(f"preflight: slurm.controller.time: {controller_opts['time']} min is shorter than the "
-                        f"workers' {worker_opts['time']} min; the controller must outlive them")
-    existing = next(p for p in [run_root, *run_root.parents] if p.exists())
+    if spec.controller.time_min < spec.workers.time_min:
+        raise UserError(f"preflight: slurm.controller.time: {spec.controller.time_min} min is shorter than the "
+                        f"workers' {spec.workers.time_min} min; the controller must outlive them")
+    existing = next(p for p in [runs_root, *runs_root.parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"preflight: runs_root {run_root}: {existing} is not a writable folder; set runs_root=...")
+        raise UserError(f"preflight: runs_root {runs_root}: {existing} is not a writable folder; set runs_root=...")
 
 
 # --------------------------------------------------------------------------------- submit
 
 
-def submit(run: RunFolder, cfg: RunConfig, controller_opts: dict[str, Any] | None = None,
-           worker_opts: dict[str, Any] | None = None, *, epoch: int = 0,
-           extra_sbatch: list[str] | tuple[str, ...] = (), python: str | None = None) -> str:
-    """Write job.sbatch (the exact script), submit it through submitit, record the job id.
+def submit(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, *, epoch: int = 0, python: str | None = None) -> str:
+    """Write job.sbatch (the exact script of ``render``), submit it through submitit, record the job id.
 
-    ``epoch``: as in ``render``. Returns the leader's job id.
+    ``spec`` and ``epoch``: as in ``render``. Returns the leader's job id.
     """
-    ctl, wrk = _resolve(cfg, controller_opts, worker_opts, extra_sbatch)
-    py = shlex.quote(python or sys.executable)
-    script = render(run, cfg, ctl, wrk, epoch=epoch, python=python)
+    script = render(run, cfg, spec, epoch=epoch, python=python)
     write_atomic(run.sbatch, script)
-    executor = HetJobExecutor(slurm_jobs.submitit_folder(run), fields=_fields(run, cfg, wrk, py, str(REPO), epoch),
-                              expected=script, python=py)
-    executor.update_parameters(**_submitit_parameters(run, cfg, ctl))
+    executor = HetJobExecutor(run, cfg, spec, expected=script, epoch=epoch, python=python)
     try:
         job = executor.submit(slurm_main, str(run.path))
     except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError) as exc:

@@ -38,7 +38,7 @@ import h5py
 import numpy as np
 
 from core.data.tokenizer import BYTE, Tokenizer, load_tokenizer
-from core.errors import UserError
+from core.errors import ExitCode, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def expand_inputs(inputs: Sequence[Path]) -> list[Path]:
 
 def _require_pyarrow(path: Path) -> Any:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: only .parquet input needs it
     except ImportError:
         raise DataBuildError(f"{path}: reading .parquet needs pyarrow; pip install pyarrow") from None
     return pq
@@ -271,13 +271,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_key=args.text_key)
     except UserError as exc:
         print(f"baton data build: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     print(f"wrote {stats['output']}")
     print(f"  documents {stats['documents']:,} from {stats['files']} file(s)")
     print(f"  tokens    {stats['tokens']:,} ({stats['dtype']}, vocab {stats['vocab_size']}, "
           f"tokenizer {stats['tokenizer']})")
     print(f"  file size {_human_bytes(stats['file_bytes'])}")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.errors import ExitCode
 from core.job import slurmctl
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
@@ -20,7 +21,7 @@ from core.supervisor.contract import after_controller
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "after-controller":
         print("usage: python -m core.supervisor after-controller RUN_DIR EXIT_CODE", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     run = RunFolder.open(Path(argv[1]))
     cfg = config_mod.load(run.config)
     steps = manifest.committed_steps(run.checkpoints)
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
         if not result.ok:
             print(f"baton: requeue failed: {result.detail}", file=sys.stderr)
     print("requeue" if status is Status.REQUEUED else "stop")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from core.errors import ExitCode
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
 from core.supervisor.contract import read_request
@@ -79,7 +80,7 @@ def supervise(run: RunFolder, cmd: list[str], *, epoch: int) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m core.supervisor.worker_steps RUN_DIR -- COMMAND...", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker-steps] %(message)s")
     signal.signal(signal.SIGTERM, _Stop.handler)
     signal.signal(signal.SIGINT, _Stop.handler)

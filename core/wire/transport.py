@@ -26,6 +26,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from core.errors import ExitCode
+
 Frames = Sequence[Any]
 
 # Frames below this size are copied: for small messages a copy is far cheaper than
@@ -255,9 +257,9 @@ class WorkerSocket:
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "keygen":
         print("usage: python -m core.wire.transport keygen KEYS_DIR", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     generate_keys(Path(argv[1]))
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

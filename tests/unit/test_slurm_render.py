@@ -14,6 +14,7 @@ import os
 import shlex
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,8 +45,7 @@ def cli(*argv: str) -> argparse.Namespace:
 
 
 def rendered(cfg: config.RunConfig, args: argparse.Namespace | None = None, path: Path = AWKWARD) -> str:
-    ctl, wrk = slurm.component_options(cfg, args)
-    return slurm.render(RunFolder(path), cfg, ctl, wrk, python=PYTHON, pythonpath=PYTHONPATH)
+    return slurm.render(RunFolder(path), cfg, slurm.job_spec_for(cfg, args), python=PYTHON, pythonpath=PYTHONPATH)
 
 
 def check_golden(name: str, text: str) -> None:
@@ -116,12 +116,10 @@ def test_submitit_private_seam_is_unchanged(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(submitit_slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 1))
     cfg = toy("slurm.controller.partition=cpu", "slurm.workers.partition=gpu")
     run = RunFolder(tmp_path / "it's a run")
-    ctl, wrk = slurm.component_options(cfg)
-    expected = slurm.render(run, cfg, ctl, wrk, python=PYTHON)
+    spec = slurm.job_spec_for(cfg)
+    expected = slurm.render(run, cfg, spec, python=PYTHON)
     py = shlex.quote(PYTHON)
-    ex = slurm.HetJobExecutor(slurm_jobs.submitit_folder(run), fields=slurm._fields(run, cfg, wrk, py, str(slurm.REPO)),
-                              expected=expected, python=py)
-    ex.update_parameters(**slurm._submitit_parameters(run, cfg, ctl))
+    ex = slurm.HetJobExecutor(run, cfg, spec, expected=expected, python=PYTHON)
     assert ex._submitit_command_str == slurm.controller_command(slurm_jobs.submitit_folder(run), py)
     assert ex._make_submission_file_text(ex._submitit_command_str, "uid") == expected
 
@@ -144,17 +142,18 @@ def test_fill_template_repeats_list_lines_and_rejects_unknown_names() -> None:
 
 
 def test_cli_flags_apply_to_the_workers_and_every_component_gets_the_signal() -> None:
-    ctl, wrk = slurm.component_options(toy("slurm.controller.partition=cpu"), cli("--partition", "gpu", "--time", "90"))
-    assert (ctl["partition"], wrk["partition"]) == ("cpu", "gpu")
-    assert wrk["time"] == 90 and ctl["time"] == 90  # the controller inherits the workers' walltime
-    assert ctl["signal"] == wrk["signal"] == "USR2@90"
-    assert (wrk["nodes"], wrk["ntasks_per_node"], wrk["gpus_per_node"]) == (1, 4, 4)
-    assert (ctl["nodes"], ctl["ntasks_per_node"], ctl["gpus_per_node"]) == (1, 1, None)
+    spec = slurm.job_spec_for(toy("slurm.controller.partition=cpu"), cli("--partition", "gpu", "--time", "90"))
+    ctl, wrk = spec.controller, spec.workers
+    assert (ctl.partition, wrk.partition) == ("cpu", "gpu")
+    assert wrk.time_min == 90 and ctl.time_min == 90  # the controller inherits the workers' walltime
+    assert ctl.signal == wrk.signal == "USR2@90"
+    assert (wrk.nodes, wrk.ntasks_per_node, wrk.gpus_per_node) == (1, 4, 4)
+    assert (ctl.nodes, ctl.ntasks_per_node, ctl.gpus_per_node) == (1, 1, None)
 
 
 def test_nodes_flag_that_contradicts_trainer_nodes_is_a_user_error() -> None:
     with pytest.raises(UserError, match="set trainer.nodes=2"):
-        slurm.component_options(toy(), cli("--nodes", "2"))
+        slurm.job_spec_for(toy(), cli("--nodes", "2"))
 
 
 @pytest.mark.parametrize("text, minutes", [("30", 30), ("1:30", 2), ("2:00:00", 120), ("1-0", 1440),
@@ -168,7 +167,7 @@ def test_slurm_time_formats_become_minutes(text: str, minutes: int) -> None:
                                            (("--sbatch-extra", "mail=x"), "not a raw sbatch flag")])
 def test_bad_sbatch_values_are_one_line_user_errors(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(UserError, match=message):
-        slurm.component_options(toy(), cli(*argv))
+        slurm.job_spec_for(toy(), cli(*argv))
 
 
 # ---------------------------------------------------------------------------- preflight
@@ -191,9 +190,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 
 def preflight(tmp_path: Path, *overrides: str, argv: tuple[str, ...] = ()) -> None:
-    cfg = toy(*overrides)
-    ctl, wrk = slurm.component_options(cfg, cli(*argv))
-    slurm.preflight(cfg, ctl, wrk, tmp_path / "runs")
+    slurm.preflight(slurm.job_spec_for(toy(*overrides), cli(*argv)), tmp_path / "runs")
 
 
 def test_preflight_passes_on_a_cluster_that_fits(recorded: dict[str, Any], tmp_path: Path) -> None:
@@ -217,10 +214,49 @@ def test_failed_preflight_names_the_check(recorded: dict[str, Any], tmp_path: Pa
 
 def test_preflight_refuses_a_runs_root_it_cannot_write(recorded: dict[str, Any], tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    cfg = toy()
-    ctl, wrk = slurm.component_options(cfg, cli("--partition", "gpu"))
+    spec = slurm.job_spec_for(toy(), cli("--partition", "gpu"))
     with pytest.raises(UserError, match="not a writable folder"):
-        slurm.preflight(cfg, ctl, wrk, tmp_path / "file" / "runs")
+        slurm.preflight(spec, tmp_path / "file" / "runs")
+
+
+def test_job_level_flags_go_to_component_0_and_are_checked() -> None:
+    spec = slurm.job_spec_for(toy())
+    assert spec.with_job_flags([]) is spec
+    chained = spec.with_job_flags(["--dependency=afterany:7"])
+    assert chained.controller.extra == ("--dependency=afterany:7",) and chained.workers == spec.workers
+    with pytest.raises(UserError, match="extra_sbatch: 'dependency=7' is not a raw sbatch flag"):
+        spec.with_job_flags(["dependency=7"])
+
+
+def test_one_spec_is_what_render_preflight_and_submit_consume(recorded: dict[str, Any], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = toy()  # no partitions in the YAML: from the config alone the workers land on 'cpu', which has no GPUs
+    with pytest.raises(UserError, match="at most 0 GPU"):
+        slurm.preflight(slurm.job_spec_for(cfg), tmp_path / "runs")
+    spec = slurm.job_spec_for(cfg, cli("--partition", "gpu", "--time", "20")).with_job_flags(["--dependency=afterany:7"])
+
+    def recomputed(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the job spec was computed again from the config")
+
+    monkeypatch.setattr(slurm, "job_spec", recomputed)
+    monkeypatch.setattr(slurm, "job_spec_for", recomputed)
+    run = RunFolder.create(tmp_path / "runs", cfg.name)
+    script = slurm.render(run, cfg, spec, python=PYTHON)
+    lines = script.splitlines()
+    split = lines.index("#SBATCH hetjob")
+    assert "#SBATCH --dependency=afterany:7" in lines[:split] and "#SBATCH --time=20" in lines[:split]
+    assert "#SBATCH --partition=gpu" in lines[split:] and "#SBATCH --time=20" in lines[split:]
+    slurm.preflight(spec, tmp_path / "runs")  # the spec's partition and walltime, not the config's
+    assert recorded["calls"] == ["sinfo", "sinfo"]
+
+    def sbatch(self: slurm.HetJobExecutor, fn: object, *args: object) -> SimpleNamespace:
+        self._make_submission_file_text(self._submitit_command_str, "uid")  # raises unless it is render()'s text
+        return SimpleNamespace(job_id="42")
+
+    monkeypatch.setattr(submitit_slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+    monkeypatch.setattr(slurm.HetJobExecutor, "submit", sbatch)
+    assert slurm.submit(run, cfg, spec, python=PYTHON) == "42"
+    assert run.sbatch.read_text() == script
 
 
 # ------------------------------------------------------------------------------- states

@@ -1,0 +1,141 @@
+"""The heterogeneous Slurm job of one run, as typed values (no Slurm, no I/O).
+
+    component 0  the controller: one task
+    component 1  the workers: ``trainer.nodes`` x ``trainer.n_gpus_per_node`` tasks
+
+``job_spec`` merges the YAML (``slurm.*``) with the CLI's overrides of the workers and
+validates the result once; ``launcher.slurm`` renders, preflights and submits that value.
+Walltimes are whole minutes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from core.errors import UserError
+from core.spec.config import RunConfig, SlurmComponentConfig
+
+DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
+DEFAULT_TIME_MIN = 60
+
+Role = Literal["controller", "workers"]
+
+
+def parse_time_min(text: str, what: str) -> int:
+    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) → whole minutes, rounded up."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise UserError(f"{what}: {text!r} is not a Slurm time; use minutes, H:MM:SS or D-HH:MM:SS")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is not None:  # D-H[:M[:S]]
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # H:M:S
+        seconds = a * 3600 + b * 60 + c  # type: ignore[operator]
+    else:  # M or M:S
+        seconds = a * 60 + (b or 0)
+    return -(-seconds // 60)
+
+
+def check_signal(value: str, what: str) -> str:
+    """``value`` if it is an sbatch ``--signal`` (``[B:|R:]SIG[@seconds]``), else a UserError."""
+    if not re.fullmatch(r"(?:[BR]{1,2}:)?(?:SIG)?[A-Z0-9]+(?:@\d+)?", value):
+        raise UserError(f"{what}: {value!r} is not an sbatch --signal; use e.g. USR2@90")
+    return value
+
+
+def check_extra(raw: str, what: str) -> str:
+    """``raw`` if it is a raw sbatch flag (``--flag`` or ``--flag=value``), else a UserError."""
+    if not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=[^\n]*)?", raw):
+        raise UserError(f"{what}: {raw!r} is not a raw sbatch flag; use --flag or --flag=value")
+    return raw
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """The sbatch options of one het-job component, resolved (None: the flag is not given)."""
+
+    role: Role
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int
+    nodes: int
+    ntasks_per_node: int
+    gpus_per_node: int | None = None  # None: ask for no GPUs
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    reservation: str | None = None
+    signal: str = DEFAULT_SIGNAL
+    extra: tuple[str, ...] = ()  # raw "--flag[=value]", already checked
+
+
+@dataclass(frozen=True, kw_only=True)
+class HetJobSpec:
+    """One run's heterogeneous job: the job name, both components and the setup lines."""
+
+    name: str
+    controller: Component
+    workers: Component
+    setup: tuple[str, ...] = ()
+
+    def with_job_flags(self, flags: Iterable[str]) -> HetJobSpec:
+        """A copy with raw job-level sbatch flags (e.g. ``--dependency=afterany:ID``) added to
+        component 0, where Slurm reads a het job's job-level options."""
+        checked = tuple(check_extra(x, "extra_sbatch") for x in flags)
+        if not checked:
+            return self
+        controller = dataclasses.replace(self.controller, extra=(*self.controller.extra, *checked))
+        return dataclasses.replace(self, controller=controller)
+
+
+def _merged(yaml_cfg: SlurmComponentConfig, cli: SlurmComponentConfig | None, section: str) -> SlurmComponentConfig:
+    """YAML options with the CLI's set ones over them; extras are YAML's then the CLI's, checked."""
+    over = {} if cli is None else {f.name: getattr(cli, f.name) for f in dataclasses.fields(cli)
+                                   if f.name != "extra" and getattr(cli, f.name) is not None}
+    extra = [check_extra(x, f"{section}.extra") for x in [*yaml_cfg.extra, *(cli.extra if cli else ())]]
+    out = dataclasses.replace(yaml_cfg, **over, extra=extra)
+    if out.signal is not None:
+        check_signal(out.signal, f"{section}.signal")
+    return out
+
+
+def job_spec(cfg: RunConfig, cli: SlurmComponentConfig | None = None) -> HetJobSpec:
+    """The het job of ``cfg``, with ``cli`` (sbatch flags given on the command line) over the
+    workers' YAML options.
+
+    Worker nodes and tasks per node follow ``trainer``; ``gpus_per_node`` defaults to the
+    tasks per node (0 asks for none). The controller is one task on one node and inherits
+    the workers' account and time when its own are unset. Every component gets ``--signal``
+    (default USR2@90); the walltime defaults to 60 min. Bad values are one-line UserErrors.
+    """
+    wrk = _merged(cfg.slurm.workers, cli, "slurm.workers")
+    ctl = _merged(cfg.slurm.controller, None, "slurm.controller")
+    t = cfg.trainer
+    if wrk.nodes not in (None, t.nodes):
+        raise UserError(f"--nodes / slurm.workers.nodes = {wrk.nodes} differs from trainer.nodes = {t.nodes}; "
+                        f"set trainer.nodes={wrk.nodes} (the worker count follows it)")
+    if ctl.nodes not in (None, 1):
+        raise UserError(f"slurm.controller.nodes: {ctl.nodes} must be 1 (the controller is one task)")
+    w_time = parse_time_min(wrk.time, "slurm.workers.time") if wrk.time else None
+    c_time = parse_time_min(ctl.time, "slurm.controller.time") if ctl.time else None
+    w_minutes = w_time or c_time or DEFAULT_TIME_MIN
+    workers = _component("workers", wrk, nodes=t.nodes, ntasks_per_node=t.n_gpus_per_node, time_min=w_minutes,
+                         account=wrk.account,
+                         gpus_per_node=t.n_gpus_per_node if wrk.gpus_per_node is None else wrk.gpus_per_node)
+    controller = _component("controller", ctl, nodes=1, ntasks_per_node=1, time_min=c_time or w_minutes,
+                            account=ctl.account or wrk.account, gpus_per_node=ctl.gpus_per_node)
+    return HetJobSpec(name=f"baton-{cfg.name}", controller=controller, workers=workers, setup=tuple(cfg.slurm.setup))
+
+
+def _component(role: Role, opts: SlurmComponentConfig, *, nodes: int, ntasks_per_node: int, time_min: int,
+               account: str | None, gpus_per_node: int | None) -> Component:
+    return Component(
+        role=role, partition=opts.partition, account=account, qos=opts.qos, time_min=time_min, nodes=nodes,
+        ntasks_per_node=ntasks_per_node, gpus_per_node=gpus_per_node or None,  # 0: no GPUs, so no flag
+        cpus_per_task=opts.cpus_per_task, mem=opts.mem, constraint=opts.constraint, exclude=opts.exclude,
+        reservation=opts.reservation, signal=opts.signal or DEFAULT_SIGNAL, extra=tuple(opts.extra))
