@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from core.checkpoint.coordinator import CheckpointCoordinator
@@ -145,7 +146,7 @@ def run_on_slurm(run_dir: str) -> int:
     raises, so that Slurm and submitit record the component as failed.
     """
     os.environ["BATON_RUN_DIR"] = run_dir
-    run = RunFolder(run_dir)
+    run = RunFolder(Path(run_dir))
     seen = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURMD_NODENAME",
                                            "SLURM_RESTART_COUNT", "SLURM_HET_SIZE", "SLURM_JOB_NODELIST_HET_GROUP_1")}
     with RunRecord(run).update() as s:
