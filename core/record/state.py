@@ -190,9 +190,9 @@ class RunRecord:
         self.path = run.state
         self.events_path = run.events
         self.lock_path = run.path / "state.lock"
-        # What this process last wrote: (file identity, state). A writer that finds the file
-        # as it left it skips the parse (the controller's per-step update).
-        self._last: tuple[tuple[int, int, int], RunState] | None = None
+        # What this process last wrote: (the file's bytes, state). A writer that finds the file
+        # as it left it skips the parse and the typed build (the controller's per-step update).
+        self._last: tuple[bytes, RunState] | None = None
         self._held = False
 
     # --- reading: no lock ---------------------------------------------------------------------
@@ -282,13 +282,12 @@ class RunRecord:
 
     def _read_for_update(self) -> RunState:
         try:
-            st = os.stat(self.path)
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return RunState()
-        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if self._last is not None and self._last[0] == ident:
+        if self._last is not None and self._last[0] == raw:
             return self._last[1].copy()
-        state = self.read()
+        state = state_from_data(_parse_json(raw, self.path), str(self.path))
         if state.version == VERSION and not self.events_path.exists():
             self._migrate_history()
         return state
@@ -300,9 +299,9 @@ class RunRecord:
             self._append(history)
 
     def _write(self, state: RunState) -> None:
-        write_atomic(self.path, json.dumps(state_to_data(state), indent=1) + "\n")
-        st = os.stat(self.path)
-        self._last = ((st.st_ino, st.st_mtime_ns, st.st_size), state.copy())
+        raw = (json.dumps(state_to_data(state), indent=1) + "\n").encode()
+        write_atomic(self.path, raw)
+        self._last = (raw, state.copy())
 
     def _append(self, events: tuple[ev.Event, ...] | list[ev.Event]) -> None:
         if not events:

@@ -48,10 +48,12 @@ class Method(Generic[Req, Res]):
     result: Any
     decode_request: Callable[[dict[str, Any]], Req] = dataclasses.field(init=False, repr=False)
     decode_result: Callable[[Any], Res] = dataclasses.field(init=False, repr=False)
+    plain_result: bool = dataclasses.field(init=False, repr=False)  # a scalar or None: sent as it is
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode_request", self._request_decoder())
         object.__setattr__(self, "decode_result", self._result_decoder())
+        object.__setattr__(self, "plain_result", self.result in (None, type(None), int, float, str, bool))
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -62,10 +64,9 @@ class Method(Generic[Req, Res]):
             raise TypeError(f"{self.name}: request must be a {self.request.__name__}, got {type(request).__name__}")
         return to_data(request)  # type: ignore[no-any-return]
 
-    @staticmethod
-    def encode_result(result: Any) -> Any:
+    def encode_result(self, result: Any) -> Any:
         """The result as the Result's value (plain data; arrays stay arrays)."""
-        return to_data(result)
+        return result if self.plain_result else to_data(result)
 
     def _request_decoder(self) -> Callable[[dict[str, Any]], Req]:
         cls, where = self.request, f"{self.name} request"

@@ -27,14 +27,14 @@ from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder, read_json
 from core.spec.config import RunConfig
 from core.wire import protocol
-from core.wire.contract import Method
 from core.wire.transport import WorkerSocket
 from core.worker.heartbeat import HeartbeatThread
 from core.worker.task import Task, WorkerContext
 
 log = logging.getLogger(__name__)
 
-Table = dict[str, tuple[Method[Any, Any], Callable[[Any], Any]]]
+# name → (request decoder, handler, result encoder or None when the result goes as it is)
+Table = dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[Any], Any] | None]]
 
 
 def wait_for_controller(run: RunFolder, epoch: int, timeout_s: float) -> dict[str, Any]:
@@ -151,7 +151,8 @@ class WorkerRuntime:
         else through the full decode), the request checked by its method's decoder, the
         result encoded by a Packer of our own.
         """
-        table: Table = {m.name: (m, fn) for m, fn in task.handlers().items()}
+        table: Table = {m.name: (m.decode_request, fn, None if m.plain_result else m.encode_result)
+                        for m, fn in task.handlers().items()}
         epoch = self.env.epoch  # answers carry this worker's epoch
         sock.set_timeout(1.0)
         recv, send = sock.recv, sock.send
@@ -173,10 +174,11 @@ class WorkerRuntime:
             if entry is None:
                 send(self._error(req_id, "AttributeError", f"no method {name!r} on this worker; known: {sorted(table)}"))
                 continue
-            method, fn = entry
+            decode, fn, encode = entry
             hb.busy = name
             try:
-                out = encode_result(method.encode_result(fn(method.decode_request(kwargs))), req_id, epoch)
+                result = fn(decode(kwargs))
+                out = encode_result(result if encode is None else encode(result), req_id, epoch)
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the controller
                 out = self._failure(name, exc, req_id)
             finally:
