@@ -37,6 +37,7 @@ from core.checkpoint.manifest import (
 )
 from core.checkpoint.spec import ShardAck, SliceAck, TensorSlice
 from core.errors import CheckpointError
+from core.record.runfolder import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dic
         "layout": meta.get("layout"), "config_hash": meta.get("config_hash"), "meta": meta,
         "files": files, "tensors": tensors,
     }
-    _write_durably(tmp_dir / MANIFEST_NAME, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    write_atomic(tmp_dir / MANIFEST_NAME, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), mode=0o600)
     final = root / step_dir_name(step)
     aside = None
     if final.exists():  # the same step saved again (e.g. after a requeue): move the old one aside
@@ -82,7 +83,7 @@ def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dic
         os.rename(final, aside)
     os.rename(tmp_dir, final)
     fsync_dir(root)
-    _write_durably(root / LATEST_NAME, f"{final.name}\n".encode())
+    write_atomic(root / LATEST_NAME, f"{final.name}\n".encode(), mode=0o600)
     logger.info("committed checkpoint %s (%d files, %d tensors)", final, len(files), len(tensors))
     if aside is not None:
         shutil.rmtree(aside)
@@ -165,21 +166,6 @@ def _tiling_problem(global_shape: tuple[int, ...], boxes: list[tuple[tuple[int, 
     if len(count) != cells:
         return "slices do not cover the whole tensor (a rank did not write its part)"
     return None
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary name, fsync, rename, fsync the folder: all or nothing."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 
