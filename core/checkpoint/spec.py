@@ -6,6 +6,7 @@ rectangular slice ``[offset[i] : offset[i] + shape[i]]`` in every dimension.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -74,3 +75,32 @@ class ShardAck:
     size_bytes: int
     checksum: str
     slices: tuple[SliceAck, ...] = ()
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The flat range ``[start, end)`` of a row-major array of ``shape`` as rectangular boxes.
+
+    Returns ``(offset, box_shape, flat_start)`` per box, in flat order; each box is a
+    contiguous run of the range (so its data is a view of a flat buffer), and together they
+    cover the range exactly. A distributed optimizer owns flat ranges of each parameter;
+    as boxes they are ordinary slices of the global tensor. At most ``2 * len(shape) - 1`` boxes.
+    """
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,) * len(shape), (end - start,) * len(shape), start)]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner  # the rows the range touches
+    if first == last:  # within one row: recurse into it
+        return [((first, *o), (1, *s), first * inner + f)
+                for o, s, f in flat_range_boxes(shape[1:], start - first * inner, end - first * inner)]
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    if start % inner:  # the tail of a first, partial row
+        out += flat_range_boxes(shape, start, (first + 1) * inner)
+        first += 1
+    full_end = last + 1 if end % inner == 0 else last  # rows covered whole
+    if full_end > first:
+        out.append(((first, *(0,) * (len(shape) - 1)), (full_end - first, *shape[1:]), first * inner))
+    if end % inner:  # the head of a last, partial row
+        out += flat_range_boxes(shape, last * inner, end)
+    return out

@@ -8,8 +8,10 @@ buffers, schedules, grad clipping, the distributed optimizer). On a build withou
 each of those raises "Torch not compiled with CUDA enabled".
 
 This module is the single home of that workaround: a ``TorchFunctionMode`` that maps
-CUDA devices to the CPU, a few ``torch.cuda`` functions replaced by no-ops, and the CUDA
-RNG save/restore of activation recompute (``megatron.core.tensor_parallel.random``). It is
+CUDA devices to the CPU, a few ``torch.cuda`` functions replaced by no-ops, the CUDA
+RNG save/restore of activation recompute (``megatron.core.tensor_parallel.random``), and
+Megatron's RNG tracker over the CPU generator (``CpuRNGStatesTracker``: the
+tensor-parallel stream attention dropout forks into). It is
 entered once per process, only when CUDA is unavailable; on a GPU machine
 ``activate_if_needed`` does nothing. A torch function mode is thread-local: it covers the
 thread that activated it, which is where Baton's worker runs every task call. The guard is ``tests/integration/test_gpt_parallel.py``:
@@ -18,9 +20,10 @@ call fails there loudly.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,6 +139,66 @@ def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as megatron_random  # patched only when the shim is activated
 
     megatron_random._lazy_call = _noop
+
+
+class CpuRNGStatesTracker:
+    """Megatron's RNG tracker (``CudaRNGStatesTracker``'s interface) over the CPU generator.
+
+    Named streams are CPU generator states; ``fork`` swaps one in for a block and saves it
+    back after, so attention dropout in tensor-parallel regions draws from a stream of its
+    own, as on a GPU, while activation recompute saves and restores every stream (through
+    ``get_states``/``set_states``) exactly.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states_ or seed in self.seeds_:
+            raise ValueError(f"RNG stream {name!r} or seed {seed} already added")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        outer = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"RNG stream {name!r} was never added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def install_cpu_rng_tracker() -> CpuRNGStatesTracker:
+    """Make ``CpuRNGStatesTracker`` Megatron's tracker (``get_cuda_rng_tracker()``) in this process."""
+    from megatron.core.tensor_parallel import random as megatron_random  # patched only when the shim is activated
+
+    tracker = CpuRNGStatesTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER = tracker
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return tracker
 
 
 def is_active() -> bool:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import datetime
 import logging
-import random
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 
 from core.errors import BatonRuntimeError, LayoutError
+from core.parallel import rng
 from core.spec.dims import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -66,19 +65,8 @@ def init_megatron(
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     check_groups(dims, rank)
-    _seed_everything(seed, on_cuda=backend == "nccl")
+    rng.seed_all(seed, parallel_state.get_tensor_model_parallel_rank(), on_cuda=backend == "nccl")
     log.info("megatron initialised: %s rank %d/%d backend %s", dims.describe(), rank, world_size, backend)
-
-
-def _seed_everything(seed: int, *, on_cuda: bool) -> None:
-    # The same seed on every rank: with use_cpu_initialization Megatron draws the full
-    # master weight and slices it, so TP layouts agree; the data sampler has its own seed.
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    # On CPU the CUDA RNG does not exist; the inference tracker makes its fork a no-op
-    # (harmless because Baton trains with dropout 0).
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not on_cuda)
 
 
 def _group_of(groups: list[list[int]], rank: int) -> list[int]:

@@ -67,10 +67,15 @@ class ModelConfig:
     vocab_size: int = 128
     seq_length: int = 32
     init_method_std: float = 0.02
+    hidden_dropout: float = 0.0  # Megatron's names; masks are reproducible in every layout and resume
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             _positive(f"model.{name}", getattr(self, name))
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name}: {getattr(self, name)!r} must be in [0, 1)")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size: {self.hidden_size} is not divisible by "
@@ -97,12 +102,52 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecisionConfig:
-    """bf16 compute over fp32 master weights on GPU; plain fp32 on CPU (with a warning)."""
+    """The three precision levels: parameters (and compute) in ``param_dtype`` over fp32 master
+    weights and Adam moments in the optimizer; the data-parallel gradient reduction in
+    ``reduce_dtype``. ``auto``: bf16 on a GPU, fp32 on a CPU (an explicit dtype wins on both);
+    ``reduce_dtype: auto`` is the parameters' dtype. fp16 trains with dynamic loss scaling
+    from ``initial_loss_scale``. ``enabled: false`` is fp32 throughout.
+
+    Megatron reduces gradients in fp32 or in the parameters' dtype, nothing else: any other
+    pairing is refused at submit. ``buffer_dtype`` was removed (module buffers stay in the
+    parameters' dtype; the communication dtype is ``reduce_dtype``).
+    """
 
     enabled: bool = True
-    param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    reduce_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    buffer_dtype: Literal["bf16", "fp16", "fp32"] = "fp32"
+    param_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    reduce_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    initial_loss_scale: float = 65536.0
+    buffer_dtype: str | None = None  # removed: refused with the reason
+
+    def __post_init__(self) -> None:
+        key = "training.mixed_precision"
+        if self.buffer_dtype is not None:
+            raise ConfigError(f"{key}.buffer_dtype: {self.buffer_dtype!r} is no longer a setting: Megatron keeps module "
+                              f"buffers in the parameters' dtype, and the gradient reduction's dtype is "
+                              f"{key}.reduce_dtype; remove it")
+        _positive(f"{key}.initial_loss_scale", self.initial_loss_scale)
+        if not self.enabled:
+            for name in ("param_dtype", "reduce_dtype"):
+                if getattr(self, name) not in ("auto", "fp32"):
+                    raise ConfigError(f"{key}.{name}: {getattr(self, name)!r} with {key}.enabled: false (fp32 "
+                                      f"throughout); set {key}.enabled=true or {key}.{name}=fp32")
+            return
+        param, reduce = self.param_dtype, self.reduce_dtype
+        if reduce in ("auto", "fp32") or reduce == param:
+            return
+        if param == "auto":
+            raise ConfigError(f"{key}.reduce_dtype: {reduce!r} needs {key}.param_dtype={reduce} (auto is fp32 on a "
+                              f"CPU); Megatron reduces gradients in fp32 or in the parameters' dtype")
+        raise ConfigError(f"{key}.reduce_dtype: {reduce!r} with {key}.param_dtype {param!r}: Megatron reduces "
+                          f"gradients in fp32 or in the parameters' dtype; use {key}.reduce_dtype=fp32 or "
+                          f"{key}.reduce_dtype={param}")
+
+    def resolved(self, *, on_cuda: bool) -> tuple[str, str]:
+        """(parameter dtype, reduction dtype) as they run on a GPU (``on_cuda``) or a CPU."""
+        if not self.enabled:
+            return "fp32", "fp32"
+        param = ("bf16" if on_cuda else "fp32") if self.param_dtype == "auto" else self.param_dtype
+        return param, param if self.reduce_dtype == "auto" else self.reduce_dtype
 
 
 @dataclass(frozen=True, kw_only=True)

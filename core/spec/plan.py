@@ -206,12 +206,12 @@ def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, r
 
 def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes for ``params`` parameters on one rank."""
-    mp = cfg.training.mixed_precision
+    param_dtype, reduce_dtype = cfg.training.mixed_precision.resolved(on_cuda=True)  # a GPU plan
     shard = dp if distributed_optimizer else 1
-    if mp.enabled and DTYPE_BYTES[mp.param_dtype] < 4:
-        low = DTYPE_BYTES[mp.param_dtype]
+    if DTYPE_BYTES[param_dtype] < 4:
+        low = DTYPE_BYTES[param_dtype]
         weights = low * params + _ceil_div(4 * params, shard)
-        grads = (4 if mp.reduce_dtype == "fp32" else low) * params  # as core.model.gpt.model's grad_reduce_in_fp32
+        grads = (4 if reduce_dtype == "fp32" else low) * params  # as core.model.gpt.model's grad_reduce_in_fp32
     else:
         weights = grads = 4 * params
     return weights, grads, _ceil_div(8 * params, shard)

@@ -41,15 +41,15 @@ class Step:
 
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
-    """Every rank: its time and memory. Loss owners (last stage, tp rank 0) also the loss,
-    gradient norm, learning rate and the step's global token count."""
+    """Every rank: its time and memory. Loss owners (last stage, tp rank 0: one per data
+    replica) also the loss, gradient norm, learning rate and their replica's token count."""
 
     step_time_s: float
     rss_mb: float = 0.0
     loss: float | None = None
     grad_norm: float | None = None
     lr: float | None = None
-    tokens: int = 0
+    tokens: int = 0  # tokens this data-parallel replica trained on (the controller sums the loss owners')
     data_wait_s: float | None = None
     grad_sync_s: float | None = None
     cuda_peak_mb: float | None = None

@@ -67,6 +67,7 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict
     os.environ["OMP_NUM_THREADS"] = "1"
     warnings.filterwarnings("ignore")  # Megatron's "TE/Apex missing" and deprecation noise
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from core.checkpoint.service import CheckpointedTask
     from core.model.gpt.task import GPTTask
     from core.spec import config as config_mod
     from core.worker.task import WorkerContext
@@ -74,7 +75,8 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict
     ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir),
                         host="localhost", log=logging.getLogger(f"rank{rank}"), config=config_mod.from_data(config))
     task = GPTTask(ctx)
-    table = {m.name: (m, fn) for m, fn in task.handlers().items()}
+    served = CheckpointedTask(task, rank)  # the checkpoint calls too, as a worker serves them
+    table = {m.name: (m, fn) for m, fn in served.handlers().items()}
     while True:
         kind, target, kwargs = conn.recv()
         if kind == "exit":
@@ -85,7 +87,7 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict
         except BaseException:  # noqa: BLE001 - sent to the test process, which raises it
             conn.send(("error", traceback.format_exc()))
     try:
-        task.close()
+        served.close()
     finally:
         conn.send(("ok", None))
 
@@ -175,6 +177,20 @@ class RankGroup:
     def train(self, steps: range) -> list[float]:
         return [self.loss(self.call("train_step", step=s)) for s in steps]
 
+    def save(self, root: Path, step: int) -> Path:
+        """A checkpoint of ``step`` through the real calls and commit (what the controller does)."""
+        from core.checkpoint.calls import CKPT_SAVE
+        from core.checkpoint.commit import commit, tmp_step_dir
+
+        tmp = tmp_step_dir(root, step)
+        saved = self.call("ckpt_save", step=step, tmp_dir=str(tmp),
+                          attrs={"step": step, "layout": "harness", "config_hash": "harness"})
+        acks = [CKPT_SAVE.decode_result(s).ack for s in saved]
+        return commit(root, step, tmp, acks, {"layout": "harness"}, world_size=self.world_size)
+
+    def load(self, step_dir: Path) -> None:
+        self.call("ckpt_load", step_dir=str(step_dir))
+
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs, strict=True):
             if proc.is_alive():
@@ -202,7 +218,7 @@ def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
     from core.model.gpt.state import export_state
 
     ctx = task._ready()
-    items, blobs = export_state(ctx.model_chunks, ctx.optimizer, step)
+    items, blobs = export_state(ctx.model_chunks, ctx.optimizer, step, ctx.coords, ctx.dims)
     return [(s, np.array(current(a))) for s, a in items], blobs
 
 
@@ -215,7 +231,8 @@ def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
         def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
             return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
-        step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
+        step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=task.cfg.seed, coords=ctx.coords,
+                            dims=ctx.dims, on_cuda=False)
     task._next_step = step
     return step
 

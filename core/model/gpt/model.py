@@ -1,10 +1,10 @@
 """The Megatron-core GPT of one pipeline stage, built from Baton's config sections.
 
-On CPU the layer spec is Megatron's local one and the model is plain fp32 (bf16 matmuls
-on CPU are slow and Megatron's mixed-precision optimizer path is only meant for GPUs);
-on GPU with TransformerEngine installed the TE spec is used, and
-``training.mixed_precision`` gives bf16 (or fp16) parameters and compute over fp32 main
-weights held by the optimizer.
+The layer spec is Megatron's local one, or TransformerEngine's on a GPU where it is
+installed. ``training.mixed_precision`` is what runs, on a GPU and on a CPU alike: bf16 or
+fp16 parameters and compute (Megatron's ``Float16Module``) over fp32 main weights held by
+Megatron's mixed-precision optimizer, or fp32 throughout; ``auto`` is bf16 on a GPU and
+fp32 on a CPU. Each rank logs what it runs.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from core.spec.config import ModelConfig, ParallelConfig, TrainingConfig
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_warned_cpu_precision = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,19 +44,9 @@ class Precision:
 
 
 def resolve_precision(training: TrainingConfig, *, on_cuda: bool) -> Precision:
-    """``training.mixed_precision`` on GPU; fp32 on CPU (one warning per process)."""
-    global _warned_cpu_precision
-    mp = training.mixed_precision
-    wanted = _DTYPES[mp.param_dtype] if mp.enabled else torch.float32
-    if not on_cuda and wanted != torch.float32:
-        if not _warned_cpu_precision:
-            log.warning(
-                "training.mixed_precision asks for %s but this rank runs on CPU: training in fp32",
-                mp.param_dtype,
-            )
-            _warned_cpu_precision = True
-        wanted = torch.float32
-    return Precision(param_dtype=wanted, grad_reduce_in_fp32=not mp.enabled or mp.reduce_dtype == "fp32")
+    """``training.mixed_precision`` as this rank runs it (``auto`` resolved for its device)."""
+    param, reduce = training.mixed_precision.resolved(on_cuda=on_cuda)
+    return Precision(param_dtype=_DTYPES[param], grad_reduce_in_fp32=reduce == "fp32")
 
 
 def _recompute_options(recompute: str) -> dict[str, object]:
@@ -90,8 +79,8 @@ def transformer_config(
         # Without it each TP rank draws its own shard and TP layouts stop agreeing; on CPU
         # it is also the only path that works.
         use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
         sequence_parallel=False,
         **_recompute_options(training.recompute),  # type: ignore[arg-type]
     )

@@ -69,6 +69,8 @@ def build_optimizer(model_chunks: list[Any], cfg: RunConfig) -> Any:
         bf16=tc.bf16,
         fp16=tc.fp16,
         params_dtype=tc.params_dtype,
+        # fp16: dynamic loss scaling from here (Megatron's default 2**32 skips a dozen steps first)
+        initial_loss_scale=cfg.training.mixed_precision.initial_loss_scale,
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     return get_megatron_optimizer(config, model_chunks)

@@ -1,50 +1,45 @@
 """The full training state of one rank as global-name slices, and back in any layout.
 
 ``export_state`` lists every tensor this rank must write, each as a ``TensorSlice`` of a
-global tensor (global name, global shape, this rank's offset and shape) with its data,
-plus small JSON-able blobs (optimizer step count, RNG states, data position).
-``import_state`` reads exactly the slices this rank owns in *its* layout through a
-``read(name, offset, shape)`` callable, so a checkpoint saved as tp2pp2 loads as tp1pp4.
+global tensor (global name, global shape, this rank's offset and shape) with its live
+data, plus small JSON-able blobs (step counters, the loss scaler, RNG streams, the data
+position). ``import_state`` reads exactly the slices this rank owns in *its* layout through
+a ``read(name, offset, shape)`` callable, so a checkpoint saved as tp2pp2 loads as tp1pp4.
 
 Names and slicing come from Megatron's ``sharded_state_dict()``: transformer layers are
 stacked along a leading layer axis (``decoder.layers.self_attention...`` has global shape
 ``(num_layers, ...)``), TP shards split one axis, and ``replica_id`` marks copies (TP-
-replicated norms, DP replicas): only the all-zeros replica is written. Adam's moments live
-under ``optim.exp_avg.<name>`` / ``optim.exp_avg_sq.<name>`` with the param's slicing;
-fp32 main weights, when the model itself is bf16/fp16, under ``optim.main_param.<name>``.
+replicated norms, DP replicas): only the all-zeros replica writes a model weight. The
+optimizer's fp32 state is core.model.gpt.optimizer_state's; the RNG streams are
+core.parallel.rng's, kept with the coordinates they belong to.
 
-The distributed optimizer shards each param's state over the DP group as flat ranges.
-Here each DP rank fills its range into a zero tensor of the local param's shape and the
-group sums them (one all-reduce per state kind), so the dp-rank-0 replica (the one with
-replica_id all zeros) holds and writes the whole state; on import each DP rank reads the
-whole local slice and keeps its own range. Simple and layout-independent, at the cost of
-one DP all-reduce of the state per save. The private Megatron methods this uses
-(``_get_main_param_and_optimizer_states``, ``_get_model_param_range_map``) are confined
-to this module and exercised by tests/integration/test_gpt_parallel.py.
+Blobs (format 2): ``step``, ``optimizer`` (per-group step counters, the loss scaler, whether
+main weights are separate), ``rng`` (coords, dims and every stream), ``data``. A format-1
+checkpoint (one step counter, rank-keyed RNG) still loads; its RNG is derived afresh.
 """
 from __future__ import annotations
 
-import random
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.optimizer import ChainedOptimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
 from core.model.gpt.model import unwrap
+from core.model.gpt.optimizer_state import OptimizerState
+from core.parallel import rng
+from core.spec.dims import Coords, ParallelDims
+
+log = logging.getLogger(__name__)
 
 Items = list[tuple[TensorSlice, Any]]  # LiveTensor items on export
 ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
-MOMENTS = ("exp_avg", "exp_avg_sq")
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)
 
 
 # --- model tensors -------------------------------------------------------------------
@@ -144,194 +139,75 @@ def load_model_slices(model_chunks: list[Any], read: ReadFn) -> None:
 
 
 def _as_tensor(array: np.ndarray, s: TensorSlice, like: torch.Tensor) -> torch.Tensor:
+    """``array`` (fp32 as saved) shaped and placed like ``like``: one rounding, to its dtype."""
     if tuple(array.shape) != s.shape:
         raise CheckpointError(f"{s.name}: read shape {tuple(array.shape)} at {s.offset}, expected {s.shape}")
     return torch.from_numpy(np.ascontiguousarray(array)).reshape(like.shape).to(like.device, like.dtype)
 
 
-# --- optimizer state -----------------------------------------------------------------
-def _leaves(optimizer: Any) -> list[Any]:
-    return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-
-
-def _main_param_map(leaf: Any) -> dict[int, torch.Tensor]:
-    """id(model param) → the tensor the inner torch optimizer steps (non-distributed)."""
-    if isinstance(leaf, FP32Optimizer):
-        return {id(p): p for g in leaf.optimizer.param_groups for p in g["params"]}
-    if isinstance(leaf, Float16OptimizerWithFloat16Params):
-        out = {}
-        for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups, strict=True):
-            out.update({id(m): p for m, p in zip(model_group, main_group, strict=True)})
-        out.update({id(p): p for g in leaf.fp32_from_fp32_groups for p in g})
-        return out
-    raise NotImplementedError(f"optimizer {type(leaf).__name__} is not supported by core.model.gpt.state")
-
-
-class _OptimizerView:
-    """Per model param: its main param and Adam moments, as full local-shaped tensors."""
-
-    def __init__(self, optimizer: Any) -> None:
-        self.leaves = _leaves(optimizer)
-        self.distributed = any(isinstance(leaf, DistributedOptimizer) for leaf in self.leaves)
-        self.main: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.owner: dict[int, DistributedOptimizer] = {}
-        for leaf in self.leaves:
-            if isinstance(leaf, DistributedOptimizer):
-                self.owner.update({id(p): leaf for p in leaf.model_param_group_index_map})
-            else:
-                self.main.update({k: (leaf, v) for k, v in _main_param_map(leaf).items()})
-
-    def _ensure_state(self, inner: Any, main: torch.Tensor) -> dict[str, Any]:
-        state = inner.state[main]
-        if not state:  # before the first step torch's Adam has no state yet
-            state["step"] = torch.tensor(0.0)
-            for k in MOMENTS:
-                state[k] = torch.zeros_like(main, memory_format=torch.preserve_format)
-        return state
-
-    def get(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        """{"param", "exp_avg", "exp_avg_sq"}: this rank's values, zeros outside its DP range."""
-        if self.distributed:
-            out = {k: torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                   for k in ("param", *MOMENTS)}
-            leaf = self.owner.get(id(param))
-            if leaf is not None:
-                r = leaf._get_model_param_range_map(param)["param"]
-                main = leaf._get_main_param_and_optimizer_states(param)["param"]
-                state = self._ensure_state(leaf.optimizer, main)
-                for k, src in (("param", main), *((m, state[m]) for m in MOMENTS)):
-                    out[k].view(-1)[r.start:r.end] = src.detach().float().view(-1)
-            return out
-        leaf, main = self.main[id(param)]
-        state = self._ensure_state(leaf.optimizer, main)
-        return {"param": main.detach().float(), **{k: state[k].detach().float() for k in MOMENTS}}
-
-    def set(self, param: torch.nn.Parameter, values: dict[str, torch.Tensor], step: int) -> None:
-        """Write full local-shaped ``values`` into this rank's optimizer state of ``param``."""
-        if self.distributed:
-            leaf = self.owner.get(id(param))
-            if leaf is None:
-                return  # no part of this param lives in this DP rank's shard
-            r = leaf._get_model_param_range_map(param)["param"]
-            main = leaf._get_main_param_and_optimizer_states(param)["param"]
-            state = self._ensure_state(leaf.optimizer, main)
-            targets = {"param": main, **{m: state[m] for m in MOMENTS}}
-            for k, dst in targets.items():
-                dst.copy_(values[k].reshape(-1)[r.start:r.end].to(dst.dtype))
-        else:
-            leaf, main = self.main[id(param)]
-            state = self._ensure_state(leaf.optimizer, main)
-            main.copy_(values["param"].to(main.dtype))
-            for m in MOMENTS:
-                state[m].copy_(values[m].to(state[m].dtype))
-        state["step"] = torch.tensor(float(step), dtype=state["step"].dtype, device=state["step"].device)
-
-    def step_count(self) -> int:
-        for leaf in self.leaves:
-            for state in leaf.optimizer.state.values():
-                if "step" in state:
-                    return int(state["step"])
-        return 0
-
-    @property
-    def separate_main(self) -> bool:
-        """Whether main params differ from model params (bf16/fp16 models)."""
-        return any(isinstance(leaf, Float16OptimizerWithFloat16Params) for leaf in self.leaves) or any(
-            isinstance(leaf, DistributedOptimizer) and (leaf.config.bf16 or leaf.config.fp16)
-            for leaf in self.leaves
-        )
-
-
-def _gather_over_dp(tensors: list[torch.Tensor]) -> None:
-    """Sum ``tensors`` in place over the DP group, as one flat buffer."""
-    if not tensors or parallel_state.get_data_parallel_world_size() == 1:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-    i = 0
-    for t in tensors:
-        t.view(-1).copy_(flat[i:i + t.numel()])
-        i += t.numel()
-
-
-# --- RNG -------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """torch, numpy and Python RNG states as JSON-able lists and ints."""
-    np_state = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state().tolist(),
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [py_version, list(py_internal), py_gauss],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-
-
 # --- the contract ------------------------------------------------------------------------
-def export_state(model_chunks: list[Any], optimizer: Any, step: int) -> tuple[Items, dict[str, Any]]:
+def export_state(model_chunks: list[Any], optimizer: Any, step: int, coords: Coords,
+                 dims: ParallelDims) -> tuple[Items, dict[str, Any]]:
     """Every slice this rank writes for a checkpoint after ``step`` steps, and its blobs.
 
     The items are ``LiveTensor``s of the live state, not copies: valid until the next
     optimizer step or load (core.checkpoint.service's fence). The blobs are taken now.
-
-    Collective over the DP group when the optimizer is distributed: every rank must call it.
+    No collective: each rank writes what it holds (a distributed optimizer's own ranges).
     """
-    view = _OptimizerView(optimizer)
+    opt = OptimizerState(optimizer)
     params = list(sharded_params(model_chunks))
-    states = [view.get(p) for _, p in params]
-    if view.distributed:
-        _gather_over_dp([s[k] for s in states for k in ("param", *MOMENTS)])
-    kinds = [*MOMENTS, "main_param"] if view.separate_main else list(MOMENTS)
     ready = None  # on a GPU: the point of the training stream the snapshot copies must follow
     if params and params[0][1].is_cuda:
         ready = torch.cuda.Event()
         ready.record()
     items: Items = []
-    for (sh, param), state in zip(params, states, strict=True):
-        if not is_writer(sh):
-            continue
+    for sh, param in params:
+        writer = is_writer(sh)
         s = slice_of(sh)
-        # The array carries the slice's shape: stacked layers add a leading axis of 1.
-        items.append((s, LiveTensor(param, s.shape, ready)))
-        for kind in kinds:
-            tensor = state["param" if kind == "main_param" else kind]
-            items.append((slice_of(sh, f"optim.{kind}.{sh.key}"), LiveTensor(tensor, s.shape, ready)))
+        if writer:  # the array carries the slice's shape: stacked layers add a leading axis of 1
+            items.append((s, LiveTensor(param, s.shape, ready)))
+        items += [(piece, LiveTensor(t, piece.shape, ready)) for piece, t in opt.pieces(sh, param, writer)]
     blobs = {
         "format": FORMAT,
         "step": int(step),
-        "optimizer_step": view.step_count(),
-        "main_params": view.separate_main,
-        "rng": rng_state(),
+        "optimizer": {"steps": opt.step_counters(), "loss_scaler": opt.loss_scaler(),
+                      "main_params": opt.separate_main},
+        "rng": {"coords": [coords.tp, coords.pp, coords.dp], "dims": [dims.tp, dims.pp, dims.dp], **rng.capture()},
         "data": {"next_step": int(step)},
     }
     return items, blobs
 
 
-def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: dict[str, Any]) -> int:
-    """Load this rank's slices (in its current layout) and blobs; returns the step."""
-    if blobs.get("format") != FORMAT:
-        raise CheckpointError(f"training state format {blobs.get('format')!r}, this Baton reads {FORMAT}")
-    view = _OptimizerView(optimizer)
-    has_main = bool(blobs.get("main_params"))
-    opt_step = int(blobs["optimizer_step"])
+def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: dict[str, Any], *, seed: int,
+                 coords: Coords, dims: ParallelDims, on_cuda: bool) -> int:
+    """Load this rank's slices (in its current layout) and blobs; returns the step.
+
+    Everything fp32 is read as fp32; the model's (bf16/fp16) weights are the rounded fp32
+    main weights, as after any optimizer step. The RNG streams are restored when the
+    checkpoint holds this rank's coordinates in this layout, else derived for them.
+    """
+    version = blobs.get("format")
+    if version not in READS:
+        raise CheckpointError(f"training state format {version!r}, this Baton reads {', '.join(map(str, READS))}")
+    opt = OptimizerState(optimizer)
+    saved_opt = blobs["optimizer"] if version == 2 else {
+        "steps": [[[None, float(blobs["optimizer_step"])]]], "loss_scaler": None, "main_params": blobs["main_params"]}
+    has_main = bool(saved_opt["main_params"])
     with torch.no_grad():
         for sh, param in sharded_params(model_chunks):
             s = slice_of(sh)
-            values = {
-                k: _as_tensor(read(f"optim.{k}.{sh.key}", s.offset, s.shape), s, param).float()
-                for k in MOMENTS
-            }
-            main_name = f"optim.main_param.{sh.key}" if has_main else sh.key
-            values["param"] = _as_tensor(read(main_name, s.offset, s.shape), s, param).float()
-            # The fp32 main weight is the truth; the model param is its (rounded) copy.
-            param.copy_(values["param"].to(param.dtype))
-            view.set(param, values, opt_step)
-    set_rng_state(blobs["rng"])
-    return int(blobs["step"])
+            source = f"optim.main_param.{sh.key}" if has_main else sh.key  # the fp32 truth
+            param.copy_(_as_tensor(read(source, s.offset, s.shape), s, param))
+            opt.load(sh, param, read, has_main=has_main)
+    opt.set_step_counters(saved_opt["steps"])
+    opt.set_loss_scaler(saved_opt["loss_scaler"])
+    step = int(blobs["step"])
+    saved = blobs.get("rng", {})
+    if version == 2 and saved.get("coords") == [coords.tp, coords.pp, coords.dp] \
+            and saved.get("dims") == [dims.tp, dims.pp, dims.dp]:
+        rng.restore(saved)
+    else:
+        log.info("checkpoint of layout %s resumed as %s: RNG streams derived for coordinates %s at step %d",
+                 saved.get("dims"), dims.describe(), coords, step)
+        rng.seed_streams(seed, step, coords, on_cuda=on_cuda)
+    return step

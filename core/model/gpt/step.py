@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from core.model.gpt.data import BatchSource, MicroBatch
 from core.model.gpt.optim import set_lr
 from core.spec.config import RunConfig
+from core.spec.dims import Coords, ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class StepContext:
     optimizer: Any
     source: BatchSource
     device: torch.device
+    coords: Coords  # this rank's place in the layout
+    dims: ParallelDims
 
 
 def is_loss_owner() -> bool:
@@ -113,7 +116,8 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
             loss=loss,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(lr),
-            tokens=int(ctx.cfg.training.global_batch_size * ctx.cfg.model.seq_length),
+            # This replica's tokens: the controller sums them over the replicas' loss owners.
+            tokens=int(ctx.cfg.training.global_batch_size // ctx.dims.dp * ctx.cfg.model.seq_length),
         )
     return out
 

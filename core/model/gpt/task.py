@@ -53,48 +53,28 @@ class GPTTask:
     def setup(self, req: calls.Setup) -> calls.SetupInfo:
         """Join the group and build model, optimizer and data; where this rank sits and what it holds."""
         import torch  # torch and megatron: this module loads without them
-        from megatron.core.distributed import finalize_model_grads  # torch and megatron: this module loads without them
 
-        from core.model.gpt import data, model, optim  # torch and megatron: this module loads without them
+        from core.model.gpt import data  # torch and megatron: this module loads without them
+        from core.model.gpt import model as model_mod  # torch and megatron: this module loads without them
         from core.model.gpt.step import StepContext  # torch and megatron: this module loads without them
-        from core.parallel import cpu_shim  # torch and megatron: this module loads without them
+        from core.parallel import cpu_shim, rng  # torch and megatron: this module loads without them
         from core.parallel.megatron import init_megatron  # torch and megatron: this module loads without them
 
-        cfg = self.cfg
-        if req.config_hash and req.config_hash != config_mod.config_hash(cfg):
-            raise ConfigError(f"{self.ctx.run_dir / 'config.yaml'}: changed since the controller read it "
-                              f"(hash {config_mod.config_hash(cfg)}, controller {req.config_hash}); resume the run "
-                              "again with `baton submit --resume`")
-        if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"trainer.device: 'cuda' but rank {self.ctx.rank} on {self.ctx.host} sees no GPU; "
-                "use trainer.device=auto or cpu"
-            )
-        on_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+        cfg, dims = self.cfg, self.cfg.dims
+        on_cuda = self._check(req, dims)
         if not on_cuda:
             cpu_shim.activate_if_needed()
-        dims = cfg.dims
-        if dims.world_size != self.ctx.world_size:
-            raise LayoutError(
-                f"config describes {dims.world_size} workers ({dims.describe()}) but this group "
-                f"has {self.ctx.world_size}"
-            )
         init_megatron(
             dims, rank=self.ctx.rank, world_size=self.ctx.world_size, master_addr=req.master_addr,
             master_port=req.master_port, backend="nccl" if on_cuda else "gloo", seed=cfg.seed,
             timeout_s=cfg.timeouts.setup_s,
         )
-        tconfig = model.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda)
-        gpt = model.build_model(tconfig, cfg.model, on_cuda=on_cuda)
-        precision = model.resolve_precision(cfg.training, on_cuda=on_cuda)
-        ddp = optim.wrap_ddp(gpt, cfg, grad_reduce_in_fp32=precision.grad_reduce_in_fp32)
-        chunks = [ddp]
-        optimizer = optim.build_optimizer(chunks, cfg)
-        tconfig.finalize_model_grads_func = finalize_model_grads
-        tconfig.no_sync_func = ddp.no_sync
-        if tconfig.fp16:
-            tconfig.grad_scale_func = optimizer.scale_loss
+        gpt, chunks, optimizer = self._build(on_cuda)
         coords = dims.coords(self.ctx.rank)
+        # The model is built from the run's seed on every rank; training draws from streams of
+        # this rank's coordinates (core.parallel.rng), re-derived or restored on a resume.
+        rng.seed_streams(cfg.seed, 0, Coords(rank=self.ctx.rank, tp=coords.tp, pp=coords.pp, dp=coords.dp),
+                         on_cuda=on_cuda)
         if req.micro_batch_size is not None:
             cfg = _with_micro_batch(cfg, req.micro_batch_size)
         elif cfg.training.micro_batch_size == "auto":
@@ -102,13 +82,56 @@ class GPTTask:
         source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.cfg = cfg
-        self._step_ctx = StepContext(cfg=cfg, model_chunks=chunks, optimizer=optimizer, source=source, device=device)
+        self._step_ctx = StepContext(cfg=cfg, model_chunks=chunks, optimizer=optimizer, source=source, device=device,
+                                     coords=Coords(rank=self.ctx.rank, tp=coords.tp, pp=coords.pp, dp=coords.dp),
+                                     dims=dims)
         info = calls.SetupInfo(
-            coords=Coords(rank=self.ctx.rank, tp=coords.tp, pp=coords.pp, dp=coords.dp),
-            layers=tuple(model.global_layer_indices(gpt)), num_params=model.num_local_params(gpt),
-            device="cuda" if on_cuda else "cpu", micro_batch_size=int(cfg.training.micro_batch_size))
+            coords=self._step_ctx.coords, layers=tuple(model_mod.global_layer_indices(gpt)),
+            num_params=model_mod.num_local_params(gpt), device="cuda" if on_cuda else "cpu",
+            micro_batch_size=int(cfg.training.micro_batch_size))
         log.info("rank %d set up: %s", self.ctx.rank, info)
         return info
+
+    def _check(self, req: calls.Setup, dims: Any) -> bool:
+        """The controller's config and the group's size are this rank's; whether it runs on a GPU."""
+        import torch  # torch and megatron: this module loads without them
+
+        cfg = self.cfg
+        if req.config_hash and req.config_hash != config_mod.config_hash(cfg):
+            raise ConfigError(f"{self.ctx.run_dir / 'config.yaml'}: changed since the controller read it "
+                              f"(hash {config_mod.config_hash(cfg)}, controller {req.config_hash}); resume the run "
+                              "again with `baton submit --resume`")
+        if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.device: 'cuda' but rank {self.ctx.rank} on {self.ctx.host} sees no GPU; "
+                              "use trainer.device=auto or cpu")
+        if dims.world_size != self.ctx.world_size:
+            raise LayoutError(f"config describes {dims.world_size} workers ({dims.describe()}) but this group "
+                              f"has {self.ctx.world_size}")
+        return cfg.trainer.device != "cpu" and torch.cuda.is_available()
+
+    def _build(self, on_cuda: bool) -> tuple[Any, list[Any], Any]:
+        """Model, DDP wrapper and optimizer in the configured precision (logged)."""
+        import torch  # torch and megatron: this module loads without them
+        from megatron.core.distributed import finalize_model_grads  # torch and megatron: this module loads without them
+
+        from core.model.gpt import model as model_mod  # torch and megatron: this module loads without them
+        from core.model.gpt import optim  # torch and megatron: this module loads without them
+
+        cfg = self.cfg
+        tconfig = model_mod.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda)
+        gpt = model_mod.build_model(tconfig, cfg.model, on_cuda=on_cuda)
+        precision = model_mod.resolve_precision(cfg.training, on_cuda=on_cuda)
+        log.info("rank %d computes in %s%s, reduces gradients in %s, dropout hidden %g attention %g", self.ctx.rank,
+                 precision.param_dtype, " over fp32 master weights" if precision.param_dtype != torch.float32 else "",
+                 "fp32" if precision.grad_reduce_in_fp32 else precision.param_dtype, cfg.model.hidden_dropout,
+                 cfg.model.attention_dropout)
+        ddp = optim.wrap_ddp(gpt, cfg, grad_reduce_in_fp32=precision.grad_reduce_in_fp32)
+        optimizer = optim.build_optimizer([ddp], cfg)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.no_sync_func = ddp.no_sync
+        if tconfig.fp16:
+            tconfig.grad_scale_func = optimizer.scale_loss
+        return gpt, [ddp], optimizer
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
         """One optimizer step on the global batch of ``req.step``."""
@@ -179,7 +202,7 @@ class GPTTask:
         from core.model.gpt.state import export_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()
-        return export_state(ctx.model_chunks, ctx.optimizer, self._next_step)
+        return export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims)
 
     def restore_state(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray],
                       blobs: dict[str, Any]) -> None:
@@ -187,7 +210,8 @@ class GPTTask:
         from core.model.gpt.state import import_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()  # CheckpointService.load has passed the fence already
-        self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs)
+        self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
+                                       coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
 
     # --- helpers -----------------------------------------------------------------------------
     def _ready(self) -> Any:
