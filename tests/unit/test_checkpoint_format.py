@@ -16,7 +16,7 @@ from core.checkpoint import manifest
 from core.checkpoint.async_writer import AsyncWriter
 from core.checkpoint.commit import commit, tmp_step_dir
 from core.checkpoint.hdf5 import CheckpointReader, ShardReader, write_shard
-from core.checkpoint.spec import TensorSlice
+from core.checkpoint.spec import TensorSlice, flat_range_boxes
 from core.errors import CheckpointError
 
 
@@ -227,3 +227,29 @@ def test_manifest_lists_every_slice_with_its_file(tmp_path: Path) -> None:
         ("rank_00000.h5", (0, 0)), ("rank_00001.h5", (0, 4)), ("rank_00002.h5", (2, 0)), ("rank_00003.h5", (2, 4))]
     assert sum(math.prod(s["shape"]) for s in slices) == 32
     assert doc["layout"] == {"tp": 2, "pp": 2} and doc["step"] == 3 and doc["config_hash"] == "c0"
+
+
+@st.composite
+def _flat_ranges(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int]:
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=4)))
+    n = math.prod(shape)
+    start = draw(st.integers(0, n))
+    return shape, start, draw(st.integers(start, n))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_flat_ranges())
+def test_a_flat_range_is_cut_into_contiguous_boxes_that_cover_it_exactly(case: tuple[tuple[int, ...], int, int]) -> None:
+    """What a distributed optimizer's shard of one parameter becomes in a checkpoint."""
+    shape, start, end = case
+    index = np.arange(math.prod(shape)).reshape(shape)
+    covered, at = np.zeros(shape, dtype=int), start
+    boxes = flat_range_boxes(shape, start, end)
+    for offset, box, flat in boxes:
+        cells = index[tuple(slice(o, o + s) for o, s in zip(offset, box, strict=True))]
+        assert flat == at and np.array_equal(cells.reshape(-1), np.arange(flat, flat + cells.size))  # a view's run
+        covered[tuple(slice(o, o + s) for o, s in zip(offset, box, strict=True))] += 1
+        at += cells.size
+    assert at == end or not boxes
+    assert np.array_equal(covered.reshape(-1), (np.arange(covered.size) >= start) & (np.arange(covered.size) < end))
+    assert len(boxes) <= max(1, 2 * len(shape) - 1)

@@ -97,3 +97,45 @@ def test_missing_and_malformed_files_are_one_line_errors(tmp_path: Path) -> None
 def test_lr_auto_is_the_documented_heuristic() -> None:
     cfg = config.from_data({"optimizer": {"lr": "auto"}, "training": {"global_batch_size": 4096, "micro_batch_size": 4}})
     assert cfg.lr == pytest.approx(3e-6 * 2)
+
+
+MP = "training.mixed_precision"
+
+
+@pytest.mark.parametrize(("overrides", "key", "value"), [
+    ([f"{MP}.param_dtype=bf16", f"{MP}.reduce_dtype=fp16"], f"{MP}.reduce_dtype", "'fp16'"),
+    ([f"{MP}.param_dtype=fp16", f"{MP}.reduce_dtype=bf16"], f"{MP}.reduce_dtype", "'bf16'"),
+    ([f"{MP}.param_dtype=fp32", f"{MP}.reduce_dtype=bf16"], f"{MP}.reduce_dtype", "'bf16'"),
+    ([f"{MP}.reduce_dtype=fp16"], f"{MP}.reduce_dtype", "'fp16'"),  # auto parameters are fp32 on a CPU
+    ([f"{MP}.enabled=false", f"{MP}.param_dtype=bf16"], f"{MP}.param_dtype", "'bf16'"),
+    ([f"{MP}.enabled=false", f"{MP}.reduce_dtype=fp16"], f"{MP}.reduce_dtype", "'fp16'"),
+    ([f"{MP}.buffer_dtype=fp32"], f"{MP}.buffer_dtype", "'fp32'"),
+    ([f"{MP}.initial_loss_scale=0"], f"{MP}.initial_loss_scale", "0"),
+    ([f"{MP}.param_dtype=int8"], f"{MP}.param_dtype", "'int8'"),
+    (["model.hidden_dropout=1.0"], "model.hidden_dropout", "1.0"),
+    (["model.attention_dropout=-0.1"], "model.attention_dropout", "-0.1"),
+])
+def test_a_precision_or_dropout_the_engine_cannot_honour_is_one_line_at_submit(
+        tmp_path: Path, overrides: list[str], key: str, value: str) -> None:
+    from tests.helpers import baton
+
+    res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", *overrides, "--backend", "local",
+                timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and value in lines[0] and "Traceback" not in res.stderr, lines
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize(("mp", "gpu", "cpu"), [
+    ({}, ("bf16", "bf16"), ("fp32", "fp32")),
+    ({"param_dtype": "bf16"}, ("bf16", "bf16"), ("bf16", "bf16")),  # an explicit dtype wins on a CPU too
+    ({"param_dtype": "fp16", "reduce_dtype": "fp32"}, ("fp16", "fp32"), ("fp16", "fp32")),
+    ({"reduce_dtype": "fp32"}, ("bf16", "fp32"), ("fp32", "fp32")),
+    ({"enabled": False}, ("fp32", "fp32"), ("fp32", "fp32")),
+])
+def test_mixed_precision_resolves_per_device(mp: dict[str, object], gpu: tuple[str, str],
+                                              cpu: tuple[str, str]) -> None:
+    cfg = config.from_data({"training": {"mixed_precision": mp}})
+    assert cfg.training.mixed_precision.resolved(on_cuda=True) == gpu
+    assert cfg.training.mixed_precision.resolved(on_cuda=False) == cpu
