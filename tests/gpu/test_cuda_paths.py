@@ -77,3 +77,28 @@ def test_the_tiny_gpt_trains_in_bf16_on_a_gpu_and_an_async_checkpoint_resumes_it
     print("max |loss diff| before / after the resume:", max(diffs[:10]), max(diffs[10:]))
     # bf16 kernels with atomics (embedding backward) are not bit-reproducible run to run
     assert max(diffs) <= 1e-2, list(zip(want, got, strict=True))
+
+
+@pytest.mark.timeout(600)
+def test_bf16_state_after_a_resume_is_the_saved_state_bit_for_bit(tmp_path: Path) -> None:
+    """On a GPU with whatever Adam Megatron picks there (Transformer Engine's or Apex's fused one
+    when installed: it keeps its step in the param groups): after a load in new processes, every
+    tensor, step counter, the RNG streams (CUDA ones included) equal the checkpoint's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    from gpt_harness import RankGroup, gpt_config
+    from test_precision import _assert_state_is_the_checkpoints
+
+    cfg = gpt_config(trainer={"device": "cuda"}, model={"hidden_dropout": 0.1, "attention_dropout": 0.1},
+                     training={"global_batch_size": 16, "micro_batch_size": 4,
+                               "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}})
+    with RankGroup(cfg, world_size=1, run_dir=tmp_path) as g:
+        g.setup()
+        g.train(range(5))
+        step_dir = g.save(tmp_path / "checkpoints", 5)
+    with RankGroup(cfg, world_size=1, run_dir=tmp_path) as g:
+        g.setup()
+        g.load(step_dir)
+        _assert_state_is_the_checkpoints(g, step_dir, 5)
+        assert all(loss == loss for loss in g.train(range(5, 8)))  # and it trains on

@@ -232,7 +232,7 @@ def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
             return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
         step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=task.cfg.seed, coords=ctx.coords,
-                            dims=ctx.dims, on_cuda=False)
+                            dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
     task._next_step = step
     return step
 
