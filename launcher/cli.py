@@ -2,7 +2,8 @@
 
 Exit codes (core.errors.ExitCode): OK, FAILED (the run or a check failed), USER_ERROR (bad
 input: config, arguments, files; one line on stderr, a traceback only with --debug),
-INTERRUPTED.
+INTERRUPTED. An argument argparse refuses is the same one line:
+``baton: error: <message>; see baton <command> --help``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import sys
 
 from core.errors import ExitCode, UserError
+from core.spec.schema import escaped
 from launcher import (
     cmd_cancel,
     cmd_ckpt,
@@ -29,9 +31,18 @@ COMMANDS = [cmd_submit, cmd_plan, cmd_status, cmd_logs, cmd_cancel, cmd_ckpt, cm
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors: exit 2, one line + usage
-        self.print_usage(sys.stderr)
-        self.exit(2, f"baton: error: {message}\n")
+    def error(self, message: str) -> None:  # argparse's own errors: exit 2, one line with the help hint
+        self.exit(ExitCode.USER_ERROR, f"baton: error: {escaped(message)}; see {escaped(self.prog)} --help\n")
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command ``args`` holds (``baton sweep submit``), for its --help hint."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _command_parser(chosen, args)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # key=value overrides may come after options (`submit x.yaml --backend local a.b=1`).
+    # key=value overrides may come after options (`submit x.yaml --backend local a.b=1`); one
+    # without "=" is then the override error it is before the options, not an unknown argument.
     args, extra = parser.parse_known_args(argv)
-    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    stray = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
@@ -62,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             raise
-        print(f"baton: error: {exc}", file=sys.stderr)
+        print(f"baton: error: {escaped(str(exc))}", file=sys.stderr)  # one line, whatever a value held
         return ExitCode.USER_ERROR
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED

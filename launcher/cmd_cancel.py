@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from core.errors import ExitCode
+from core.spec.schema import arg_number
 from launcher import slurm_jobs
 
 
@@ -12,8 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description="scancel the run's heterogeneous job (both components end), wait until Slurm "
                        "says so, and record the run as cancelled in its state.json.")
     p.add_argument("run_dir", help="the run folder `baton submit` printed, or its Slurm job id")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                   help="how long to wait for Slurm to end the job (default: 60 s)")
+    p.add_argument("--timeout", type=arg_number(float, gt=0, le=1e7), default=60.0, metavar="S",
+                   help="how long to wait for Slurm to end the job, > 0 (default: 60 s)")
     p.set_defaults(func=run)
 
 

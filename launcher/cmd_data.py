@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.spec.schema import arg_text
+
 REPO_ROOT = Path(__file__).resolve().parents[1]  # so `-m core.data.build` resolves without an install
 
 
@@ -27,11 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "`python -m core.data.build` in a subprocess to keep the login-node CLI light "
                     "(no h5py import in `baton` itself).",
     )
-    p.add_argument("inputs", nargs="+", help=".txt (one document per file), .jsonl, .parquet files or folders")
-    p.add_argument("--output", "-o", required=True, help="the HDF5 file to write")
-    p.add_argument("--tokenizer", default="byte",
+    p.add_argument("inputs", nargs="+", type=arg_text, help=".txt (one document per file), .jsonl, .parquet files or folders")
+    p.add_argument("--output", "-o", required=True, type=arg_text, help="the HDF5 file to write")
+    p.add_argument("--tokenizer", default="byte", type=arg_text,
                    help="'byte' (built-in, vocab 257, EOS 256) or a local tokenizer.json / tokenizer folder")
-    p.add_argument("--text-key", default="text", help="JSONL field / parquet column with the text (default: text)")
+    p.add_argument("--text-key", default="text", type=arg_text, help="JSONL field / parquet column with the text (default: text)")
     p.set_defaults(func=run)
 
 

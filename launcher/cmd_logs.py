@@ -7,6 +7,7 @@ from pathlib import Path
 
 from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
+from core.spec.schema import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -15,9 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        "order; --rank N shows one worker, --controller the controller.")
     p.add_argument("run_dir", type=Path)
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--rank", type=int, help="only this worker rank")
+    group.add_argument("--rank", type=arg_number(int, ge=0, le=2**20), help="only this worker rank (≥ 0)")
     group.add_argument("--controller", action="store_true", help="only the controller")
-    p.add_argument("--tail", type=int, default=0, metavar="N", help="only the last N lines")
+    p.add_argument("--tail", type=arg_number(int, ge=0), default=0, metavar="N", help="only the last N lines (0: all)")
     p.set_defaults(func=run)
 
 

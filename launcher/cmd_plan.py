@@ -6,6 +6,7 @@ import argparse
 from core.errors import ExitCode
 from core.spec import config
 from core.spec.plan import format_plan, make_plan
+from core.spec.schema import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -18,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("config", help="the run's YAML config")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp=2")
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
+    p.add_argument("--gpu-mem-gb", type=arg_number(float, gt=0, le=1e6), default=80.0,
+                   help="memory of one GPU in GiB, > 0 (default: 80)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (what plan.json records)")
     p.set_defaults(func=run)
 

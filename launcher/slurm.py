@@ -39,6 +39,7 @@ from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig, SlurmComponentConfig
 from core.spec.jobspec import Component, HetJobSpec, job_spec, parse_time_min
+from core.spec.schema import arg_number, arg_text
 from launcher import slurm_jobs
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,14 @@ _CLI_OPTIONS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node",
 def add_sbatch_arguments(parser: argparse.ArgumentParser) -> None:
     """sbatch's own flags, for the workers component (YAML ``slurm.controller.*`` for the controller)."""
     g = parser.add_argument_group("Slurm (the workers component; the controller's options: slurm.controller.* in YAML)")
-    for name in _CLI_OPTIONS:
-        kind = int if name in ("nodes", "gpus_per_node", "cpus_per_task") else str
+    ranges = {f.name: f.metadata.get("range") for f in dataclasses.fields(SlurmComponentConfig)}
+    for name in _CLI_OPTIONS:  # the numbers in the YAML's ranges; no text with a control character
+        rng = ranges[name]
+        kind = arg_text if rng is None else arg_number(int, gt=rng.gt, ge=rng.ge, le=rng.le)
         g.add_argument("--" + name.replace("_", "-"), dest=f"slurm_{name}", type=kind, default=None,
                        help=f"sbatch --{name.replace('_', '-')} (default: slurm.workers.{name})")
     g.add_argument("--sbatch-extra", dest="slurm_extra", action="append", default=[], metavar="--FLAG[=VALUE]",
-                   help="a raw sbatch flag for the workers component (repeatable)")
+                   type=arg_text, help="a raw sbatch flag for the workers component (repeatable)")
 
 
 def cli_overrides(args: argparse.Namespace | None) -> SlurmComponentConfig | None:

@@ -23,6 +23,9 @@ groups, then the includes). Each point's run id is a readable slug plus a short 
 of its sorted, resolved parameters, so the same point always gets the same run folder:
 ``<runs_root>/<name>/<run id>/``, next to the sweep's ledger (``launcher.ledger``).
 
+The file is read by the experiment loader (``core.spec.config``): one-line errors for a file
+that is empty, not UTF-8, not valid YAML or with a key given twice. At most 10000 points.
+
 Everything here is pure: nothing is written and nothing is submitted.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, Literal
 from core.errors import ConfigError
 from core.spec import config as config_mod
 from core.spec.config import RunConfig, set_dotted
-from core.spec.schema import build, field_paths, to_data
+from core.spec.schema import build, check_name, check_text, field_paths, to_data
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ SLUG_NAMES = {
     "trainer.steps": "steps", "parallel.distributed_optimizer": "distopt", "training.recompute": "recompute",
 }
 _SLUG_MAX = 48
+MAX_POINTS = 10_000  # a sweep of more is a typo in a grid; split it
 
 # --- heuristics (documented as such: starting points, each overridable per point) ---------
 
@@ -105,9 +109,15 @@ class SweepFile:
     def __post_init__(self) -> None:
         if self.base is None:
             raise ConfigError("base: required: a path to an experiment YAML (relative to the sweep file) or a mapping")
-        if self.max_running is not None and self.max_running < 1:
-            raise ConfigError(f"max_running: {self.max_running} must be ≥ 1, or null for no limit")
-        if not self.metric:
+        if not self.base:
+            raise ConfigError("base: empty; give a path to an experiment YAML (relative to the sweep file) or a mapping")
+        if isinstance(self.base, str):
+            check_text("base", self.base)
+        if self.name is not None:
+            check_name("name", self.name)
+        if self.max_running is not None and not 1 <= self.max_running <= MAX_POINTS:
+            raise ConfigError(f"max_running: {self.max_running} must be ≥ 1 and ≤ {MAX_POINTS}, or null for no limit")
+        if not check_text("metric", self.metric):
             raise ConfigError("metric: must be a metrics.jsonl key, e.g. loss")
         seen: dict[str, str] = {}
         for key, values in self.grid.items():
@@ -205,18 +215,18 @@ class Sweep:
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     """Read, expand and validate a sweep file; ``overrides`` apply to the base of every point."""
     path = Path(path)
-    data = config_mod.load_yaml(path)
+    data, text = config_mod.read_yaml(path, kind="sweep file")
     try:
-        spec = build(SweepFile, data)
+        spec = build(SweepFile, data, finite=True)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    return plan_sweep(spec, path=path, text=path.read_text(), overrides=overrides or [])
+    return plan_sweep(spec, path=path, text=text, overrides=overrides or [])
 
 
 def plan_sweep(spec: SweepFile, *, path: Path, text: str, overrides: list[str]) -> Sweep:
     """Expand ``spec`` and validate each point's full RunConfig; the first bad point is named."""
     base = _base_data(spec, path)
-    name = spec.name or re.sub(r"[^A-Za-z0-9._+-]", "-", path.stem)
+    name = spec.name or _name_of(path)
     swept = set(spec.grid) | {k for g in spec.zip for k in g} | {k for i in spec.include for k in i}
     for text_ov in overrides:
         key = ".".join(config_mod.parse_override(text_ov)[0])
@@ -226,7 +236,10 @@ def plan_sweep(spec: SweepFile, *, path: Path, text: str, overrides: list[str]) 
             raise ConfigError(f"override name: the sweep's name comes from {path.name} (name:) or its file name")
     base = config_mod.apply_overrides(base, overrides)
     base["name"] = name
-    raw = expand(spec)
+    try:
+        raw = expand(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     points: list[Point] = []
     bad: list[str] = []
     for index, params in enumerate(raw):
@@ -245,6 +258,12 @@ def plan_sweep(spec: SweepFile, *, path: Path, text: str, overrides: list[str]) 
         by_id[p.run_id] = p
     log.debug("sweep %s: %d points", name, len(points))
     return Sweep(name=name, path=path, text=text, base=base, spec=spec, points=tuple(points))
+
+
+def _name_of(path: Path) -> str:
+    """The sweep's default name: its file's stem, made a valid run name."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem)[:128]
+    return stem if re.match(r"[A-Za-z0-9]", stem) else f"sweep{stem}"[:128]
 
 
 def _base_data(spec: SweepFile, path: Path) -> dict[str, Any]:
@@ -266,6 +285,10 @@ def expand(spec: SweepFile) -> list[dict[str, Any]]:
     for group in spec.zip:
         n = len(next(iter(group.values())))
         axes.append([{key: values[i] for key, values in group.items()} for i in range(n)])
+    count = math.prod(len(axis) for axis in axes) if axes else 0
+    if count + len(spec.include) > MAX_POINTS:
+        raise ConfigError(f"sweep: {count + len(spec.include)} points, more than {MAX_POINTS}; "
+                          "sweep fewer values or split the sweep")
     points = [_merge(parts) for parts in itertools.product(*axes)] if axes else []
     for i, ex in enumerate(spec.exclude):
         kept = [p for p in points if not all(k in p and p[k] == v for k, v in ex.items())]

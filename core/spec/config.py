@@ -7,7 +7,6 @@ Loading order: the YAML file, then ``key=value`` overrides with dotted paths
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import hashlib
 import json
@@ -19,36 +18,37 @@ from typing import Any, Literal
 import yaml
 
 from core.errors import ConfigError, LayoutError
-
-__all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "model_hash",
-           "config_hash"]
+from core.spec import schema
 from core.spec.dims import ParallelDims
-from core.spec.schema import build, field_paths, to_data
+from core.spec.jobspec import SlurmComponentConfig, SlurmConfig
+from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
+
+__all__ = ["ConfigError", "LayoutError", "RunConfig", "SlurmComponentConfig", "load", "dump", "from_data", "to_dict",
+           "model_hash", "config_hash", "set_dotted"]
 
 Auto = Literal["auto"]
 
-
-def _positive(path: str, value: float | int, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = "≥ 0" if allow_zero else "> 0"
-        raise ConfigError(f"{path}: {value!r} must be {bound}")
+MAX_STEPS = 10**12
+MAX_WORLD = 2**20  # workers in one run
+MAX_TIMEOUT_S = 1e7  # about 116 days: any wait longer than that is a typo
+MAX_COUNT = 10**6  # retries, retained checkpoints, failures per node
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """How many workers and how long."""
 
-    nodes: int = 1
-    n_gpus_per_node: int = 1  # one worker process per GPU (per CPU slot on the local backend)
-    steps: int = 20
-    log_interval_steps: int = 1
+    nodes: int = bounded(1, gt=0, le=100_000, why=" (more nodes than any cluster has)")
+    n_gpus_per_node: int = bounded(1, gt=0, le=1024, why=" (more GPUs than any node has)")  # one worker per GPU
+    steps: int = bounded(20, gt=0, le=MAX_STEPS)
+    log_interval_steps: int = bounded(1, gt=0, le=MAX_STEPS)
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
-        _positive("trainer.nodes", self.nodes)
-        _positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
-        _positive("trainer.steps", self.steps)
-        _positive("trainer.log_interval_steps", self.log_interval_steps)
+        check_bounds(self, "trainer")
+        if self.world_size > MAX_WORLD:
+            raise ConfigError(f"trainer: {self.nodes} node(s) × {self.n_gpus_per_node} = {self.world_size} workers "
+                              f"exceed {MAX_WORLD} (2**20); lower trainer.nodes or trainer.n_gpus_per_node")
 
     @property
     def world_size(self) -> int:
@@ -60,27 +60,21 @@ class ModelConfig:
     """A GPT (Megatron-core), or ``toy``: a deterministic numpy model for control-plane tests."""
 
     kind: Literal["gpt", "toy"] = "gpt"
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size
-    vocab_size: int = 128
-    seq_length: int = 32
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0  # Megatron's names; masks are reproducible in every layout and resume
-    attention_dropout: float = 0.0
+    num_layers: int = bounded(4, gt=0, le=10**5)
+    hidden_size: int = bounded(64, gt=0, le=2**20)
+    num_attention_heads: int = bounded(4, gt=0, le=2**16)
+    ffn_hidden_size: int | None = bounded(None, gt=0, le=2**22)  # default (null) 4 * hidden_size
+    vocab_size: int = bounded(128, gt=0, le=2**26)
+    seq_length: int = bounded(32, gt=0, le=2**24)
+    init_method_std: float = bounded(0.02, ge=0, le=1e3, why=" (the weights would overflow)")
+    hidden_dropout: float = bounded(0.0, ge=0, lt=1)  # Megatron's names; masks reproducible in every layout
+    attention_dropout: float = bounded(0.0, ge=0, lt=1)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            _positive(f"model.{name}", getattr(self, name))
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model.{name}: {getattr(self, name)!r} must be in [0, 1)")
+        check_bounds(self, "model")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"model.hidden_size: {self.hidden_size} is not divisible by "
-                f"model.num_attention_heads = {self.num_attention_heads}"
-            )
+            raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
+                              f"model.num_attention_heads = {self.num_attention_heads}")
 
     @property
     def ffn(self) -> int:
@@ -91,13 +85,12 @@ class ModelConfig:
 class ParallelConfig:
     """Tensor and pipeline parallel sizes; data parallel is derived from the worker count."""
 
-    tp: int = 1
-    pp: int = 1
+    tp: int = bounded(1, gt=0, le=MAX_WORLD)
+    pp: int = bounded(1, gt=0, le=MAX_WORLD)
     distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        _positive("parallel.tp", self.tp)
-        _positive("parallel.pp", self.pp)
+        check_bounds(self, "parallel")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +109,7 @@ class MixedPrecisionConfig:
     enabled: bool = True
     param_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     reduce_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    initial_loss_scale: float = 65536.0
+    initial_loss_scale: float = bounded(65536.0, gt=0, le=1e12, why=" (beyond it every gradient overflows)")
     buffer_dtype: str | None = None  # removed: refused with the reason
 
     def __post_init__(self) -> None:
@@ -125,7 +118,7 @@ class MixedPrecisionConfig:
             raise ConfigError(f"{key}.buffer_dtype: {self.buffer_dtype!r} is no longer a setting: Megatron keeps module "
                               f"buffers in the parameters' dtype, and the gradient reduction's dtype is "
                               f"{key}.reduce_dtype; remove it")
-        _positive(f"{key}.initial_loss_scale", self.initial_loss_scale)
+        check_bounds(self, key)
         if not self.enabled:
             for name in ("param_dtype", "reduce_dtype"):
                 if getattr(self, name) not in ("auto", "fp32"):
@@ -152,42 +145,40 @@ class MixedPrecisionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    global_batch_size: int = 16
-    micro_batch_size: int | Auto = 4
+    global_batch_size: int = bounded(16, gt=0, le=2**31)
+    micro_batch_size: int | Auto = bounded(4, gt=0, le=2**31)
     recompute: Literal["none", "full", "selective"] = "none"
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
 
     def __post_init__(self) -> None:
-        _positive("training.global_batch_size", self.global_batch_size)
-        if self.micro_batch_size != "auto":
-            _positive("training.micro_batch_size", self.micro_batch_size)
-        _positive("training.grad_clip", self.grad_clip, allow_zero=True)
+        check_bounds(self, "training")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Adam with warmup and cosine decay. ``lr: auto`` = 3e-6 × sqrt(global_batch / 1024)."""
 
-    lr: float | Auto = 3e-3
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 0
+    lr: float | Auto = bounded(3e-3, gt=0)
+    min_lr: float = bounded(0.0, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    beta1: float = bounded(0.9, ge=0, lt=1)
+    beta2: float = bounded(0.95, ge=0, lt=1)
+    eps: float = bounded(1e-8, gt=0)
+    warmup_steps: int = bounded(0, ge=0, le=MAX_STEPS)
     schedule: Literal["cosine", "constant"] = "cosine"
 
     def __post_init__(self) -> None:
-        if self.lr != "auto":
-            _positive("optimizer.lr", self.lr)
-        _positive("optimizer.min_lr", self.min_lr, allow_zero=True)
-        _positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
+        check_bounds(self, "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """``synthetic`` tasks for tests and demos, or an HDF5 token dataset (``baton data build``)."""
+    """``synthetic`` tasks for tests and demos, or an HDF5 token dataset (``baton data build``).
+
+    ``path`` (hdf5) must name an existing file when the config is validated; a relative path
+    is relative to the folder ``baton submit`` runs in, and the run folder stores it resolved.
+    """
 
     kind: Literal["synthetic", "hdf5"] = "synthetic"
     task: Literal["increment", "copy", "random"] = "increment"
@@ -196,100 +187,97 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.kind == "hdf5" and not self.path:
             raise ConfigError("data.path: required when data.kind is 'hdf5' (build one with `baton data build`)")
+        if self.kind == "hdf5":
+            schema.check_file("data.path", str(self.path), "give an HDF5 token file (build one with `baton data build`)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    interval_steps: int = 0  # 0: only at the end of the run
-    keep_last: int = 2
+    interval_steps: int = bounded(0, ge=0, le=MAX_STEPS)  # 0: only at the end of the run
+    keep_last: int = bounded(2, le=MAX_COUNT)
     async_save: bool = field(default=False, metadata={"key": "async"})
     at_end: bool = True
 
     def __post_init__(self) -> None:
-        _positive("checkpoint.interval_steps", self.interval_steps, allow_zero=True)
+        check_bounds(self, "checkpoint")
         if self.keep_last < 2:
-            raise ConfigError(
-                f"checkpoint.keep_last: {self.keep_last} must be ≥ 2 (the previous good "
-                "checkpoint is kept until the next one is committed)"
-            )
+            raise ConfigError(f"checkpoint.keep_last: {self.keep_last} must be ≥ 2 (the previous good "
+                              "checkpoint is kept until the next one is committed)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TimeoutsConfig:
-    """Every wait has a deadline; heartbeats decide when a worker is lost."""
+    """Every wait has a deadline (each > 0 and ≤ 1e7 s); heartbeats decide when a worker is lost.
 
-    register_s: float = 120.0
-    setup_s: float = 600.0
-    step_s: float = 600.0
-    checkpoint_s: float = 600.0
-    call_s: float = 60.0
-    heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 2.0
-    controller_lost_s: float = 10.0
+    ``heartbeat_timeout_s``: how long a running worker may be silent before it is declared
+    lost. ``startup_heartbeat_timeout_s``: how long a worker may be silent while it starts
+    and sets up (it imports its libraries: torch, Megatron); at least ``heartbeat_timeout_s``.
+    """
+
+    register_s: float = bounded(120.0, gt=0, le=MAX_TIMEOUT_S)
+    setup_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_S)
+    step_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_S)
+    checkpoint_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_S)
+    call_s: float = bounded(60.0, gt=0, le=MAX_TIMEOUT_S)
+    heartbeat_interval_s: float = bounded(0.25, gt=0, le=MAX_TIMEOUT_S)
+    heartbeat_timeout_s: float = bounded(2.0, gt=0, le=MAX_TIMEOUT_S)
+    startup_heartbeat_timeout_s: float = bounded(120.0, gt=0, le=MAX_TIMEOUT_S)
+    controller_lost_s: float = bounded(10.0, gt=0, le=MAX_TIMEOUT_S)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _positive(f"timeouts.{f.name}", getattr(self, f.name))
+        check_bounds(self, "timeouts")
         for key in ("heartbeat_timeout_s", "controller_lost_s"):  # both sides' watchdogs
             if getattr(self, key) <= 2 * self.heartbeat_interval_s:
-                raise ConfigError(
-                    f"timeouts.{key}: {getattr(self, key)} must exceed twice "
-                    f"timeouts.heartbeat_interval_s = {self.heartbeat_interval_s}"
-                )
+                raise ConfigError(f"timeouts.{key}: {getattr(self, key)} must exceed twice "
+                                  f"timeouts.heartbeat_interval_s = {self.heartbeat_interval_s}")
+        if self.startup_heartbeat_timeout_s < self.heartbeat_timeout_s:
+            raise ConfigError(f"timeouts.startup_heartbeat_timeout_s: {self.startup_heartbeat_timeout_s} must be ≥ "
+                              f"timeouts.heartbeat_timeout_s = {self.heartbeat_timeout_s} (a starting worker may be "
+                              "silent at least as long as a running one); raise it")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryConfig:
-    max_retries: int = 3
-    backoff_s: float = 5.0
-    node_failure_limit: int = 2  # failures on one node before a requeue excludes it (Slurm)
-    walltime_margin_s: float = 30.0  # slack beyond one step and one save before the walltime
+    max_retries: int = bounded(3, ge=0, le=MAX_COUNT)
+    backoff_s: float = bounded(5.0, ge=0, le=MAX_TIMEOUT_S)
+    node_failure_limit: int = bounded(2, gt=0, le=MAX_COUNT)  # failures on one node before a requeue excludes it
+    walltime_margin_s: float = bounded(30.0, ge=0, le=MAX_TIMEOUT_S)  # beyond one step and one save
 
     def __post_init__(self) -> None:
-        _positive("recovery.max_retries", self.max_retries, allow_zero=True)
-        _positive("recovery.backoff_s", self.backoff_s, allow_zero=True)
-        _positive("recovery.node_failure_limit", self.node_failure_limit)
-        _positive("recovery.walltime_margin_s", self.walltime_margin_s, allow_zero=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlurmComponentConfig:
-    """sbatch options of one het-job component, under sbatch's own names."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str | None = None
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    constraint: str | None = None
-    exclude: str | None = None
-    reservation: str | None = None
-    signal: str | None = None
-    extra: list[str] = ()  # type: ignore[assignment]  # raw "--flag=value" pass-through
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlurmConfig:
-    controller: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
-    workers: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
-    setup: list[str] = ()  # type: ignore[assignment]  # module loads, env activation, exports
+        check_bounds(self, "recovery")
 
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
+    """The controller's Prometheus endpoint.
+
+    ``port``: 0 (any free port) to 65535; the address is written to the run folder.
+    ``bind``: the interface it listens on: ``127.0.0.1`` (default) this machine only,
+    ``0.0.0.0`` all interfaces (for a scraper on another host), or one address of the node.
+    """
+
     enabled: bool = True
-    port: int = 0  # 0: any free port; the address is written to the run folder
+    port: int = bounded(0, ge=0, le=65535, why=" (a TCP port; 0: any free one)")
+    bind: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "metrics")
+        if not schema.check_text("metrics.bind", self.bind).strip() or any(c.isspace() for c in self.bind):
+            raise ConfigError(f"metrics.bind: {self.bind!r} is not an interface; use an address such as "
+                              "127.0.0.1 (this machine) or 0.0.0.0 (all interfaces)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """One run. Cross-section checks (the layout) happen here, so bad configs fail at submit."""
+    """One run. Cross-section checks (the layout) happen here, so bad configs fail at submit.
+
+    ``name`` names the run's folder and Slurm job: 1 to 128 of ``A-Z a-z 0-9 . _ -``,
+    starting with a letter or digit. ``seed``: 0 to 2**63 - 1. No string of the config may
+    hold a control character (a newline would end a line of the batch script).
+    """
 
     name: str = "run"
-    seed: int = 1234
+    seed: int = bounded(1234, ge=0, le=2**63 - 1, why=" (seeds are 64-bit)")
     runs_root: str = "runs"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -304,16 +292,17 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ConfigError(f"name: {self.name!r} must be a non-empty folder name without '/'")
+        schema.check_strings(self, "")
+        check_bounds(self, "")
+        schema.check_name("name", self.name)
+        if not self.runs_root.strip():
+            raise ConfigError("runs_root: empty; give the folder that holds the run folders, e.g. runs")
         if self.model.kind == "gpt":
             validate_layout(self)
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims.from_world(
-            world_size=self.trainer.world_size, tp=self.parallel.tp, pp=self.parallel.pp
-        )
+        return ParallelDims.from_world(world_size=self.trainer.world_size, tp=self.parallel.tp, pp=self.parallel.pp)
 
     @property
     def lr(self) -> float:
@@ -327,42 +316,39 @@ def validate_layout(cfg: RunConfig) -> None:
     """Reject layouts Megatron cannot run, with the numbers in the message."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
     if m.num_attention_heads % p.tp:
-        raise LayoutError(
-            f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
-            f"{m.num_attention_heads}; pick a tp that divides it"
-        )
+        raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
+                          f"{m.num_attention_heads}; pick a tp that divides it")
     if m.num_layers % p.pp:
-        raise LayoutError(
-            f"parallel.pp: {p.pp} does not divide model.num_layers = {m.num_layers}; "
-            "pick a pp that divides it"
-        )
+        raise LayoutError(f"parallel.pp: {p.pp} does not divide model.num_layers = {m.num_layers}; "
+                          "pick a pp that divides it")
     try:
         dims = cfg.dims
     except LayoutError as exc:
-        raise LayoutError(
-            f"trainer: {cfg.trainer.nodes} node(s) × {cfg.trainer.n_gpus_per_node} = "
-            f"{cfg.trainer.world_size} workers are not divisible by tp*pp = {p.tp * p.pp}"
-        ) from exc
+        raise LayoutError(f"trainer: {cfg.trainer.nodes} node(s) × {cfg.trainer.n_gpus_per_node} = "
+                          f"{cfg.trainer.world_size} workers are not divisible by tp*pp = {p.tp * p.pp}") from exc
     if t.micro_batch_size != "auto" and t.global_batch_size % (t.micro_batch_size * dims.dp):
-        raise LayoutError(
-            f"training.global_batch_size: {t.global_batch_size} is not divisible by "
-            f"micro_batch_size × dp = {t.micro_batch_size} × {dims.dp} = "
-            f"{t.micro_batch_size * dims.dp}"
-        )
+        raise LayoutError(f"training.global_batch_size: {t.global_batch_size} is not divisible by "
+                          f"micro_batch_size × dp = {t.micro_batch_size} × {dims.dp} = {t.micro_batch_size * dims.dp}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` → (["a", "b", "c"], YAML-parsed value)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value, e.g. parallel.tp=2")
+        raise ConfigError(f"override {show(text)}: expected key=value, e.g. parallel.tp=2")
     key, _, raw = text.partition("=")
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key; expected key=value, e.g. parallel.tp=2")
+        raise ConfigError(f"override {show(text)}: empty key; expected key=value, e.g. parallel.tp=2")
+    bad = schema.control_char(text)
+    if bad is not None:
+        raise ConfigError(f"override {show(key)}: {show(raw)} contains the control character {bad}; "
+                          "give the value on one line, without control characters")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: an integer beyond the digit limit
+        if "duplicate key" in str(getattr(exc, "problem", "")):
+            raise ConfigError(f"override {key}: {exc.problem}") from None  # type: ignore[attr-defined]
+        value = raw  # not YAML: the text as it is
     return key.split("."), value
 
 
@@ -381,41 +367,57 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def set_dotted(data: dict[str, Any], parts: list[str], value: Any, *, where: str) -> None:
-    """Set ``data[a][b]...[z] = value``, creating sections; ``where`` names it in errors."""
-    node = data
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{where}: {part!r} is not a section")
-        node = child
-    node[parts[-1]] = value
+class _Loader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (yaml lets the last one win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` then a key over it is allowed
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {show(key)} (first at line {seen[key]}); give each key once",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class refuses it
+                continue
+        return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; a missing or malformed file is a one-line ConfigError."""
+_NEEDS = {"experiment": "an experiment sets at least one key, e.g. name: and trainer: (see experiments/toy.yaml)",
+          "sweep file": "a sweep file sets at least base: and grid: (see experiments/sweep_toy.yaml)"}
+FileKind = Literal["experiment", "sweep file"]
+
+
+def read_yaml(path: str | Path, *, kind: FileKind = "experiment") -> tuple[dict[str, Any], str]:
+    """A file's non-empty YAML mapping and its text; anything else is a one-line ConfigError naming
+    the file: unreadable, not UTF-8, bad syntax, a duplicate key, empty, not a mapping."""
     p = Path(path)
+    text = schema.read_text(p)
     try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read config ({exc.strerror}); check the path") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
-        return {}
+        data = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: an integer beyond the digit limit
+        raise ConfigError(f"{p}: not valid YAML{schema.parse_problem(exc)}") from None
+    if schema.too_many_values(data):  # first: the checks below walk it
+        raise ConfigError(f"{p}: more than {schema.MAX_VALUES} values once its aliases are expanded; check the file")
+    if schema.sets_nothing(data):
+        raise ConfigError(f"{p}: empty; {_NEEDS[kind]}")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a YAML mapping at the top level, got {type(data).__name__}")
-    return data
+    return data, text
+
+
+def load_yaml(path: str | Path, *, kind: FileKind = "experiment") -> dict[str, Any]:
+    """Read a non-empty YAML mapping (``read_yaml`` without the text)."""
+    return read_yaml(path, kind=kind)[0]
 
 
 def from_data(data: dict[str, Any]) -> RunConfig:
-    return build(RunConfig, data)
+    """Plain data → validated ``RunConfig`` (NaN and the infinities are refused)."""
+    return build(RunConfig, data, finite=True)
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -5,18 +5,23 @@
 
 ``job_spec`` merges the YAML (``slurm.*``) with the CLI's overrides of the workers and
 validates the result once; ``launcher.slurm`` renders, preflights and submits that value.
-Walltimes are whole minutes.
+Walltimes are whole minutes. The ``slurm:`` section's own schema (``SlurmConfig``) lives
+here too; ``core.spec.config`` holds it in ``RunConfig``. No value that reaches the batch
+script may hold a control character: a newline would start a line of its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from core.errors import UserError
-from core.spec.config import RunConfig, SlurmComponentConfig
+from core.spec.schema import bounded, check_bounds, check_strings, check_text, show
+
+if TYPE_CHECKING:  # config imports this module for SlurmConfig
+    from core.spec.config import RunConfig
 
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
 DEFAULT_TIME_MIN = 60
@@ -24,11 +29,45 @@ DEFAULT_TIME_MIN = 60
 Role = Literal["controller", "workers"]
 
 
+@dataclass(frozen=True, kw_only=True)
+class SlurmComponentConfig:
+    """sbatch options of one het-job component, under sbatch's own names."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    nodes: int | None = bounded(None, gt=0, le=100_000, why=" (more nodes than any cluster has)")
+    gpus_per_node: int | None = bounded(None, ge=0, le=1024, why=" (more GPUs than any node has)")
+    cpus_per_task: int | None = bounded(None, gt=0, le=2**16, why=" (more CPUs than any node has)")
+    mem: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    reservation: str | None = None
+    signal: str | None = None
+    extra: list[str] = ()  # type: ignore[assignment]  # raw "--flag=value" pass-through
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """Both components' sbatch options and the batch script's setup lines (module loads,
+    environment activation, exports), each one line without control characters."""
+
+    controller: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
+    workers: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
+    setup: list[str] = ()  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        check_bounds(self.controller, "slurm.controller")
+        check_bounds(self.workers, "slurm.workers")
+        check_strings(self, "slurm")
+
+
 def parse_time_min(text: str, what: str) -> int:
     """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) → whole minutes, rounded up."""
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    m = re.fullmatch(r"(?:(\d{1,6})-)?(\d{1,9})(?::(\d{1,9}))?(?::(\d{1,9}))?", text.strip())
     if not m:
-        raise UserError(f"{what}: {text!r} is not a Slurm time; use minutes, H:MM:SS or D-HH:MM:SS")
+        raise UserError(f"{what}: {show(text)} is not a Slurm time; use minutes, H:MM:SS or D-HH:MM:SS")
     days, a, b, c = (int(g) if g else None for g in m.groups())
     if days is not None:  # D-H[:M[:S]]
         seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
@@ -41,16 +80,16 @@ def parse_time_min(text: str, what: str) -> int:
 
 def check_signal(value: str, what: str) -> str:
     """``value`` if it is an sbatch ``--signal`` (``[B:|R:]SIG[@seconds]``), else a UserError."""
-    if not re.fullmatch(r"(?:[BR]{1,2}:)?(?:SIG)?[A-Z0-9]+(?:@\d+)?", value):
-        raise UserError(f"{what}: {value!r} is not an sbatch --signal; use e.g. USR2@90")
+    if not re.fullmatch(r"(?:[BR]{1,2}:)?(?:SIG)?[A-Z0-9]+(?:@\d{1,5})?", value):
+        raise UserError(f"{what}: {show(value)} is not an sbatch --signal; use e.g. USR2@90")
     return value
 
 
 def check_extra(raw: str, what: str) -> str:
     """``raw`` if it is a raw sbatch flag (``--flag`` or ``--flag=value``), else a UserError."""
-    if not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=[^\n]*)?", raw):
-        raise UserError(f"{what}: {raw!r} is not a raw sbatch flag; use --flag or --flag=value")
-    return raw
+    if not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", raw, flags=re.DOTALL):
+        raise UserError(f"{what}: {show(raw)} is not a raw sbatch flag; use --flag or --flag=value")
+    return check_text(what, raw, error=UserError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,14 +132,29 @@ class HetJobSpec:
         return dataclasses.replace(self, controller=controller)
 
 
+def _checked_cli(cli: SlurmComponentConfig) -> None:
+    """The command line's sbatch flags: no control characters, numbers in range (named as flags)."""
+    for f in dataclasses.fields(cli):
+        flag = "--sbatch-extra" if f.name == "extra" else "--" + f.name.replace("_", "-")
+        value = getattr(cli, f.name)
+        for text in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(text, str):
+                check_text(f"{flag} / slurm.workers.{f.name}", text, error=UserError)
+    check_bounds(cli, "slurm.workers")
+
+
 def _merged(yaml_cfg: SlurmComponentConfig, cli: SlurmComponentConfig | None, section: str) -> SlurmComponentConfig:
     """YAML options with the CLI's set ones over them; extras are YAML's then the CLI's, checked."""
+    if cli is not None:
+        _checked_cli(cli)
     over = {} if cli is None else {f.name: getattr(cli, f.name) for f in dataclasses.fields(cli)
                                    if f.name != "extra" and getattr(cli, f.name) is not None}
     extra = [check_extra(x, f"{section}.extra") for x in [*yaml_cfg.extra, *(cli.extra if cli else ())]]
     out = dataclasses.replace(yaml_cfg, **over, extra=extra)
     if out.signal is not None:
         check_signal(out.signal, f"{section}.signal")
+    if out.mem is not None and not re.fullmatch(r"\d{1,15}[KMGTkmgt]?", out.mem):
+        raise UserError(f"{section}.mem: {show(out.mem)} is not an sbatch --mem; use a size such as 64G or 500M")
     return out
 
 

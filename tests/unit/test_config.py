@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,52 @@ def test_mixed_precision_resolves_per_device(mp: dict[str, object], gpu: tuple[s
     cfg = config.from_data({"training": {"mixed_precision": mp}})
     assert cfg.training.mixed_precision.resolved(on_cuda=True) == gpu
     assert cfg.training.mixed_precision.resolved(on_cuda=False) == cpu
+
+
+def test_the_new_keys_have_their_documented_defaults_and_checks() -> None:
+    cfg = config.from_data({})
+    assert cfg.metrics.bind == "127.0.0.1" and cfg.timeouts.startup_heartbeat_timeout_s == 120.0
+    assert config.from_data({"metrics": {"bind": "0.0.0.0"}}).metrics.bind == "0.0.0.0"  # all interfaces
+    same = config.from_data({"timeouts": {"startup_heartbeat_timeout_s": 2.0}})  # = heartbeat_timeout_s: allowed
+    assert same.timeouts.startup_heartbeat_timeout_s == same.timeouts.heartbeat_timeout_s
+    for data, key in [({"metrics": {"bind": ""}}, "metrics.bind"), ({"metrics": {"bind": "a\nb"}}, "metrics.bind"),
+                      ({"timeouts": {"startup_heartbeat_timeout_s": 1.0}}, "timeouts.startup_heartbeat_timeout_s")]:
+        with pytest.raises(ConfigError, match=key):
+            config.from_data(data)
+    assert "0.0.0.0" in (config.MetricsConfig.__doc__ or "")
+    assert "startup_heartbeat_timeout_s" in (config.TimeoutsConfig.__doc__ or "")
+
+
+def test_records_may_carry_nan_but_user_input_may_not() -> None:
+    from core.spec.schema import convert
+
+    assert math.isnan(convert(float, float("nan"), "loss"))  # a diverged loss still travels and is recorded
+    with pytest.raises(ConfigError, match="loss: nan is not a finite number"):
+        convert(float, float("nan"), "loss", finite=True)
+    with pytest.raises(ConfigError, match="optimizer.lr: inf is not a finite number"):
+        config.from_data({"optimizer": {"lr": float("inf")}})
+
+
+def test_a_merge_key_may_be_overridden_but_a_key_not_repeated(tmp_path: Path) -> None:
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("trainer: &t {steps: 5, nodes: 1}\nmodel:\n  kind: toy\n")
+    assert config.load(merged).trainer.steps == 5
+    path = tmp_path / "m.yaml"
+    path.write_text("trainer:\n  <<: {steps: 5}\n  steps: 7\n")
+    assert config.load(path).trainer.steps == 7
+    path.write_text("trainer:\n  steps: 5\n  steps: 7\n")
+    with pytest.raises(ConfigError, match=r"m.yaml: not valid YAML at line 3, column 3: duplicate key 'steps' \(first at line 2\)"):
+        config.load(path)
+
+
+def test_a_relative_data_path_is_stored_resolved_in_the_run_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher import runprep
+
+    (tmp_path / "tokens.h5").write_bytes(b"\x89HDF\r\n\x1a\n")  # the config checks it exists, not its content
+    monkeypatch.chdir(tmp_path)
+    cfg = config.from_data({"name": "rel", "runs_root": str(tmp_path / "runs"),
+                            "data": {"kind": "hdf5", "path": "tokens.h5"}})
+    run = runprep.prepare_run(cfg, backend="local")
+    stored = config.load(run.config)
+    assert stored.data.path == str(tmp_path / "tokens.h5")

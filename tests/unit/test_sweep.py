@@ -411,3 +411,19 @@ def test_slurm_resume_resubmits_only_failed_cancelled_and_unsubmitted_points(tmp
     after = ledger_mod.read_ledger(sweep_dir)
     assert [e.submissions for e in after.points] == [1, 1, 2, 2, 1]
     assert json.loads(done.read_text())["status"] == "completed"
+
+
+def test_the_default_name_from_an_odd_file_name_is_a_valid_run_name(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"grid": {"seed": [1]}}, name="lr+seed grid.yaml")
+    sw = sweep_mod.load_sweep(path, [f"runs_root={tmp_path / 'runs'}"])
+    assert sw.name == "lr-seed-grid" and sw.points[0].cfg.name == "lr-seed-grid"
+
+
+def test_sweep_files_are_read_by_the_experiment_loader(tmp_path: Path) -> None:
+    path = tmp_path / "sw.yaml"
+    path.write_text("base: {name: toy, model: {kind: toy}}\ngrid:\n  seed: [1]\n  seed: [2]\n")
+    with pytest.raises(ConfigError, match=r"sw.yaml: not valid YAML at line 4, column 3: duplicate key 'seed'"):
+        sweep_mod.load_sweep(path)
+    path.write_text("# later\n")
+    with pytest.raises(ConfigError, match="sw.yaml: empty; a sweep file sets at least base: and grid:"):
+        sweep_mod.load_sweep(path)
