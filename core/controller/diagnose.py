@@ -1,4 +1,5 @@
-"""What a silent worker is, when it runs on this host: exited, stopped or hung.
+"""What went wrong with a worker: what a silent one is (exited, stopped or hung), and the one
+error a call's failed ranks make.
 
 From the controller's side a worker that exited, one stopped by SIGSTOP and one hung on
 its host all look alike (no heartbeats); /proc tells them apart for a local pid.
@@ -7,6 +8,27 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
+
+from core.errors import RemoteError
+from core.wire import protocol
+
+
+def remote_error(method: str, errors: dict[int, protocol.Error], n: int, log_of: Callable[[int], Path]) -> RemoteError:
+    """The ranks' errors of one call as one RemoteError: the first rank's, with its traceback and
+    whether every rank raised the same (the mark of a deterministic error)."""
+    rank = min(errors)
+    err = errors[rank]
+    same = len(errors) == n and len({e.exc_type for e in errors.values()}) == 1
+    scope = (f"the same on all {n} ranks" if same else
+             f"{len(errors)} of {n} ranks raised: " + ", ".join(f"r{r} {e.exc_type}" for r, e in sorted(errors.items())[:8]))
+    return RemoteError(
+        f"rank {rank} raised {err.exc_type} in {method}: {err.message} ({scope})\n"
+        f"--- remote traceback (rank {rank}, log {log_of(rank)}) ---\n{err.traceback}",
+        rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback, method=method, same_on_all_ranks=same,
+        user_error=err.user_error, transient=err.transient,
+    )
 
 
 def _proc_state(pid: int) -> str:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from core.controller.diagnose import diagnose
+from core.controller.diagnose import diagnose, remote_error
 from core.controller.dispatch import Collect, Dispatch, collect_all, one_to_all
 from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
 from core.job.signals import PreemptionFlag
@@ -46,6 +46,7 @@ class Peer:
     rss_mb: float = 0.0
     busy: str = ""
     lost: str = ""  # why it was declared lost, "" while alive
+    started: bool = False  # it has answered a call: done importing and setting up
 
     @property
     def hb_identity(self) -> bytes:
@@ -93,6 +94,7 @@ class WorkerGroup:
         self._pump: threading.Thread | None = None
         self.rendezvous: tuple[str, int] = ("", 0)
         self.heartbeats_handled = 0
+        self._all_started = False
 
     # --- registration -------------------------------------------------------------------
     def wait_for_workers(self, timeout_s: float | None = None) -> None:
@@ -160,6 +162,7 @@ class WorkerGroup:
             self._inflight.clear()
             self._errors.clear()
             self.rendezvous = ("", 0)
+            self._all_started = False
 
     def _admit(self, identity: bytes, env: protocol.Envelope, pending: dict[int, tuple[bytes, protocol.Register]]) -> bool:
         reg = env.msg
@@ -220,11 +223,18 @@ class WorkerGroup:
                     if not send(peer.identity, frames):
                         self._declare_lost(peer, f"connection closed: {diagnose(peer.host, peer.pid, settle_s=2.0)}")
                 self._wait(req, method.name, results, per_rank, timeout_s)
+                if not self._all_started:
+                    self._mark_started(results)
                 typed = self._typed(req, method, results, len(per_rank))
             finally:
                 del self._inflight[req]
                 self._errors.pop(req, None)
         return collect(typed, self.dims)
+
+    def _mark_started(self, results: dict[int, Any]) -> None:
+        for rank in results:
+            self.peers[rank].started = True
+        self._all_started = all(p.started for p in self.peers.values())
 
     def _typed(self, req: int, method: Method[Any, Any], results: dict[int, Any], n: int) -> dict[int, Any]:
         """Every rank's result checked against the method's result type; a malformed one
@@ -291,17 +301,7 @@ class WorkerGroup:
                 handle(*item)
 
     def _remote_error(self, method: str, errors: dict[int, protocol.Error], n: int) -> RemoteError:
-        rank = min(errors)
-        err = errors[rank]
-        same = len(errors) == n and len({e.exc_type for e in errors.values()}) == 1
-        scope = (f"the same on all {n} ranks" if same else
-                 f"{len(errors)} of {n} ranks raised: " + ", ".join(f"r{r} {e.exc_type}" for r, e in sorted(errors.items())[:8]))
-        return RemoteError(
-            f"rank {rank} raised {err.exc_type} in {method}: {err.message} ({scope})\n"
-            f"--- remote traceback (rank {rank}, log {self.run.worker_log(rank)}) ---\n{err.traceback}",
-            rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback, method=method, same_on_all_ranks=same,
-            user_error=err.user_error,
-        )
+        return remote_error(method, errors, n, self.run.worker_log)
 
     # --- message handling ---------------------------------------------------------------
     def _decode(self, identity: bytes, frames: list[Any]) -> protocol.Envelope | None:
@@ -378,10 +378,17 @@ class WorkerGroup:
                 if not peer.lost:
                     self.sock.send(peer.hb_identity, frames)
             self._next_beat = now + self._beat_interval_s
-        limit = self.timeouts.heartbeat_timeout_s
+        # A worker still starting (importing its libraries, setting up: its heartbeat thread may
+        # starve on a busy host) has timeouts.startup_heartbeat_timeout_s; one that exited is
+        # named at once all the same, when it ran on this host.
+        limit, startup = self.timeouts.heartbeat_timeout_s, self.timeouts.startup_heartbeat_timeout_s
         for peer in self.peers.values():
-            if not peer.lost and now - peer.last_seen > limit:
-                self._declare_lost(peer, f"no heartbeat for {now - peer.last_seen:.1f} s: {diagnose(peer.host, peer.pid)}")
+            silent = now - peer.last_seen
+            if peer.lost or silent <= limit:
+                continue
+            why = diagnose(peer.host, peer.pid)
+            if peer.started or silent > startup or why == "process exited":
+                self._declare_lost(peer, f"no heartbeat for {silent:.1f} s: {why}")
 
     def _declare_lost(self, peer: Peer, why: str) -> None:
         peer.lost = why

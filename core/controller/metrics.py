@@ -118,11 +118,13 @@ class Metrics:
         self.address = ""
 
     # --- serving ------------------------------------------------------------------------
-    def start(self, run: RunFolder, port: int = 0, *, host: str | None = None, bind: str = "0.0.0.0") -> str:
+    def start(self, run: RunFolder, port: int = 0, *, host: str | None = None, bind: str = "127.0.0.1") -> str:
         """Serve ``/metrics`` on ``port`` (0: any free one); publish and return the address.
 
-        ``host`` is the name scrapers should use (the controller host; defaults to this
-        machine's hostname); ``bind`` is the interface the server listens on.
+        ``bind`` is the interface the server listens on (``metrics.bind``: loopback by default;
+        "0.0.0.0" for all interfaces, which a scraper on another host needs). ``host`` is the
+        name scrapers should use when it listens on all interfaces (the controller host;
+        defaults to this machine's hostname); otherwise the published address is ``bind``'s.
         """
         if self._server is not None:
             raise RuntimeError("Metrics.start called twice")
@@ -132,7 +134,7 @@ class Metrics:
             raise UserError(f"metrics.port: cannot serve on {bind}:{port} ({exc.strerror}); "
                             "set metrics.port=0 for any free port or metrics.enabled=false") from None
         actual = int(self._server.server_port)
-        host = host or socket.gethostname()
+        host = (host or socket.gethostname()) if bind in ("0.0.0.0", "::", "") else bind
         self.address = f"http://{host}:{actual}/metrics"
         write_json(run.path / METRICS_FILE, {
             "address": self.address, "host": host, "port": actual, "pid": os.getpid(), "started": time.time(),

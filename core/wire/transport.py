@@ -14,10 +14,13 @@ subprocess so that it never imports zmq itself).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +28,19 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import monitor as zmq_monitor
 
 from core.errors import ExitCode
 
 Frames = Sequence[Any]
+log = logging.getLogger(__name__)
+
+REFUSAL_LOG_S = 10.0
+_REFUSALS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_REFUSAL_WHY = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "not the run's worker key (CURVE)",
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "not CURVE with this run's keys (protocol)",
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed"}
 
 # Frames below this size are copied: for small messages a copy is far cheaper than
 # zero-copy bookkeeping (measured: ~10 µs per zero-copy frame vs ~1 µs per copied one).
@@ -191,6 +203,8 @@ class ControllerSocket:
         self.set_timeout = _Timeout(sock).set
         self.send: Callable[[bytes, Frames], bool] = functools.partial(send_routed, sock)
         self.recv: Callable[[], tuple[bytes, list[Any]] | None] = functools.partial(recv_routed_or_none, sock)
+        self._watch = _RefusalLog(sock)
+        self._watch.start()
 
     def recv_nowait(self) -> tuple[bytes, list[Any]] | None:
         """The next (identity, frames) if one is queued, else None."""
@@ -201,9 +215,57 @@ class ControllerSocket:
         return parts[0], parts[1:]
 
     def close(self) -> None:
+        self._watch.stop()
         self._sock.close(linger=0)
         self.auth.stop()
         self.ctx.term()
+
+
+class _RefusalLog(threading.Thread):
+    """Logs the clients the controller's socket refuses (no CURVE, another key, another protocol),
+    with their address: one warning at once, then at most one every REFUSAL_LOG_S counting the
+    others, so a port scan cannot flood the log. Reads the socket's monitor events."""
+
+    def __init__(self, sock: Any) -> None:
+        super().__init__(name="baton-refusals", daemon=True)
+        self._monitor = sock.get_monitor_socket(_REFUSALS)
+        self._sock = sock
+        self._stopping = threading.Event()
+        self.refused = 0
+        self._unreported = 0
+        self._next_report = 0.0
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            if not self._monitor.poll(200):
+                continue
+            try:
+                event = zmq_monitor.recv_monitor_message(self._monitor)
+            except zmq.ZMQError:
+                return
+            self._note(event)
+
+    def _note(self, event: dict[str, Any]) -> None:
+        self.refused += 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now < self._next_report:
+            return
+        peer = event.get("endpoint", b"?")
+        peer = peer.decode(errors="replace") if isinstance(peer, bytes) else str(peer)
+        others = f" ({self._unreported - 1} more since the last report)" if self._unreported > 1 else ""
+        log.warning("refused a client at %s: %s%s", peer, _REFUSAL_WHY.get(event.get("event"), "handshake failed"),
+                    others)
+        self._unreported, self._next_report = 0, now + REFUSAL_LOG_S
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=2)
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
 
 
 class WorkerSocket:

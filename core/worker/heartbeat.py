@@ -63,6 +63,8 @@ class HeartbeatThread(threading.Thread):
             if self.signals is not None:
                 self.signals.report_once(log, "ignored by the worker; the controller decides")
             frames = self.sock.recv_within(max(0.001, next_beat - time.monotonic()))
+            if frames is None:  # a receive that slept through a stop can time out with messages queued
+                frames = self.sock.recv_nowait()
             while frames is not None:
                 self._incoming(frames)
                 frames = self.sock.recv_nowait()

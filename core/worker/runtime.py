@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import ExitCode, RegistrationError, UserError
+from core.errors import ExitCode, RegistrationError, UserError, is_transient
 from core.job.env import JobEnv
 from core.job.process import free_port
 from core.job.signals import PreemptionFlag
@@ -201,8 +201,10 @@ class WorkerRuntime:
         log.warning("ignored a %s message from the controller", type(msg).__name__)
         return None
 
-    def _error(self, req_id: int, exc_type: str, message: str, tb: str = "", user_error: bool = False) -> list[Any]:
-        err = protocol.Error(exc_type=exc_type, message=message, traceback=tb, user_error=user_error)
+    def _error(self, req_id: int, exc_type: str, message: str, tb: str = "", user_error: bool = False,
+               transient: bool = False) -> list[Any]:
+        err = protocol.Error(exc_type=exc_type, message=message, traceback=tb, user_error=user_error,
+                             transient=transient)
         return protocol.encode(err, req_id=req_id, epoch=self.env.epoch)
 
     def _failure(self, method: str, exc: Exception, req_id: int) -> list[Any]:
@@ -212,7 +214,7 @@ class WorkerRuntime:
             return self._error(req_id, "ProtocolError", str(exc))
         log.exception("call %s failed", method)
         return self._error(req_id, type(exc).__name__, str(exc), traceback.format_exc(),
-                           user_error=isinstance(exc, UserError))
+                           user_error=isinstance(exc, UserError), transient=is_transient(exc))
 
 
 def _close(task: Task) -> None:

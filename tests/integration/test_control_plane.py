@@ -83,6 +83,33 @@ def test_a_stopped_worker_is_detected_as_hung(toy) -> None:
     assert "rank 1" in state["reason"] and "stopped (SIGSTOP)" in state["reason"]
 
 
+def _in_setup(r: LocalRun) -> None:
+    wait_for(lambda: "registered as rank" in r.log("1") and not r.state().get("ranks"), 60,
+             "rank 1 registered, the group not yet set up")
+
+
+def test_a_worker_silent_while_it_starts_is_given_the_startup_allowance(toy, monkeypatch) -> None:
+    monkeypatch.setenv("BATON_TOY_SETUP_S", "6")  # setting up, as a worker importing its libraries
+    r = toy("trainer.steps=30", "timeouts.startup_heartbeat_timeout_s=30")
+    _in_setup(r)
+    os.kill(r.workers[1].pid, signal.SIGSTOP)  # its heartbeat thread starves, as on a busy host
+    time.sleep(3.0)  # the fault under test: 3 s of silence, twice timeouts.heartbeat_timeout_s
+    os.kill(r.workers[1].pid, signal.SIGCONT)
+    assert r.controller is not None and r.controller.wait(timeout=90) == 0
+    assert r.state()["status"] == "completed" and history(r.run.path, "worker_lost") == []
+
+
+def test_a_worker_that_dies_while_it_starts_is_named_at_once(toy, monkeypatch) -> None:
+    monkeypatch.setenv("BATON_TOY_SETUP_S", "30")
+    r = toy("trainer.steps=30", "timeouts.startup_heartbeat_timeout_s=600")
+    _in_setup(r)
+    killed = time.time()
+    os.kill(r.workers[1].pid, signal.SIGKILL)
+    state = wait_for(lambda: r.state() if r.state().get("status") == "failed" else None, 30, "the run to fail")
+    assert "rank 1" in state["reason"] and "process exited" in state["reason"]
+    assert history(r.run.path)[-1]["time"] - killed < 3.0 + 1.0  # not the 600 s start-up allowance
+
+
 def test_a_worker_whose_controller_is_killed_exits_by_itself(toy) -> None:
     r = toy("trainer.steps=1000000")
     _wait_progress(r)
@@ -123,6 +150,7 @@ def test_clients_without_the_run_keys_get_nothing_and_the_run_is_unaffected(toy,
             ctx.destroy(linger=0)
     assert r.controller is not None and r.controller.wait(timeout=60) == 0
     assert r.state()["status"] == "completed" and r.state()["step"] == 400
+    assert "refused a client at tcp://127.0.0.1:" in r.log()  # the knocks are in the controller's log
 
 
 def test_a_worker_of_a_stale_epoch_is_refused_by_name(toy) -> None:
