@@ -9,6 +9,7 @@ Every Baton process (the CLI, the controller, a worker, the supervisors) exits w
 from __future__ import annotations
 
 import enum
+import errno
 
 
 class ExitCode(enum.IntEnum):
@@ -81,7 +82,8 @@ class RemoteError(BatonRuntimeError):
     """
 
     def __init__(self, message: str, rank: int, exc_type: str, remote_traceback: str, *,
-                 method: str = "", same_on_all_ranks: bool = False, user_error: bool = False) -> None:
+                 method: str = "", same_on_all_ranks: bool = False, user_error: bool = False,
+                 transient: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
@@ -89,6 +91,22 @@ class RemoteError(BatonRuntimeError):
         self.method = method
         self.same_on_all_ranks = same_on_all_ranks
         self.user_error = user_error  # the worker said so: its exception was a UserError
+        self.transient = transient  # ... or a storage fault that passes (core.errors.is_transient)
+
+
+# Storage faults that pass (a full or flaky file system, a stale NFS handle): retried, never
+# taken for the user's mistake.
+TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN,
+                              errno.EREMOTEIO, errno.ENOLCK})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An infrastructure fault a retry may get past (``TransientIOError`` or an OSError of those kinds)."""
+    return isinstance(exc, TransientIOError) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS)
+
+
+class TransientIOError(BatonRuntimeError):
+    """A write failed for a reason of the storage (no space, an I/O error): retried within the budget."""
 
 
 class RegistrationError(BatonRuntimeError):

@@ -12,6 +12,7 @@ from pathlib import Path
 from core.checkpoint import manifest
 from core.errors import CheckpointError, ExitCode
 from core.record.runfolder import RunFolder
+from core.spec.schema import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,12 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     verify = cmds.add_parser("verify", help="check completeness and checksums (exit 0 ok, 1 bad)",
                              description="Verify files, sizes and checksums of the latest (or --step N) checkpoint.")
     verify.add_argument("run_dir", type=Path)
-    verify.add_argument("--step", type=int, help="this step instead of every committed one")
+    verify.add_argument("--step", type=arg_number(int, ge=0), metavar="N", help="this step instead of every committed one")
     verify.set_defaults(func=run_verify)
     inspect = cmds.add_parser("inspect", help="global tensors, shapes, dtypes, which file holds which slice",
                               description="Describe one committed checkpoint from its manifest.")
     inspect.add_argument("run_dir", type=Path)
-    inspect.add_argument("--step", type=int, help="default: the latest committed step")
+    inspect.add_argument("--step", type=arg_number(int, ge=0), metavar="N", help="default: the latest committed step")
     inspect.set_defaults(func=run_inspect)
 
 
@@ -50,15 +51,24 @@ def _step_dir(root: Path, step: int | None) -> Path:
     return root / manifest.step_dir_name(step)
 
 
+def _state(e: manifest.CheckpointEntry) -> str:
+    if e.damaged:
+        return "damaged"
+    return ("latest" if e.is_latest else "committed") if e.committed else "uncommitted"
+
+
 def run_ls(args: argparse.Namespace) -> int:
-    entries = manifest.list_checkpoints(_root(args.run_dir))
+    root = _root(args.run_dir)
+    entries = manifest.list_checkpoints(root)
     if not entries:
         print("no checkpoints")
-        return ExitCode.OK
-    print(f"{'step':>8}  {'state':<11} {'size':>10}  layout")
-    for e in entries:
-        state = ("latest" if e.is_latest else "committed") if e.committed else "uncommitted"
-        print(f"{e.step:>8}  {state:<11} {e.size_bytes / 2**20:>8.1f}MB  {json.dumps(e.layout)}")
+    else:
+        print(f"{'step':>8}  {'state':<11} {'size':>10}  layout")
+        for e in entries:
+            where = f"  {e.path.name}" if e.damaged else ""
+            print(f"{e.step:>8}  {_state(e):<11} {e.size_bytes / 2**20:>8.1f}MB  {json.dumps(e.layout)}{where}")
+    for finding in manifest.findings(root):
+        print(f"note: {finding}")
     return ExitCode.OK
 
 
@@ -72,7 +82,10 @@ def run_verify(args: argparse.Namespace) -> int:
         problems = manifest.verify(_step_dir(root, step))
         print(f"step {step}: " + ("ok" if not problems else "BAD: " + "; ".join(problems)))
         bad += bool(problems)
-    return ExitCode.FAILED if bad else ExitCode.OK
+    findings = manifest.findings(root)
+    for finding in findings:
+        print(f"BAD: {finding}")
+    return ExitCode.FAILED if bad or findings else ExitCode.OK
 
 
 def run_inspect(args: argparse.Namespace) -> int:

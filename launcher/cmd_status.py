@@ -5,9 +5,11 @@ import argparse
 import datetime
 import sys
 
+from core.checkpoint import manifest
 from core.errors import ExitCode
 from core.record import events as ev
 from core.record.state import RunRecord, RunState
+from core.spec.schema import arg_number
 from launcher import slurm_jobs
 from launcher.cmd_watch import watch
 
@@ -17,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description="Show a run's status, step out of total, last loss, restarts and its event history.")
     p.add_argument("run_dir", help="the run folder `baton submit` printed, or its Slurm job id")
     p.add_argument("--watch", action="store_true", help="redraw a live view (progress, ETA, tokens/s, loss) until the run ends")
-    p.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="with --watch: seconds between redraws")
+    p.add_argument("--interval", type=arg_number(float, gt=0, le=86400), default=2.0, metavar="SECONDS",
+                   help="with --watch: seconds between redraws (> 0, at most a day; default: 2)")
     p.set_defaults(func=run)
 
 
@@ -48,5 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.watch:
         return watch(run_folder.path, args.interval, stream=sys.stdout)
     record = RunRecord(run_folder)
-    print("\n".join([format_status(record.read(), record.events()), *slurm_jobs.slurm_status_lines(run_folder)]))
+    notes = [f"note:     {line}" for line in manifest.findings(run_folder.checkpoints)]
+    print("\n".join([format_status(record.read(), record.events()), *notes,
+                     *slurm_jobs.slurm_status_lines(run_folder)]))
     return ExitCode.OK

@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
-from core.errors import ExitCode
+from core.checkpoint import manifest
+from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder, new_run_id
 from core.record.state import RunRecord
 from core.spec import config as config_mod
-from launcher import local, runprep, slurm
+from launcher import local, runprep, slurm, slurm_jobs
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,8 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="auto (default): slurm when sbatch is on PATH, else local processes")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue an existing run folder from its latest committed checkpoint")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="with --resume: when no checkpoint of the run verifies, start again from step 0 (the "
+                        "damaged checkpoints are kept); without it such a resume is refused")
     p.add_argument("--dry-run", action="store_true",
-                   help="slurm: print the exact job script and submit nothing (no run folder is created)")
+                   help="slurm: print the exact job script and submit nothing (nothing is written)")
     slurm.add_sbatch_arguments(p)
     p.set_defaults(func=run)
 
@@ -40,20 +45,29 @@ def pick_backend(choice: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
+    resume: runprep.Resume | None = None
     if args.resume is not None:
         if args.config is not None:  # with --resume, every positional is an override
             overrides.insert(0, str(args.config))
-        run_folder, cfg, epoch = runprep.prepare_resume(args.resume, overrides)
+        resume = runprep.check_resume(args.resume, overrides, from_scratch=args.from_scratch)
+        _refuse_an_active_job(resume.run)
+        for note in resume.notes:
+            print(f"note: {note}")
+        cfg, epoch, run_folder = resume.cfg, resume.epoch, resume.run
     else:
         if args.config is None:
             raise config_mod.ConfigError("submit: give an experiment YAML, or --resume RUN_DIR")
+        if args.from_scratch:
+            raise config_mod.ConfigError("--from-scratch: only with --resume RUN_DIR")
         cfg = config_mod.load(args.config, overrides)
         run_folder, epoch = None, 0
     backend = pick_backend(args.backend)
     if backend == "slurm":
-        return _run_slurm(args, cfg, run_folder, epoch)
+        return _run_slurm(args, cfg, run_folder, epoch, resume)
     if args.dry_run:
         raise config_mod.ConfigError("--dry-run: only with the slurm backend; add --backend slurm")
+    if resume is not None:
+        runprep.begin_resume(resume)
     if run_folder is None:
         run_folder = runprep.prepare_run(cfg, backend=backend)
     print(f"run folder: {run_folder.path}")
@@ -62,12 +76,33 @@ def run(args: argparse.Namespace) -> int:
     print(f"run {state.status.value} at step {state.step}/{cfg.trainer.steps}"
           + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else "")
           + (f": {state.reason}" if state.reason else ""))
+    for finding in manifest.findings(run_folder.checkpoints):
+        print(f"note: {finding}")
     print(f"run folder: {run_folder.path}")
+    if code == ExitCode.USER_ERROR:  # the run refused its input (e.g. no checkpoint verifies): say it once
+        print(f"baton: error: {state.reason or 'the run refused its input; see ' + str(run_folder.controller_log)}",
+              file=sys.stderr)
+        return ExitCode.USER_ERROR
     return ExitCode.OK if code == ExitCode.OK else ExitCode.FAILED
 
 
-def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: RunFolder | None, epoch: int) -> int:
-    """Preflight, then one heterogeneous job; returns at once (or prints the script: --dry-run)."""
+def _refuse_an_active_job(run: RunFolder) -> None:
+    """A run whose Slurm job is still pending or running is not resumed beside it."""
+    job_id = slurm_jobs.job_id_of(run)
+    if job_id is None or shutil.which("squeue") is None:
+        return
+    states = slurm_jobs.job_states(job_id, max_age_s=0)
+    active = {c: s for c, s in states.items() if slurm_jobs.baton_state(s) in slurm_jobs.ACTIVE}
+    if active:
+        shown = ", ".join(f"{c} {s}" for c, s in sorted(active.items()))
+        raise UserError(f"{run.path}: its job {job_id} is still in Slurm ({shown}); wait for it or "
+                        f"`baton cancel {run.path}` first, then resume")
+
+
+def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: RunFolder | None, epoch: int,
+               resume: runprep.Resume | None) -> int:
+    """Preflight, then one heterogeneous job; returns at once (or prints the script and writes
+    nothing: --dry-run)."""
     spec = slurm.job_spec_for(cfg, args)  # built once: the dry run, preflight and submit use this value
     runs_root = Path(cfg.runs_root).expanduser().resolve()
     if args.dry_run:
@@ -75,6 +110,8 @@ def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: 
         print(slurm.render(planned, cfg, spec, epoch=epoch), end="")
         return ExitCode.OK
     slurm.preflight(spec, runs_root)
+    if resume is not None:
+        runprep.begin_resume(resume)
     if run_folder is None:
         run_folder = runprep.prepare_run(cfg, backend="slurm")
     job_id = slurm.submit(run_folder, cfg, spec, epoch=epoch)

@@ -8,10 +8,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from core.checkpoint import manifest
 from core.errors import UserError
 from core.record import events as ev
+from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, write_atomic
 from core.record.state import RunRecord, RunState, Status
 from core.spec import config as config_mod
@@ -30,7 +33,10 @@ def generate_keys(keys_dir: Path) -> None:
 
 
 def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> RunFolder:
-    """Create the run folder of a validated config: config, plan, keys, the first state."""
+    """Create the run folder of a validated config: config, plan, keys, the first state. A
+    relative ``data.path`` is stored resolved, so a later resume from another folder reads the same file."""
+    if cfg.data.path and not Path(cfg.data.path).is_absolute():
+        cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
     write_atomic(run.config, config_mod.dump(cfg))
     write_atomic(run.plan, plan_run(cfg).to_json())
@@ -41,15 +47,58 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     return run
 
 
-def prepare_resume(run_dir: Path, overrides: list[str]) -> tuple[RunFolder, RunConfig, int]:
-    """Re-open a run folder for its next epoch; overrides (e.g. a new layout) are applied."""
+@dataclass(frozen=True)
+class Resume:
+    """A checked resume of a run folder: nothing written yet (``begin_resume`` writes)."""
+
+    run: RunFolder
+    cfg: RunConfig
+    epoch: int
+    overrides: tuple[str, ...]
+    from_scratch: bool
+    notes: tuple[str, ...]  # what the user must hear about the run's checkpoints
+
+
+def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = False) -> Resume:
+    """Everything a resume needs, checked on the login node before anything is written: the run
+    folder and its record, no live controller, the config with its overrides, a checkpoint to
+    resume from that fits the (possibly changed) model. A refusal is a one-line UserError."""
     run = RunFolder.open(run_dir.expanduser().resolve())
+    state = RunRecord(run).read()
+    live = controller_alive(run)
+    if live is not None:
+        raise UserError(f"{run.path}: its controller still runs ({live}); wait for it, or end it first "
+                        "(`baton cancel`), then resume")
     cfg = config_mod.load(run.config, overrides)
-    if overrides:
-        write_atomic(run.config, config_mod.dump(cfg))
-    write_atomic(run.plan, plan_run(cfg).to_json())  # planned again: a plan of an older Baton is replaced
-    record = RunRecord(run)
-    epoch = record.read().restarts + 1
-    with record.update(ev.ResumeRequested(epoch=epoch, overrides=tuple(overrides))) as s:
-        s.restarts, s.status = epoch, Status.RESUMING
-    return run, cfg, epoch
+    intact, problems = manifest.newest_intact(run.checkpoints)
+    notes = [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
+    if intact is None and (problems or manifest.damaged(run.checkpoints)) and not from_scratch:
+        raise UserError(f"{run.checkpoints}: no checkpoint to resume from ({'; '.join(problems) or 'all damaged'}); "
+                        "the run does not start over by itself: add --from-scratch to start again from step 0")
+    if intact is not None:
+        saved = manifest.read_manifest(intact).config_hash
+        if saved not in (None, config_mod.model_hash(cfg)):
+            changed = [o for o in overrides if o.split("=", 1)[0].startswith("model.")]
+            raise UserError(f"{intact}: saved with another model than {', '.join(changed) or 'config.yaml'} gives "
+                            "(the model section must stay as the checkpoint has it); resume without changing model.*")
+    return Resume(run=run, cfg=cfg, epoch=state.restarts + 1, overrides=tuple(overrides), from_scratch=from_scratch,
+                  notes=tuple(notes))
+
+
+def begin_resume(resume: Resume) -> None:
+    """Write what a checked resume changes: config (overrides), plan, the next epoch in the record."""
+    run = resume.run
+    if resume.overrides:
+        write_atomic(run.config, config_mod.dump(resume.cfg))
+    write_atomic(run.plan, plan_run(resume.cfg).to_json())  # planned again: a plan of an older Baton is replaced
+    with RunRecord(run).update(ev.ResumeRequested(epoch=resume.epoch, overrides=resume.overrides,
+                                                  from_scratch=resume.from_scratch)) as s:
+        s.restarts, s.status, s.from_scratch = resume.epoch, Status.RESUMING, resume.from_scratch
+
+
+def prepare_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = False
+                   ) -> tuple[RunFolder, RunConfig, int]:
+    """``check_resume`` then ``begin_resume``: re-open a run folder for its next epoch."""
+    resume = check_resume(run_dir, overrides, from_scratch=from_scratch)
+    begin_resume(resume)
+    return resume.run, resume.cfg, resume.epoch

@@ -94,9 +94,16 @@ def job_states(job_id: str, cache: Path | None = None, max_age_s: float = STATE_
 def job_id_of(run: RunFolder) -> str | None:
     """The run's Slurm job id (slurm.json, else state.json), None for a run not on Slurm."""
     try:
-        return str(read_json(job_record(run))["job_id"])
-    except (FileNotFoundError, KeyError, UserError):
-        return RunRecord(run).read().slurm.job_id
+        data = read_json(job_record(run))
+    except (FileNotFoundError, UserError):
+        data = None
+    job_id = data.get("job_id") if isinstance(data, dict) else None
+    if job_id is None:
+        job_id = RunRecord(run).read().slurm.job_id
+    if job_id is not None and not re.fullmatch(r"\d+", str(job_id)):
+        raise UserError(f"{job_record(run)}: job id {job_id!r} is not a Slurm job id (digits); the run folder is "
+                        "damaged: find the job with `squeue --me` and cancel it with `scancel`")
+    return None if job_id is None else str(job_id)
 
 
 def _cache(run: RunFolder) -> Path:

@@ -91,9 +91,11 @@ def history(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [ev.to_data(e) for e in events if kind is None or ev.kind_of(e) == kind]
 
 
-def baton(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run the CLI as a user would."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+def baton(*args: str, cwd: Path | None = None, timeout: float = 600,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would (``env``: variables added to this process's)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+               **(env or {}))
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=timeout)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.checkpoint.manifest import (
+    DAMAGE_NOTE,
     DEBRIS_RE,
     FORMAT,
     FORMAT_VERSION,
@@ -169,13 +170,25 @@ def _tiling_problem(global_shape: tuple[int, ...], boxes: list[tuple[tuple[int, 
 
 
 
+def quarantine(step_dir: Path, why: str) -> Path:
+    """Set a checkpoint that failed verification aside (``step_N.damaged-*``), with ``why`` in
+    DAMAGED.txt: never loaded, never deleted by Baton; the user decides."""
+    aside = step_dir.with_name(f"{step_dir.name}.damaged-{secrets.token_hex(4)}")
+    os.rename(step_dir, aside)
+    write_atomic(aside / DAMAGE_NOTE, why.strip() + "\n")
+    fsync_dir(step_dir.parent)
+    logger.warning("checkpoint %s failed verification (%s): set aside as %s", step_dir, why, aside)
+    return aside
+
+
 def retain(root: Path, keep_last: int) -> list[Path]:
     """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted.
 
     Never leaves no good checkpoint: when none of the kept ones passes the quick check
-    (manifest, files and sizes), the newest older one that does is kept as well.
-    Deletion renames to ``.del-`` first, so a crash mid-delete leaves debris, not a
-    committed checkpoint with missing files.
+    (manifest, files and sizes), the newest older one that does is kept as well. An older one
+    that fails the quick check is set aside (``quarantine``), never deleted. Deletion renames
+    to ``.del-`` first, so a crash mid-delete leaves debris, not a committed checkpoint with
+    missing files.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be ≥ 1, got {keep_last}")
@@ -190,6 +203,10 @@ def retain(root: Path, keep_last: int) -> list[Path]:
     deleted = []
     for s in older:
         path = root / step_dir_name(s)
+        problems = verify(path, checksums=False)
+        if problems:
+            quarantine(path, "; ".join(problems))
+            continue
         doomed = root / f"{path.name}.del-{secrets.token_hex(4)}"
         os.rename(path, doomed)
         shutil.rmtree(doomed)
@@ -203,8 +220,10 @@ def retain(root: Path, keep_last: int) -> list[Path]:
 def remove_uncommitted(root: Path, *, up_to_step: int | None = None) -> list[Path]:
     """Remove debris of interrupted saves (at steps ≤ ``up_to_step``; all when None).
 
-    Debris is a ``.tmp-``/``.old-``/``.del-`` folder or a step folder without a manifest.
-    A newer ``.tmp-`` folder may be a save in flight and is left alone.
+    Debris is a ``.tmp-``/``.old-``/``.del-`` folder. A step folder with its final name but
+    no manifest is no crash of Baton's (the rename comes after the manifest) but damage: it
+    is set aside (``quarantine``), not removed. A newer ``.tmp-`` folder may be a save in
+    flight and is left alone.
     """
     if not root.is_dir():
         return []
@@ -213,7 +232,9 @@ def remove_uncommitted(root: Path, *, up_to_step: int | None = None) -> list[Pat
         m = DEBRIS_RE.match(p.name) or STEP_RE.match(p.name)
         if not m or not p.is_dir() or (up_to_step is not None and int(m.group(1)) > up_to_step):
             continue
-        if STEP_RE.match(p.name) and (p / MANIFEST_NAME).is_file():
+        if STEP_RE.match(p.name):
+            if not (p / MANIFEST_NAME).is_file():
+                quarantine(p, f"{p / MANIFEST_NAME}: missing under a committed name")
             continue
         logger.warning("removing uncommitted checkpoint folder %s", p)
         shutil.rmtree(p)

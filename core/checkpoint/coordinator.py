@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from core.checkpoint import calls, manifest
-from core.checkpoint.commit import commit, tmp_step_dir
+from core.checkpoint.commit import commit, quarantine, tmp_step_dir
 from core.checkpoint.spec import ShardAck
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError, TransientIOError, is_transient
 from core.record import events as ev
 from core.record.state import RunRecord
 from core.spec.dims import ParallelDims
@@ -72,12 +72,29 @@ class CheckpointCoordinator:
         self._pending: Pending | None = None
 
     # --- resume -----------------------------------------------------------------------------
-    def resume_point(self) -> Path | None:
-        """The newest committed checkpoint that verifies (any layout), or None.
+    def resume_point(self, *, from_scratch: bool = False) -> Path | None:
+        """The newest committed checkpoint that verifies (any layout), or None when there is none.
 
-        One saved with another model is a ConfigError: resuming it would load wrong shapes."""
-        step_dir = manifest.latest_valid(self.root, log=log)
+        Each newer one that fails verification is set aside (kept, named in an event). When
+        checkpoints existed but none verifies, the run does not start again from step 0 unless
+        ``from_scratch`` (`baton submit --resume RUN --from-scratch`): a CheckpointError naming
+        them. One saved with another model is a ConfigError: it would load wrong shapes."""
+        step_dir = None
+        for step in reversed(manifest.committed_steps(self.root)):
+            candidate = self.root / manifest.step_dir_name(step)
+            problems = manifest.verify(candidate)
+            if not problems:
+                step_dir = candidate
+                break
+            aside = quarantine(candidate, "; ".join(problems))
+            self.record.append(ev.CheckpointDamaged(step=step, folder=aside.name, problems="; ".join(problems)))
         if step_dir is None:
+            damaged = manifest.damaged(self.root)
+            if damaged and not from_scratch:
+                raise CheckpointError(
+                    f"{self.root}: no checkpoint verifies ({', '.join(p.name for p in damaged)} failed and are kept); "
+                    "the run does not start over by itself: `baton submit --resume RUN --from-scratch` starts it "
+                    "again from step 0")
             return None
         saved = manifest.read_manifest(step_dir)
         if saved.config_hash not in (None, self.model_hash):
@@ -145,8 +162,14 @@ class CheckpointCoordinator:
             "loop": {"step": p.step, "epoch": self.group.epoch, "generation": self.group.generation,
                      "last_loss": p.loss},
         }
-        final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.world_size,
-                       keep_last=self.keep_last)
+        try:
+            final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.world_size,
+                           keep_last=self.keep_last)
+        except OSError as exc:
+            if is_transient(exc):
+                raise TransientIOError(f"{p.tmp}: the commit of step {p.step} failed ({exc}); a storage fault: "
+                                       "retried within recovery.max_retries") from exc
+            raise
         seconds = time.perf_counter() - p.started
         self.last_save_s = seconds
         nbytes = sum(a.size_bytes for a in acks)

@@ -39,7 +39,7 @@ from core.checkpoint.manifest import (
     read_manifest,
 )
 from core.checkpoint.spec import ShardAck, SliceAck, TensorSlice
-from core.errors import CheckpointError
+from core.errors import CheckpointError, TransientIOError, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
             path.unlink(missing_ok=True)  # a partial shard must not look like one that could be acked
         except OSError as cleanup:
             logger.warning("could not remove the partial shard %s: %s", path, cleanup)
+        if is_transient(exc):
+            raise TransientIOError(f"{path}: cannot write the shard ({exc}); a storage fault: retried within "
+                                   "recovery.max_retries") from exc
         if isinstance(exc, OSError):
             raise CheckpointError(f"{path}: cannot write the shard ({exc}); check that the folder exists, "
                                   "is writable and has space") from exc

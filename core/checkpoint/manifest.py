@@ -46,6 +46,8 @@ LATEST_NAME = "latest"
 CHECKSUM_ALGO = "xxh3_64"
 STEP_RE = re.compile(r"^step_(\d{8})$")
 DEBRIS_RE = re.compile(r"^step_(\d{8})\.(tmp|old|del)-[0-9a-f]+$")
+DAMAGED_RE = re.compile(r"^step_(\d{8})\.damaged-[0-9a-f]+$")  # failed verification: kept, never loaded
+DAMAGE_NOTE = "DAMAGED.txt"  # inside a damaged folder: why it was set aside
 _RANK_RE = re.compile(r"^rank_(\d{5,})\.h5$")
 _READ_BLOCK = 16 << 20
 
@@ -103,6 +105,7 @@ class CheckpointEntry:
     size_bytes: int
     layout: Any
     is_latest: bool
+    damaged: bool = False  # set aside after failing verification (``step_N.damaged-*``)
 
 
 def step_dir_name(step: int) -> str:
@@ -157,9 +160,12 @@ def committed_steps(root: Path) -> list[int]:
 def read_latest(root: Path) -> int | None:
     """The step the ``latest`` pointer names, or None when there is none."""
     try:
-        text = (root / LATEST_NAME).read_text().strip()
+        text = (root / LATEST_NAME).read_bytes().decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise CheckpointError(f"{root / LATEST_NAME}: unreadable ({exc.strerror}); delete it "
+                              "(Baton rewrites it at the next commit)") from None
     m = STEP_RE.match(text)
     if not m:
         raise CheckpointError(f"{root / LATEST_NAME}: holds {text[:60]!r}, not a step folder name; delete it "
@@ -260,7 +266,7 @@ def list_checkpoints(root: Path) -> list[CheckpointEntry]:
         latest = None
     out = []
     for p in root.iterdir():
-        m = STEP_RE.match(p.name) or DEBRIS_RE.match(p.name)
+        m = STEP_RE.match(p.name) or DEBRIS_RE.match(p.name) or DAMAGED_RE.match(p.name)
         if not m or not p.is_dir():
             continue
         committed = bool(STEP_RE.match(p.name)) and (p / MANIFEST_NAME).is_file()
@@ -272,8 +278,47 @@ def list_checkpoints(root: Path) -> list[CheckpointEntry]:
                 pass  # listed as committed with no layout; `baton ckpt verify` says why
         size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
         out.append(CheckpointEntry(step=int(m.group(1)), path=p, committed=committed, size_bytes=size,
-                                   layout=layout, is_latest=committed and int(m.group(1)) == latest))
+                                   layout=layout, is_latest=committed and int(m.group(1)) == latest,
+                                   damaged=bool(DAMAGED_RE.match(p.name))))
     return sorted(out, key=lambda e: (e.step, not e.committed, e.path.name))
+
+
+def newest_intact(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint that passes the quick check (manifest, files, sizes:
+    what a login node can afford), and one line per newer one that does not."""
+    problems = []
+    for step in reversed(committed_steps(root)):
+        step_dir = root / step_dir_name(step)
+        found = verify(step_dir, checksums=False)
+        if not found:
+            return step_dir, problems
+        problems.append(f"{step_dir.name}: {'; '.join(found)}")
+    return None, problems
+
+
+def damaged(root: Path) -> list[Path]:
+    """Checkpoints set aside after failing verification, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if DAMAGED_RE.match(p.name) and p.is_dir())
+
+
+def findings(root: Path) -> list[str]:
+    """What a user must hear about a run's checkpoints: damaged ones set aside, and a ``latest``
+    pointer that names no committed checkpoint. One line each; [] when all is well."""
+    out = []
+    for p in damaged(root):
+        note = p / DAMAGE_NOTE
+        why = note.read_text(errors="replace").strip().splitlines()[0] if note.is_file() else "failed verification"
+        out.append(f"{p}: damaged, set aside and kept ({why})")
+    try:
+        latest = read_latest(root)
+    except CheckpointError as exc:
+        return [*out, str(exc)]
+    if latest is not None and latest not in committed_steps(root):
+        out.append(f"{root / LATEST_NAME}: points at {step_dir_name(latest)}, which is not a committed checkpoint "
+                   "(missing or without its manifest); resumes use the newest committed one")
+    return out
 
 
 def describe(step_dir: Path) -> str:

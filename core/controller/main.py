@@ -27,6 +27,7 @@ from core.job import logsetup, slurmctl
 from core.job.env import JobEnv
 from core.job.signals import PreemptionFlag
 from core.record import events as ev
+from core.record.lock import controller_lock
 from core.record.runfolder import RunFolder, write_json
 from core.record.state import RunRecord, SlurmInfo, Status
 from core.spec import config as config_mod
@@ -52,6 +53,11 @@ def run_controller(env: JobEnv) -> int:
     run = RunFolder(env.run_dir)
     logsetup.configure("controller", run.controller_log)
     signals = PreemptionFlag.install()  # before anything slow: a signal now is not lost
+    with controller_lock(run):  # one controller per run folder, for this whole process
+        return _run_locked(env, run, signals)
+
+
+def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
     cfg = config_mod.load(run.config)
     plan = read_plan(run.plan, cfg)
     metrics = None
@@ -59,7 +65,7 @@ def run_controller(env: JobEnv) -> int:
         from core.controller.metrics import Metrics  # prometheus_client: only when metrics are on
 
         metrics = Metrics()
-        metrics.start(run, cfg.metrics.port, host=env.controller_host)
+        metrics.start(run, cfg.metrics.port, host=env.controller_host, bind=cfg.metrics.bind)
         metrics.set_restarts(env.epoch)
     record = RunRecord(run)
     with record.update(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid())) as s:

@@ -88,14 +88,16 @@ class Program:
 
     def resume(self) -> None:
         """Continue from the newest committed checkpoint that verifies (any layout)."""
-        step_dir = self.checkpoints.resume_point()
+        before = self.record.read()
+        step_dir = self.checkpoints.resume_point(from_scratch=before.from_scratch)
         self.step = 0 if step_dir is None else self.checkpoints.load(step_dir)
         new: list[ev.Event] = []
-        if step_dir is None and self.record.read().step > 0:
-            log.warning("no committed checkpoint in %s: starting again from step 0", self.run.checkpoints)
-            new.append(ev.RestartFromScratch(reason="no committed checkpoint"))
+        if step_dir is None and before.step > 0:
+            why = "--from-scratch" if before.from_scratch else "no committed checkpoint"
+            log.warning("%s in %s: starting again from step 0", why, self.run.checkpoints)
+            new.append(ev.RestartFromScratch(reason=why))
         with self.record.update(*new) as s:
-            s.step = self.step
+            s.step, s.from_scratch = self.step, False
         # The steps past the checkpoint are redone: their records go, and goodput counts
         # only the steps that survive (work redone after a requeue was not useful).
         kept = step_records.keep_before(self.run.metrics, self.step)

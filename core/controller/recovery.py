@@ -30,7 +30,15 @@ from typing import Literal
 from core.checkpoint import manifest
 from core.controller.program import Program
 from core.controller.stop import StopRequest
-from core.errors import CallTimeoutError, ExitCode, RegistrationError, RemoteError, UserError, WorkerLostError
+from core.errors import (
+    CallTimeoutError,
+    ExitCode,
+    RegistrationError,
+    RemoteError,
+    TransientIOError,
+    UserError,
+    WorkerLostError,
+)
 from core.record import events as ev
 from core.record.state import Budget, Status
 from core.supervisor.contract import WorkerRequest, request_workers
@@ -45,7 +53,7 @@ MAX_BACKOFF_FACTOR = 8
 class Failure:
     """One failure of the worker group, as recorded and counted."""
 
-    kind: str  # "worker_lost" | "timeout" | "registration" | "remote_error"
+    kind: str  # "worker_lost" | "timeout" | "registration" | "remote_error" | "storage"
     ranks: tuple[int, ...]
     nodes: tuple[str, ...]
     why: str  # one line
@@ -103,6 +111,8 @@ def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: flo
 def deterministic(exc: RemoteError, step: int, previous: tuple[object, ...]) -> str | None:
     """Why a remote error would only repeat on a retry, or None when a retry may help.
     ``previous``: the signature of the last remote error (``signature``), () if none."""
+    if exc.transient:
+        return None  # a storage fault: the same on every rank, and still worth a retry
     if exc.user_error:
         return f"{exc.exc_type} is a user error"
     if exc.same_on_all_ranks:
@@ -151,6 +161,8 @@ class Recovery:
                 failure = self._failure("timeout", tuple(exc.missing), _first_line(exc))
             except RegistrationError as exc:
                 failure = self._failure("registration", (), _first_line(exc))
+            except TransientIOError as exc:  # the controller's own write (a commit) met a storage fault
+                failure = self._failure("storage", (), _first_line(exc))
             else:
                 return self._ended(stop)
             outcome = self._recover(failure)

@@ -152,9 +152,10 @@ def requeue(job_id: str, *, exclude: Sequence[str] = (), component_id: str | Non
             run: Runner = _run) -> RequeueResult:
     """Put the running job back in the queue (same id, SLURM_RESTART_COUNT + 1).
 
-    ``exclude``: nodes the next run must avoid, set on ``component_id`` (the workers'
-    component, default the job itself). A job Slurm is already requeueing (preemption
-    with PreemptMode=REQUEUE) counts as requeued.
+    ``exclude``: nodes the next run must avoid, added on ``component_id`` (the workers'
+    component, default the job itself) to the ones it already excludes (the user's own
+    ``--exclude``, earlier exclusions): never replacing them. A job Slurm is already
+    requeueing (preemption with PreemptMode=REQUEUE) counts as requeued.
     """
     old = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job's kill must not cut this short
     try:
@@ -164,14 +165,39 @@ def requeue(job_id: str, *, exclude: Sequence[str] = (), component_id: str | Non
         if not held.ok:
             return held
         target = component_id or job_id
-        upd = _scontrol(run, ["scontrol", "update", f"JobId={target}", f"ExcNodeList={','.join(exclude)}"])
+        nodes = ",".join(dict.fromkeys([*excluded_nodes(target, run), *exclude]))
+        upd = _scontrol(run, ["scontrol", "update", f"JobId={target}", f"ExcNodeList={nodes}"])
         rel = _scontrol(run, ["scontrol", "release", job_id])
         if not rel.ok:
             return rel
-        return RequeueResult(ok=True, detail=f"requeued excluding {','.join(exclude)}"
+        return RequeueResult(ok=True, detail=f"requeued excluding {nodes}"
                              + ("" if upd.ok else f" (exclusion failed: {upd.detail})"))
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def excluded_nodes(job_id: str, run: Runner = _run) -> list[str]:
+    """The hostlist expressions a job already excludes (``ExcNodeList``), [] when none or unknown."""
+    try:
+        proc = run(["scontrol", "show", "job", "-o", job_id])
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = _FIELD_RE.findall(proc.stdout) if proc.returncode == 0 else []
+    value = next((v for k, v in found if k == "ExcNodeList"), "")
+    return [] if value in ("", "(null)") else _split_hostlist(value)
+
+
+def _split_hostlist(value: str) -> list[str]:
+    """``node[1-2],gpu3`` → ["node[1-2]", "gpu3"]: commas inside brackets belong to the expression."""
+    out, depth, part = [], 0, ""
+    for ch in value:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(part)
+            part = ""
+        else:
+            part += ch
+    return [p for p in [*out, part] if p]
 
 
 def _scontrol(run: Runner, args: list[str]) -> RequeueResult:

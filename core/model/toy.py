@@ -9,10 +9,14 @@ Test-only knobs, read from the environment at setup (the recovery tests use them
 ``BATON_TOY_FAIL_AT_STEP=s`` makes ``train_step(s)`` raise on every rank (a deterministic
 bug); ``BATON_TOY_SAVE_DELAY_S=x`` makes each checkpoint save wait x seconds first (a
 window to kill a worker while a checkpoint is being written); ``BATON_TOY_STEP_S=x`` makes
-each step take x seconds more (a run long enough to be preempted; the losses are unchanged).
+each step take x seconds more (a run long enough to be preempted; the losses are unchanged);
+``BATON_TOY_SETUP_S=x`` makes setup take x seconds (a worker importing its libraries);
+``BATON_TOY_SAVE_ENOSPC_ONCE=1`` makes the first checkpoint save of the run fail with
+"No space left on device" (once: a marker file in the run folder remembers it).
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -80,6 +84,7 @@ class ToyTask:
         self.fail_at_step = -1
         self.save_delay_s = 0.0
         self.step_delay_s = 0.0
+        self.enospc_once = False
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         return {
@@ -107,6 +112,8 @@ class ToyTask:
         self.fail_at_step = int(os.environ.get("BATON_TOY_FAIL_AT_STEP", "-1"))
         self.save_delay_s = float(os.environ.get("BATON_TOY_SAVE_DELAY_S", "0"))
         self.step_delay_s = float(os.environ.get("BATON_TOY_STEP_S", "0"))
+        self.enospc_once = os.environ.get("BATON_TOY_SAVE_ENOSPC_ONCE") == "1"
+        time.sleep(float(os.environ.get("BATON_TOY_SETUP_S", "0")))  # the knob: a slow start-up
         return calls.SetupInfo(coords=Coords(rank=self.ctx.rank, tp=0, pp=0, dp=self.ctx.rank), num_params=_DIM)
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
@@ -130,6 +137,10 @@ class ToyTask:
         """Each rank's own weights under a per-rank name (the toy has no sharded tensors)."""
         if self.save_delay_s:
             time.sleep(self.save_delay_s)  # the knob under test: a slow checkpoint write
+        marker = self.ctx.run_dir / "toy-enospc-done"
+        if self.enospc_once and not marker.exists():
+            marker.touch()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.ctx.run_dir / "checkpoints"))
         name = f"toy.w.rank{self.ctx.rank}"
         item = TensorSlice(name=name, global_shape=(_DIM,), offset=(0,), shape=(_DIM,), dtype="float64")
         return [(item, self.w.copy())], {"rank": self.ctx.rank}

@@ -40,6 +40,7 @@ class ResumeRequested(Event):
     KIND: ClassVar[str] = "resume_requested"
     epoch: int
     overrides: tuple[str, ...] = ()
+    from_scratch: bool = False  # `--from-scratch`: start again at step 0 if no checkpoint verifies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,16 @@ class Resumed(Event):
     saved_layout: Any
     layout: str
     seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointDamaged(Event):
+    """A committed checkpoint failed verification: set aside (kept), never loaded."""
+
+    KIND: ClassVar[str] = "checkpoint_damaged"
+    step: int
+    folder: str  # where it was set aside
+    problems: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +230,7 @@ class OtherEvent(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
-    RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
+    CheckpointDamaged, RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
     RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
 )}
 

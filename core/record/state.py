@@ -128,6 +128,7 @@ class RunState:
     last_loss: float | None = None
     reason: str = ""  # why it failed or stopped
     micro_batch_size: int | None = None  # as the workers resolved it
+    from_scratch: bool = False  # granted by `--resume --from-scratch`, used up by the next controller
     ranks: tuple[RankInfo, ...] = ()
     recovery: Budget = field(default_factory=Budget)
     goodput: Goodput = field(default_factory=Goodput)
@@ -211,8 +212,14 @@ class RunRecord:
         return state_from_data(_parse_json(raw, self.path), str(self.path))
 
     def events(self) -> list[ev.Event]:
-        """The history, oldest first. A torn line (a crash mid-append) is skipped with a warning."""
-        out = [ev.from_data(d, f"{self.events_path} line {n}") for n, d in self._event_lines()]
+        """The history, oldest first. A torn line (a crash mid-append) or a line that is not an
+        event this Baton knows is skipped with a warning: the history informs, it never blocks."""
+        out = []
+        for n, d in self._event_lines():
+            try:
+                out.append(ev.from_data(d, f"{self.events_path} line {n}"))
+            except RunFolderError as exc:
+                log.warning("skipped: %s", exc)
         if not out and not self.events_path.exists():
             out = self._version_1_history()
         return out

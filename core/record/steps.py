@@ -87,10 +87,11 @@ def read(path: Path, *, strict: bool = False) -> list[StepRecord]:
         except (ValueError, RunFolderError) as exc:
             if i == len(lines) - 1 and not line.endswith(b"}"):
                 log.warning("%s: skipped a torn last line (%d bytes)", path, len(line))
-            elif strict:
-                raise RunFolderError(f"{path} line {n}: {exc}") from None
             else:
-                log.warning("%s line %d: skipped: %s", path, n, exc)
+                why = str(exc) if isinstance(exc, RunFolderError) else f"{path} line {n}: {exc}"
+                if strict:
+                    raise RunFolderError(why) from None
+                log.warning("skipped: %s", why)
     return out
 
 

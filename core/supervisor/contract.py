@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import ExitCode
 from core.record import events as ev
+from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, read_json, write_json
 from core.record.state import RunRecord, Status
 
@@ -71,10 +73,18 @@ def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, commit
 
     A controller that left any other status (``running``, or one from before it started)
     died: killed, OOM, a crash before its handlers ran. That spends one retry, recorded in
-    the run's history with the exit code.
+    the run's history with the exit code. One that exited with ``ExitCode.USER_ERROR`` said
+    why on its way out (bad input, or another controller holding the run): nothing to retry,
+    and the record is left as it is (it may be the other controller's).
     """
     record = RunRecord(run)
+    if exit_code == ExitCode.USER_ERROR and controller_alive(run) is not None:
+        return Status.FAILED  # this job's controller was refused; the run belongs to the live one
     with record.update() as s:
+        if exit_code == ExitCode.USER_ERROR and not s.status.final and s.status is not Status.REQUEUED:
+            s.status, s.reason = Status.FAILED, f"the controller refused to start (bad input); see {run.controller_log}"
+            record.append(ev.Failed(reason=s.reason, step=s.step))
+            return s.status
         if s.status is Status.REQUEUED or s.status.final:
             return s.status
         s.recovery = s.recovery.spend(nodes=(), step=s.step, committed_step=committed_step)

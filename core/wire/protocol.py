@@ -8,7 +8,7 @@ Wire format (one ZeroMQ multipart message; the ROUTER adds the peer identity in 
 The header is an array, not a map: decoding five positional items is a third of the cost
 of a five-key map (no key strings to build), and this path runs for every call, result
 and heartbeat. The payload stays a map of named fields. A peer of protocol 1 (a map
-header) is still told which version it speaks. Version 3 added ``Error.user_error``.
+header) is still told which version it speaks. Version 3 added ``Error.user_error`` and ``Error.transient``.
 
 A numpy array anywhere in the payload is replaced by msgpack ext type 1 holding
 ``[frame index, dtype str, shape]``; the receiver rebuilds it with ``np.frombuffer`` over
@@ -89,6 +89,7 @@ class Error:
     message: str
     traceback: str
     user_error: bool = False
+    transient: bool = False  # a storage fault that passes (no space, an I/O error): worth a retry
 
 
 @dataclass(kw_only=True, slots=True)

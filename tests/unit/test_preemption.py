@@ -139,9 +139,18 @@ def test_requeue_with_exclusions_holds_updates_the_workers_component_and_release
     result = slurmctl.requeue("16", exclude=["node2", "node3"], component_id="17", run=runner)
     assert result.ok and "excluding node2,node3" in result.detail
     assert runner.calls == [["scontrol", "requeuehold", "16"],
+                            ["scontrol", "show", "job", "-o", "17"],  # what it excludes already: none here
                             ["scontrol", "update", "JobId=17", "ExcNodeList=node2,node3"],
                             ["scontrol", "release", "16"]]
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # restored
+
+
+def test_an_exclusion_adds_to_the_users_own_never_replaces_them() -> None:
+    shown = "JobId=17 HetJobId=16 JobState=REQUEUE_HOLD ExcNodeList=gpu[3-4],bad1 Partition=gpu\n"
+    runner = FakeRunner({"show": (0, shown, "")})
+    result = slurmctl.requeue("16", exclude=["node2", "bad1"], component_id="17", run=runner)
+    assert result.ok and ["scontrol", "update", "JobId=17", "ExcNodeList=gpu[3-4],bad1,node2"] in runner.calls
+    assert slurmctl._split_hostlist("a[1,3-4],b,c[2]") == ["a[1,3-4]", "b", "c[2]"]
 
 
 def test_a_job_slurm_is_already_requeueing_counts_as_requeued() -> None:
