@@ -14,7 +14,7 @@ from tests.helpers import baton, history
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 # A constant schedule, so a run of 10 steps and one of 20 share the learning rate of every step.
-BASE = ["optimizer.schedule=constant", "optimizer.warmup_steps=0", "checkpoint.interval_steps=0"]
+BASE = ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]
 
 
 def _submit(*args: str) -> Path:
@@ -34,15 +34,20 @@ def _losses(run: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One run of 20 steps that checkpoints at 10 and 20; its copies resume from step 10."""
     root = tmp_path_factory.mktemp("gpt")
-    full = _submit("experiments/tiny_gpt.yaml", f"runs_root={root}/full", "trainer.steps=20", *BASE)
-    half = _submit("experiments/tiny_gpt.yaml", f"runs_root={root}/half", "trainer.steps=10", *BASE)
-    return {"full": full, "half": half, "root": root}
+    full = _submit("experiments/tiny_gpt.yaml", f"runs_root={root}/full", "trainer.steps=20",
+                   "checkpoint.interval_steps=10", *BASE)
+    return {"full": full, "root": root}
 
 
 def _copy_half(runs: dict[str, Path], name: str) -> Path:
-    dst = runs["root"] / name / runs["half"].name
-    shutil.copytree(runs["half"], dst)
+    """The run as it stood after step 10: its step-20 checkpoint removed (the records of steps
+    10-19 are dropped by the resume, which redoes them)."""
+    dst = runs["root"] / name / runs["full"].name
+    shutil.copytree(runs["full"], dst)
+    shutil.rmtree(dst / "checkpoints" / manifest.step_dir_name(20))
+    (dst / "checkpoints" / "latest").write_text(manifest.step_dir_name(10) + "\n")
     return dst
 
 
@@ -75,7 +80,7 @@ def test_async_checkpoints_taken_while_training_goes_on_hold_the_state_of_their_
                   "checkpoint.interval_steps=5", "checkpoint.keep_last=4", "checkpoint.async=true")
     assert manifest.committed_steps(run / "checkpoints") == [5, 10, 15, 20]
     assert _losses(run) == _losses(runs["full"])  # training itself is unchanged by the saves beside it
-    sync, overlapped = runs["half"] / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010"
+    sync, overlapped = runs["full"] / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010"
     with CheckpointReader(sync) as want, CheckpointReader(overlapped) as got:
         assert got.names() == want.names()
         diffs = {n: float(np.max(np.abs(got.read(n) - want.read(n)))) for n in want.names()}
