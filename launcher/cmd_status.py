@@ -28,6 +28,20 @@ def _fmt_time(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _by_node(state: RunState) -> str:
+    """``4 on 2 nodes: node2 (ranks 0-1), node3 (ranks 2-3)``: where the ranks were last set up."""
+    nodes: dict[str, list[int]] = {}
+    for r in sorted(state.ranks, key=lambda r: r.rank):
+        nodes.setdefault(r.node, []).append(r.rank)
+
+    def span(ranks: list[int]) -> str:
+        contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
+        return (f"{ranks[0]}-{ranks[-1]}" if contiguous else ",".join(map(str, ranks))) if len(ranks) > 1 else str(ranks[0])
+
+    where = ", ".join(f"{n} (rank{'s' if len(rs) > 1 else ''} {span(rs)})" for n, rs in nodes.items())
+    return f"{len(state.ranks)} on {len(nodes)} node{'s' if len(nodes) > 1 else ''}: {where}"
+
+
 def format_status(state: RunState, history: list[ev.Event]) -> str:
     lines = [
         f"status:   {state.status.value}",
@@ -36,6 +50,8 @@ def format_status(state: RunState, history: list[ev.Event]) -> str:
     if state.last_loss is not None:
         lines.append(f"loss:     {state.last_loss:.4f}")
     lines.append(f"restarts: {state.restarts}")
+    if state.ranks:
+        lines.append(f"workers:  {_by_node(state)}")
     if state.reason:
         lines.append(f"reason:   {state.reason}")
     if history:

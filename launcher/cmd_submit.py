@@ -109,7 +109,7 @@ def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: 
         planned = run_folder or RunFolder(runs_root / cfg.name / new_run_id())
         print(slurm.render(planned, cfg, spec, epoch=epoch), end="")
         return ExitCode.OK
-    slurm.preflight(spec, runs_root)
+    slurm.preflight(spec, runs_root, min_time_min=slurm.min_walltime_min(cfg))
     if resume is not None:
         runprep.begin_resume(resume)
     if run_folder is None:

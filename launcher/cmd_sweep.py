@@ -75,15 +75,16 @@ class SlurmBackend:
         except ImportError as exc:
             raise UserError(f"--backend slurm: launcher.slurm is not available ({exc}); use --backend local") from None
         self._slurm = slurm
-        self._checked: set[tuple[HetJobSpec, Path]] = set()
+        self._checked: set[tuple[HetJobSpec, Path, int]] = set()
 
     def preflight(self, cfg: RunConfig) -> None:
         """sinfo-backed checks, once per distinct job spec and runs root (a sweep repeats them)."""
         spec = self._slurm.job_spec_for(cfg)
         runs_root = Path(cfg.runs_root).expanduser().resolve()
-        key = (spec, runs_root)
+        floor = self._slurm.min_walltime_min(cfg)
+        key = (spec, runs_root, floor)
         if key not in self._checked:
-            self._slurm.preflight(spec, runs_root)
+            self._slurm.preflight(spec, runs_root, min_time_min=floor)
             self._checked.add(key)
 
     def render(self, run: RunFolder, cfg: RunConfig, *, after: str | None) -> str:

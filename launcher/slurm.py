@@ -50,6 +50,12 @@ TEMPLATE = REPO / "slurm_templates" / "hetjob.sbatch.tmpl"
 # run, so the floor is conservative: 2 min to start (queue-to-register, imports), 1 min for a
 # step, 2 min to write and commit a checkpoint.
 MIN_WALLTIME_MIN = 2 + 1 + 2
+TOY_MIN_WALLTIME_MIN = 1  # the toy model (numpy, no torch) starts in seconds; steps and saves take ms
+
+
+def min_walltime_min(cfg: RunConfig) -> int:
+    """The shortest walltime preflight accepts for this run's model."""
+    return TOY_MIN_WALLTIME_MIN if cfg.model.kind == "toy" else MIN_WALLTIME_MIN
 WORKERS_GRACE_S = 30.0  # after the controller exits, on top of timeouts.controller_lost_s
 _CLI_OPTIONS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem",
                 "constraint", "exclude", "reservation", "signal")
@@ -245,7 +251,7 @@ def _limit_min(text: str) -> int | None:
     return None if text.strip().lower() in ("infinite", "unlimited", "n/a", "") else parse_time_min(text, "sinfo")
 
 
-def preflight(spec: HetJobSpec, runs_root: Path) -> None:
+def preflight(spec: HetJobSpec, runs_root: Path, *, min_time_min: int = MIN_WALLTIME_MIN) -> None:
     """Checks that ``spec`` can start; the first failure raises UserError naming it.
 
     Partitions exist (``sinfo``); some partition nodes hold the workers' GPUs and CPUs;
@@ -280,9 +286,9 @@ def preflight(spec: HetJobSpec, runs_root: Path) -> None:
         if limit is not None and c.time_min > limit:
             raise UserError(f"preflight: slurm.{role}.time: {c.time_min} min exceeds partition {part!r}'s limit "
                             f"of {limit} min; ask for less")
-        if c.time_min < MIN_WALLTIME_MIN:
+        if c.time_min < min_time_min:
             raise UserError(f"preflight: slurm.{role}.time: {c.time_min} min cannot hold startup, one step and one "
-                            f"checkpoint; ask for at least {MIN_WALLTIME_MIN} min")
+                            f"checkpoint; ask for at least {min_time_min} min")
     if spec.controller.time_min < spec.workers.time_min:
         raise UserError(f"preflight: slurm.controller.time: {spec.controller.time_min} min is shorter than the "
                         f"workers' {spec.workers.time_min} min; the controller must outlive them")

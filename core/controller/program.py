@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.group import WorkerGroup
 from core.controller.stop import StopPolicy, StopRequest
+from core.errors import UserError
 from core.record import events as ev
 from core.record import steps as step_records
 from core.record.runfolder import RunFolder
@@ -53,6 +54,7 @@ class Program:
     _useful_s: float = field(default=0.0, init=False)
     _alloc_base: float | None = field(default=None, init=False)
     _step_s: float = field(default=0.0, init=False)  # a moving average of the step's wall time
+    _epoch_start: int | None = field(default=None, init=False)  # the step this allocation began at
 
     def run_all(self) -> StopRequest | None:
         """The whole run; returns the stop request that ended it early, None when it finished."""
@@ -96,6 +98,8 @@ class Program:
             why = "--from-scratch" if before.from_scratch else "no committed checkpoint"
             log.warning("%s in %s: starting again from step 0", why, self.run.checkpoints)
             new.append(ev.RestartFromScratch(reason=why))
+        if self._epoch_start is None:
+            self._epoch_start = self.step
         with self.record.update(*new) as s:
             s.step, s.from_scratch = self.step, False
         # The steps past the checkpoint are redone: their records go, and goodput counts
@@ -110,6 +114,11 @@ class Program:
         for step in range(start, cfg.trainer.steps):
             stop = self.stop.check(step_s=self._step_s, save_s=self.checkpoints.last_save_s)
             if stop is not None:
+                if stop.cause == "time_running_out" and step == self._epoch_start:
+                    raise UserError(
+                        f"recovery.walltime_margin_s: the time limit leaves no time to train ({stop.detail}) at "
+                        f"step {step}, where this allocation began: a requeue would do the same again; ask for a "
+                        "longer time limit (--time, slurm.workers.time) or a smaller recovery.walltime_margin_s")
                 self._stop_at_boundary(step, stop)
                 return stop
             t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Logging for the two job-side entry points: every record carries role and rank.
 
-    2026-12-02 17:20:01,123 INFO [worker r3 tp1 pp0 dp1] core.worker.runtime: registered ...
+    2026-12-02 17:20:01,123 INFO [worker r3@node2] core.worker.runtime: registered ...
 
 Only the entry points call ``configure``; library modules just use getLogger(__name__).
 """

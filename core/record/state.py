@@ -87,10 +87,12 @@ class Budget:
     last_failure_step: int = -1
 
     def spend(self, *, nodes: tuple[str, ...], step: int, committed_step: int | None) -> Budget:
-        """One more failure at ``step`` on ``nodes``; forgiven first if a newer checkpoint committed."""
+        """One more failure at ``step`` on ``nodes``. The retries are forgiven first if a newer
+        checkpoint committed (the run made progress); a node's failures are not: a node that
+        fails now and then, however far apart, is still the node to exclude."""
         b = self
         if committed_step is not None and b.last_failure_step >= 0 and committed_step > b.last_failure_step:
-            b = replace(b, retries=0, node_failures={})
+            b = replace(b, retries=0)
         counts = dict(b.node_failures)
         for n in nodes:
             counts[n] = counts.get(n, 0) + 1

@@ -19,7 +19,7 @@ TaskFactory = Callable[[RunConfig], Callable[[WorkerContext], Task]]
 def run_worker(env: JobEnv, task_factory: TaskFactory) -> int:
     """The worker role; its ExitCode. ``task_factory(cfg)`` picks the model code to serve."""
     run = RunFolder(env.run_dir)
-    label = f"worker r{env.rank_hint}" if env.rank_hint >= 0 else "worker"
+    label = f"worker r{env.rank_hint}@{env.node}" if env.rank_hint >= 0 else f"worker@{env.node}"
     # Until the controller assigns a rank, a worker without a rank hint logs under its pid.
     early_log = run.worker_log(env.rank_hint) if env.rank_hint >= 0 else run.logs / f"worker_{env.node}_{os.getpid()}.log"
     logsetup.configure(label, early_log)
@@ -28,7 +28,7 @@ def run_worker(env: JobEnv, task_factory: TaskFactory) -> int:
     runtime = WorkerRuntime(env, cfg, task_factory(cfg), signals=signals)
 
     def welcomed(rank: int) -> None:
-        logsetup.set_label(f"worker r{rank}")
+        logsetup.set_label(f"worker r{rank}@{env.node}")
         if rank != env.rank_hint:
             logsetup.switch_file(run.worker_log(rank))
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs, starts and stops a real two-node Slurm cluster on this one machine, for
+# Installs, starts and stops a real four-node Slurm cluster on this one machine, for
 # Baton's integration tests and CI. Needs root, Debian/Ubuntu, no systemd required.
 #
 #   slurm-cluster.sh install   apt-get install the packages (no-op when installed)
@@ -16,8 +16,8 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 STATE=${BATON_SLURM_STATE:-/tmp/baton-slurm}
 ETC_SLURM=/etc/slurm
 PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
-NODES=(node1 node2)
-PARTITIONS=(cpu gpu low high)
+NODES=(node1 node2 node3 node4)
+PARTITIONS=(cpu gpu multi low high)  # slurm.conf.in and slurm-poke.in name them
 CLUSTER=baton
 DB_NAME=slurm_acct_db
 DB_USER=slurm
@@ -224,7 +224,7 @@ write_config() {
   mkdir -p "$STATE/spool/slurmctld"
   local n i
   for n in "${NODES[@]}"; do mkdir -p "$STATE/spool/slurmd.$n"; done
-  for i in 0 1 2 3 4 5 6 7; do ln -sfn /dev/null "$STATE/dev/nvidia$i"; done
+  for i in 0 1 2 3 4 5 6 7; do ln -sfn /dev/null "$STATE/dev/nvidia$i"; done  # shared by every node
 
   render "$HERE/slurm.conf.in" "$STATE/etc/slurm.conf" 644
   render "$HERE/gres.conf.in" "$STATE/etc/gres.conf" 644
@@ -235,9 +235,12 @@ write_config() {
   install_conf "$STATE/etc/slurmdbd.conf"
 
   # So that a task can reach another by its Slurm node name (Slurm itself needs none).
-  if ! grep -Eq '^[[:space:]]*127\.0\.0\.1([[:space:]].*)?[[:space:]]node1([[:space:]]|$)' /etc/hosts ||
-    ! grep -Eq '^[[:space:]]*127\.0\.0\.1([[:space:]].*)?[[:space:]]node2([[:space:]]|$)' /etc/hosts; then
-    echo "127.0.0.1 node1 node2" >>/etc/hosts || say "warning: could not add node1/node2 to /etc/hosts"
+  local missing=()
+  for n in "${NODES[@]}"; do
+    grep -Eq "^[[:space:]]*127\.0\.0\.1([[:space:]].*)?[[:space:]]$n([[:space:]]|\$)" /etc/hosts || missing+=("$n")
+  done
+  if ((${#missing[@]})); then
+    echo "127.0.0.1 ${missing[*]}" >>/etc/hosts || say "warning: could not add ${missing[*]} to /etc/hosts"
   fi
 }
 
@@ -271,7 +274,7 @@ nodes_idle() {
   local out
   out=$(sinfo -h -N -o '%N %t' | sort -u)
   echo "$out"
-  [[ $out == $'node1 idle\nnode2 idle' ]]
+  [[ $out == "$(printf '%s idle\n' "${NODES[@]}" | sort -u)" ]]
 }
 
 start_munge() {
@@ -334,7 +337,7 @@ start_slurm() {
     /usr/sbin/slurmd -N "$n"
     wait_until "slurmd -N $n pid file" 10 "$LOG/slurmd.$n.log" daemon_alive "$RUN/slurmd.$n.pid" slurmd
   done
-  wait_until "both nodes idle in sinfo" 40 "$LOG/slurmctld.log $LOG/slurmd.node1.log $LOG/slurmd.node2.log" nodes_idle
+  wait_until "every node idle in sinfo" 40 "$LOG/slurmctld.log $(printf "$LOG/slurmd.%s.log " "${NODES[@]}")" nodes_idle
 }
 
 start_poke() {

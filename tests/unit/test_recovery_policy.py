@@ -54,12 +54,20 @@ def test_without_worker_restarts_slurm_requeues_and_elsewhere_the_run_fails_sayi
     assert d.action == "fail" and "no supervisor" in d.reason and "rank 2 on n1" in d.reason
 
 
-def test_the_budget_is_forgiven_once_a_newer_checkpoint_commits() -> None:
+def test_the_retries_are_forgiven_once_a_newer_checkpoint_commits_but_not_a_nodes_failures() -> None:
     b = Budget().spend(nodes=("n1",), step=57, committed_step=50)
     b = b.spend(nodes=("n1",), step=58, committed_step=50)
     assert b.retries == 2 and b.node_failures == {"n1": 2}
     b = b.spend(nodes=("n1",), step=90, committed_step=60)  # progress since the failure at 58
-    assert b.retries == 1 and b.node_failures == {"n1": 1}
+    assert b.retries == 1 and b.node_failures == {"n1": 3}
+
+
+def test_a_node_failing_twice_far_apart_is_excluded_by_a_requeue() -> None:
+    b = Budget().spend(nodes=("n2",), step=200, committed_step=200)
+    assert _decide(b, worker_restarts=True, on_slurm=True).action == "restart"
+    b = b.spend(nodes=("n2",), step=410, committed_step=400)  # progress in between
+    d = _decide(b, worker_restarts=True, on_slurm=True)
+    assert d.action == "requeue" and d.exclude == ("n2",) and b.retries == 1
 
 
 def test_the_budget_round_trips_through_state() -> None:
