@@ -26,7 +26,7 @@ def running_in_ci() -> bool:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> str:
-    """Ensures the local two-node Slurm cluster answers; returns its cluster name.
+    """Ensures the local Slurm cluster answers (node1 and node2; the multi-node tests check node3 and node4); returns its cluster name.
 
     Skips the test without a cluster, except in CI (CI=true) where that is a failure.
     """
