@@ -87,10 +87,17 @@ def show_job(job_id: str, run: Runner = _run) -> JobTimes | None:
     return parse_show_job(proc.stdout)
 
 
+# Slurm checks signal times on a coarse timer: "the signal may be sent up to 60 seconds
+# earlier than specified" (sbatch --signal). A walltime warning may come that much early.
+SIGNAL_EARLY_S = 60.0 + 5.0
+
+
 def is_walltime(times: JobTimes, now: float, lead_s: float) -> bool:
     """A signal at ``now`` is the walltime warning (not a preemption) when Slurm has not
-    marked the job preempted and its end time is within the signal's lead."""
-    return times.preempt_time is None and times.end_time is not None and times.end_time - now <= lead_s + 5.0
+    marked the job preempted and its end time is within the signal's lead (Slurm may send it
+    up to a minute early)."""
+    return (times.preempt_time is None and times.end_time is not None
+            and times.end_time - now <= lead_s + SIGNAL_EARLY_S)
 
 
 def classify(times: JobTimes | None, now: float, lead_s: float) -> str:

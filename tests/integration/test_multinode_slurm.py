@@ -153,9 +153,11 @@ def test_a_run_near_its_time_limit_saves_and_requeues_before_slurm_kills_it(
         nodes_up, slurm_jobs, shared_tmp) -> None:
     # Two minutes and a 40 s margin (beyond a step and an unmeasured save, 60 s): each epoch
     # trains ~10 s, then saves and requeues itself; 2500 steps of ~10 ms need two epochs or more.
+    # Slurm's own warning comes 10 s before the end (up to a minute early): after that save.
     timed = ["model.kind=toy", "trainer.steps=2500", "optimizer.lr=0.002", "trainer.log_interval_steps=50",
              "checkpoint.interval_steps=0", "recovery.walltime_margin_s=40"]
-    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *timed, "--time", "2", env={"BATON_TOY_STEP_S": "0.01"})
+    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *timed, "--time", "2", "--signal", "USR2@10",
+                       "slurm.controller.signal=USR2@10", env={"BATON_TOY_STEP_S": "0.01"})
     done = _finished(run, job, within_s=420)
     assert done["status"] == "completed", done.get("reason")
     early = history(run, "time_running_out")

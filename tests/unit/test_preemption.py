@@ -56,6 +56,7 @@ def test_parse_show_job_takes_the_earliest_end_of_all_components() -> None:
 @pytest.mark.parametrize(("record", "now", "cause"), [
     (PREEMPTED, "2026-12-02T18:34:24", "preemption"),      # PreemptTime set, EndTime = now + grace
     (RUNNING, "2026-12-02T18:42:52", "walltime"),          # USR2@90 before the end
+    (RUNNING, "2026-12-02T18:41:52", "walltime"),          # ... sent a minute early (Slurm's timer)
     (RUNNING, "2026-12-02T18:35:00", "signal"),            # a signal with the end far away
     (CANCELLED, "2026-12-02T18:40:35", "ending"),          # scancel: already COMPLETING
 ])
