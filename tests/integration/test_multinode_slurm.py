@@ -172,8 +172,11 @@ def test_a_run_near_its_time_limit_saves_and_requeues_before_slurm_kills_it(
 @pytest.mark.timeout(300)
 def test_a_time_limit_too_short_to_train_fails_once_instead_of_requeueing_forever(
         nodes_up, slurm_jobs, shared_tmp) -> None:
+    # Two minutes, a 100 s margin beyond an unmeasured save (60 s): never time to train. Slurm's
+    # warning is moved to 10 s before the end (it may come a minute early): after the start.
     job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", "model.kind=toy", "trainer.steps=1000",
-                       "recovery.walltime_margin_s=40", "--time", "1")
+                       "recovery.walltime_margin_s=100", "--time", "2", "--signal", "USR2@10",
+                       "slurm.controller.signal=USR2@10")
     done = _finished(run, job)
     assert done["status"] == "failed" and "recovery.walltime_margin_s" in done["reason"], done.get("reason")
     assert done["restarts"] == 0 and not history(run, "requeued"), history(run)
