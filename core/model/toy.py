@@ -10,7 +10,8 @@ Test-only knobs, read from the environment at setup (the recovery tests use them
 bug); ``BATON_TOY_SAVE_DELAY_S=x`` makes each checkpoint save wait x seconds first (a
 window to kill a worker while a checkpoint is being written); ``BATON_TOY_STEP_S=x`` makes
 each step take x seconds more (a run long enough to be preempted; the losses are unchanged);
-``BATON_TOY_SETUP_S=x`` makes setup take x seconds (a worker importing its libraries);
+``BATON_TOY_SETUP_S=x`` makes setup take x seconds (a worker importing its libraries;
+``BATON_TOY_SETUP_RANK=r``: on rank r only);
 ``BATON_TOY_SAVE_ENOSPC_ONCE=1`` makes the first checkpoint save of the run fail with
 "No space left on device" (once: a marker file in the run folder remembers it).
 """
@@ -113,8 +114,14 @@ class ToyTask:
         self.save_delay_s = float(os.environ.get("BATON_TOY_SAVE_DELAY_S", "0"))
         self.step_delay_s = float(os.environ.get("BATON_TOY_STEP_S", "0"))
         self.enospc_once = os.environ.get("BATON_TOY_SAVE_ENOSPC_ONCE") == "1"
-        time.sleep(float(os.environ.get("BATON_TOY_SETUP_S", "0")))  # the knob: a slow start-up
+        self._slow_setup()
         return calls.SetupInfo(coords=Coords(rank=self.ctx.rank, tp=0, pp=0, dp=self.ctx.rank), num_params=_DIM)
+
+    def _slow_setup(self) -> None:
+        seconds, only = float(os.environ.get("BATON_TOY_SETUP_S", "0")), os.environ.get("BATON_TOY_SETUP_RANK")
+        if seconds and (only is None or int(only) == self.ctx.rank):
+            self.ctx.log.info("toy setup takes %.1f s (BATON_TOY_SETUP_S)", seconds)
+            time.sleep(seconds)  # the knob: a slow start-up
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
         t0 = time.perf_counter()

@@ -71,9 +71,20 @@ class HeartbeatThread(threading.Thread):
             # Checked after reading what arrived: a thread starved of CPU for a while must
             # not mistake heartbeats waiting in its queue for silence.
             silent = time.monotonic() - self.last_heard
-            if silent > self.controller_lost_s:
+            if silent > self.controller_lost_s and not self._heard_within(max(self.interval_s, 1.0)):
                 log.error("controller silent for %.1f s (limit %.1f s); exiting", silent, self.controller_lost_s)
                 hard_exit(ExitCode.CONTROLLER_LOST)
+
+    def _heard_within(self, grace_s: float) -> bool:
+        """A last wait before declaring the controller lost: a process that was stopped (or
+        starved) resumes with its socket's I/O thread still moving what arrived meanwhile."""
+        frames = self.sock.recv_within(grace_s)
+        if frames is None:
+            return False
+        while frames is not None:
+            self._incoming(frames)
+            frames = self.sock.recv_nowait()
+        return True
 
     def _incoming(self, frames: list[Any]) -> None:
         try:

@@ -89,11 +89,13 @@ def _in_setup(r: LocalRun) -> None:
 
 
 def test_a_worker_silent_while_it_starts_is_given_the_startup_allowance(toy, monkeypatch) -> None:
-    monkeypatch.setenv("BATON_TOY_SETUP_S", "6")  # setting up, as a worker importing its libraries
+    monkeypatch.setenv("BATON_TOY_SETUP_S", "8")  # rank 1 sets up, as a worker importing its libraries
+    monkeypatch.setenv("BATON_TOY_SETUP_RANK", "1")  # the others are done: rank 1 holds the group back
     r = toy("trainer.steps=30", "timeouts.startup_heartbeat_timeout_s=30")
-    _in_setup(r)
+    wait_for(lambda: "toy setup takes" in r.log("1"), 60, "rank 1 to start its setup")
     os.kill(r.workers[1].pid, signal.SIGSTOP)  # its heartbeat thread starves, as on a busy host
     time.sleep(3.0)  # the fault under test: 3 s of silence, twice timeouts.heartbeat_timeout_s
+    assert not r.state().get("ranks"), "rank 1 finished its setup before it was stopped (the test was starved)"
     os.kill(r.workers[1].pid, signal.SIGCONT)
     assert r.controller is not None and r.controller.wait(timeout=90) == 0
     assert r.state()["status"] == "completed" and history(r.run.path, "worker_lost") == []
