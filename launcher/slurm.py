@@ -38,7 +38,7 @@ from core.record import events as ev
 from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig, SlurmComponentConfig
-from core.spec.jobspec import Component, HetJobSpec, job_spec, parse_time_min
+from core.spec.jobspec import Component, HetJobSpec, job_spec, parse_time_min, signal_lead_s
 from core.spec.schema import arg_number, arg_text
 from launcher import slurm_jobs
 
@@ -56,6 +56,7 @@ TOY_MIN_WALLTIME_MIN = 1  # the toy model (numpy, no torch) starts in seconds; s
 def min_walltime_min(cfg: RunConfig) -> int:
     """The shortest walltime preflight accepts for this run's model."""
     return TOY_MIN_WALLTIME_MIN if cfg.model.kind == "toy" else MIN_WALLTIME_MIN
+SIGNAL_START_S = 30  # the walltime warning may not come sooner after the start
 WORKERS_GRACE_S = 30.0  # after the controller exits, on top of timeouts.controller_lost_s
 _CLI_OPTIONS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem",
                 "constraint", "exclude", "reservation", "signal")
@@ -190,6 +191,7 @@ def _fields(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, python: str, pytho
         "world_size": str(cfg.trainer.world_size), "nodes": str(cfg.trainer.nodes),
         "tasks_per_node": str(cfg.trainer.n_gpus_per_node),
         "workers_grace_s": str(int(cfg.timeouts.controller_lost_s + WORKERS_GRACE_S)),
+        "signal_lead_s": str(signal_lead_s(spec.controller.signal)),
     }
 
 
@@ -251,6 +253,16 @@ def _limit_min(text: str) -> int | None:
     return None if text.strip().lower() in ("infinite", "unlimited", "n/a", "") else parse_time_min(text, "sinfo")
 
 
+def _check_signal_fits(role: str, c: Component) -> None:
+    """The walltime warning (``--signal``; Slurm may send it up to a minute early) must come
+    after start-up (SIGNAL_START_S), not while the controller is still installing its handler."""
+    lead = signal_lead_s(c.signal) + 60
+    if c.time_min * 60 < lead + SIGNAL_START_S:
+        raise UserError(f"preflight: slurm.{role}.signal: {c.signal} may come {lead} s before the end of a "
+                        f"{c.time_min} min job, while it starts; ask for at least "
+                        f"{-(-(lead + SIGNAL_START_S) // 60)} min or a shorter lead (e.g. slurm.{role}.signal=USR2@30)")
+
+
 def preflight(spec: HetJobSpec, runs_root: Path, *, min_time_min: int = MIN_WALLTIME_MIN) -> None:
     """Checks that ``spec`` can start; the first failure raises UserError naming it.
 
@@ -289,6 +301,7 @@ def preflight(spec: HetJobSpec, runs_root: Path, *, min_time_min: int = MIN_WALL
         if c.time_min < min_time_min:
             raise UserError(f"preflight: slurm.{role}.time: {c.time_min} min cannot hold startup, one step and one "
                             f"checkpoint; ask for at least {min_time_min} min")
+        _check_signal_fits(role, c)
     if spec.controller.time_min < spec.workers.time_min:
         raise UserError(f"preflight: slurm.controller.time: {spec.controller.time_min} min is shorter than the "
                         f"workers' {spec.workers.time_min} min; the controller must outlive them")

@@ -85,6 +85,12 @@ def check_signal(value: str, what: str) -> str:
     return value
 
 
+def signal_lead_s(value: str) -> int:
+    """How many seconds before the end an sbatch ``--signal`` asks for (sbatch's default: 60)."""
+    _, _, lead = value.partition("@")
+    return int(lead) if lead else 60
+
+
 def check_extra(raw: str, what: str) -> str:
     """``raw`` if it is a raw sbatch flag (``--flag`` or ``--flag=value``), else a UserError."""
     if not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", raw, flags=re.DOTALL):

@@ -205,6 +205,9 @@ def test_preflight_passes_on_a_cluster_that_fits(recorded: dict[str, Any], tmp_p
     ((), ("--partition", "gpu", "--time", "4"), "at least 5 min"),
     ((), ("--partition", "short", "--time", "20"), "limit of 10 min"),
     (("slurm.controller.time='10'",), ("--partition", "gpu", "--time", "20"), "must outlive them"),
+    (("slurm.controller.signal=USR2@300",), ("--partition", "gpu", "--time", "6"),
+     r"slurm.controller.signal: USR2@300 may come 360 s before the end of a 6 min job, while it starts; ask for at "
+     r"least 7 min"),
 ])
 def test_failed_preflight_names_the_check(recorded: dict[str, Any], tmp_path: Path, overrides: tuple[str, ...],
                                           argv: tuple[str, ...], message: str) -> None:
