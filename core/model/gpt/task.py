@@ -54,6 +54,9 @@ class GPTTask:
         """Join the group and build model, optimizer and data; where this rank sits and what it holds."""
         import torch  # torch and megatron: this module loads without them
 
+        from core.parallel.imports import import_megatron  # torch: this module loads without it
+
+        import_megatron()  # first, before any module below imports megatron.core
         from core.model.gpt import data  # torch and megatron: this module loads without them
         from core.model.gpt import model as model_mod  # torch and megatron: this module loads without them
         from core.model.gpt.step import StepContext  # torch and megatron: this module loads without them
