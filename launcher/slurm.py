@@ -37,8 +37,8 @@ from core.errors import UserError
 from core.record import events as ev
 from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord, Status
-from core.spec.config import RunConfig, SlurmComponentConfig
-from core.spec.jobspec import Component, HetJobSpec, job_spec, parse_time_min, signal_lead_s
+from core.spec.config import RunConfig
+from core.spec.jobspec import Component, HetJobSpec, SlurmComponentConfig, job_spec, parse_time_min, signal_lead_s
 from core.spec.schema import arg_number, arg_text
 from launcher import slurm_jobs
 

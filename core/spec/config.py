@@ -20,11 +20,12 @@ import yaml
 from core.errors import ConfigError, LayoutError
 from core.spec import schema
 from core.spec.dims import ParallelDims
-from core.spec.jobspec import SlurmComponentConfig, SlurmConfig
+from core.spec.generator import GeneratorConfig
+from core.spec.generator import validate as validate_generator
+from core.spec.jobspec import SlurmConfig
 from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
 
-__all__ = ["ConfigError", "LayoutError", "RunConfig", "SlurmComponentConfig", "load", "dump", "from_data", "to_dict",
-           "model_hash", "config_hash", "set_dotted"]
+__all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "config_hash"]
 
 Auto = Literal["auto"]
 
@@ -251,9 +252,8 @@ class RecoveryConfig:
 class MetricsConfig:
     """The controller's Prometheus endpoint.
 
-    ``port``: 0 (any free port) to 65535; the address is written to the run folder.
-    ``bind``: the interface it listens on: ``127.0.0.1`` (default) this machine only,
-    ``0.0.0.0`` all interfaces (for a scraper on another host), or one address of the node.
+    ``port``: 0 (any free port) to 65535, written to the run folder. ``bind``: ``127.0.0.1``
+    (default) this machine, ``0.0.0.0`` all interfaces, or one address of the node.
     """
 
     enabled: bool = True
@@ -290,6 +290,7 @@ class RunConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
 
     def __post_init__(self) -> None:
         schema.check_strings(self, "")
@@ -299,6 +300,7 @@ class RunConfig:
             raise ConfigError("runs_root: empty; give the folder that holds the run folders, e.g. runs")
         if self.model.kind == "gpt":
             validate_layout(self)
+        validate_generator(self.generator, self)
 
     @property
     def dims(self) -> ParallelDims:

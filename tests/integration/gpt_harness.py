@@ -169,6 +169,12 @@ class RankGroup:
             conn.send(("call", method, kwargs))
         return self._collect(method, timeout_s)
 
+    def call_each(self, method: str, per_rank: list[dict[str, Any]], timeout_s: float | None = None) -> list[Any]:
+        """Run rpc ``method`` with each rank's own request; the results in rank order."""
+        for conn, kwargs in zip(self.conns, per_rank, strict=True):
+            conn.send(("call", method, kwargs))
+        return self._collect(method, timeout_s)
+
     def apply(self, fn: Callable[..., Any], timeout_s: float | None = None, *,
               per_rank: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[Any]:
         """Run top-level ``fn(task, **kwargs)`` on every rank (``per_rank`` adds rank-own kwargs)."""

@@ -134,3 +134,25 @@ def eval_step(ctx: StepContext, step: int) -> dict[str, Any]:
         assert loss is not None
         out["loss"] = loss
     return out
+
+
+def _logp_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return per_token_loss.float().sum() * 0, {"logp": -per_token_loss.detach().float()}
+
+
+def _logp_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
+    batch = next(data_iterator)
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), _logp_func
+
+
+def label_logprobs(ctx: StepContext, batch: MicroBatch) -> torch.Tensor | None:
+    """log p(label | tokens before it) of one micro-batch under the trainer, through its
+    pipeline with dropout off; ``[b, s]`` on the last stage, None elsewhere."""
+    for chunk in ctx.model_chunks:
+        chunk.eval()
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=_logp_step, data_iterator=_to_torch([batch], ctx.device), model=ctx.model_chunks,
+            num_microbatches=1, seq_length=ctx.cfg.model.seq_length, micro_batch_size=batch.tokens.shape[0],
+            forward_only=True)
+    return out[0]["logp"] if parallel_state.is_pipeline_last_stage() else None

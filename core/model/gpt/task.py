@@ -18,6 +18,7 @@ import psutil
 
 from core.checkpoint.spec import TensorSlice
 from core.errors import ConfigError, LayoutError
+from core.flows import calls as gen_calls
 from core.job.process import rss_mb
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
@@ -39,15 +40,24 @@ class GPTTask:
         self._step_ctx: Any = None  # core.model.gpt.step.StepContext once set up
         self._next_step = 0  # steps done: what a checkpoint taken now is "after"
         self._fence: Callable[[], None] = lambda: None  # core.checkpoint.service's, once bound
+        self._rollout: Any = None  # core.model.gpt.rollout.Rollout when the run has a generator
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
-        return {
+        table: dict[Method[Any, Any], Callable[[Any], Any]] = {
             calls.SETUP: self.setup,
             calls.TRAIN_STEP: self.train_step,
             calls.EVAL_STEP: self.eval_step,
             calls.LOAD_WEIGHTS: self.load_global_weights,
             calls.SAVE_WEIGHTS: self.save_global_weights,
         }
+        if self.cfg.generator.enabled:  # the generator role, colocated (core.model.gpt.rollout)
+            table.update({
+                gen_calls.GEN_SLICES: lambda _: self._gen().held(),
+                gen_calls.SYNC_WEIGHTS: lambda req: self._gen().sync(req),
+                gen_calls.PROBE: lambda req: self._gen().probe(self._ready(), req),
+                gen_calls.GENERATE: lambda req: self._gen().generate(req),
+            })
+        return table
 
     # --- calls ------------------------------------------------------------------------------
     def setup(self, req: calls.Setup) -> calls.SetupInfo:
@@ -82,6 +92,10 @@ class GPTTask:
             cfg = _with_micro_batch(cfg, req.micro_batch_size)
         elif cfg.training.micro_batch_size == "auto":
             cfg = _with_micro_batch(cfg, _auto_micro_batch(cfg, on_cuda=on_cuda))
+        if cfg.generator.enabled:
+            from core.model.gpt.rollout import Rollout  # torch and megatron: this module loads without them
+
+            self._rollout = Rollout(cfg, self.ctx.rank, on_cuda=on_cuda, trainer_chunks=chunks)
         source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.cfg = cfg
@@ -221,6 +235,10 @@ class GPTTask:
         if self._step_ctx is None:
             raise RuntimeError(f"rank {self.ctx.rank}: call setup before any other method")
         return self._step_ctx
+
+    def _gen(self) -> Any:
+        self._ready()
+        return self._rollout
 
     def _resync_main_params(self) -> None:
         """After writing model params directly, refresh the optimizer's fp32 copies."""

@@ -1,0 +1,74 @@
+"""The generator's calls: what the controller asks of a generator group (and its trainer).
+
+    GEN_SLICES    NoArgs      → HeldSlices   the trainer slices this rank owns, the generator slices it needs
+    SYNC_WEIGHTS  SyncWeights → Synced       run this rank's pieces of a weight-sync plan; now at ``version``
+    PROBE         Probe       → Probed       log-probs of a probe batch under both models: their largest gap
+    GENERATE      Generate    → Generated    continue the prompts of this rank's replica
+
+A plan is made by the controller (``core.flows.reshard.plan``) from every rank's
+``HeldSlices`` and sent to each rank as its own pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.checkpoint.spec import TensorSlice
+from core.flows.reshard import Piece
+from core.wire.contract import Method, NoArgs
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldSlices:
+    sources: tuple[TensorSlice, ...] = ()  # trainer slices this rank owns (first replica only)
+    targets: tuple[TensorSlice, ...] = ()  # generator slices this rank holds (all of them)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncWeights:
+    pieces: tuple[Piece, ...]  # this rank's, in plan order
+    version: int  # the policy version the generator holds afterwards (the trainer's step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Synced:
+    version: int
+    bytes_received: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probe:
+    step: int  # the probe batch is the held-out batch of this step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probed:
+    max_abs_diff: float | None = None  # on ranks that hold both models' log-probs; None elsewhere
+    tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generate:
+    prompts: tuple[tuple[int, ...], ...]  # one length
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    eos: int | None = None
+    seed: int = 0  # with the replica: the sampling generator's seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generated:
+    """On the first tensor-parallel rank of each generator replica; empty elsewhere."""
+
+    replica: int = -1
+    version: int = -1  # the policy version that generated
+    tokens: tuple[tuple[int, ...], ...] = ()
+    logprobs: tuple[tuple[float, ...], ...] = ()
+
+
+GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
+SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
+PROBE = Method("probe", Probe, Probed)
+GENERATE = Method("generate", Generate, Generated)

@@ -1,0 +1,114 @@
+"""Generation and per-token log-probabilities with a Megatron-core GPT (one pipeline stage).
+
+``generate`` continues a batch of prompts of one length: a prefill over the prompts fills a
+KV cache (``megatron.core.inference.contexts.StaticInferenceContext``), then one token per
+forward; the logits are gathered across the tensor-parallel group, so every TP rank of a
+replica samples the same token from the same generator. Sampling is temperature, then
+top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A sequence that
+produced ``eos`` stops (its later positions hold ``eos`` with log-prob 0). The log-prob of
+each new token is taken from the distribution it was drawn from before any truncation
+(temperature 1), which is what a trainer's teacher-forced forward computes.
+
+``token_logprobs`` is that teacher-forced forward: the log-prob of each token given the
+tokens before it, one full forward per batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How new tokens are chosen: ``temperature`` 0 is greedy."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    eos: int | None = None
+
+
+def _causal(n: int, device: torch.device) -> torch.Tensor:
+    return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=device), diagonal=1)
+
+
+def _logits(model: Any, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+            context: Any = None) -> torch.Tensor:
+    out = model(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
+    return out.float()
+
+
+def token_logprobs(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """``[b, s-1]``: log p(tokens[:, i+1] | tokens[:, :i+1]) under ``model`` (teacher forced)."""
+    b, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    with torch.no_grad():
+        logp = torch.log_softmax(_logits(model, tokens, positions, _causal(s, tokens.device)), dim=-1)
+    return logp[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def label_logprobs(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[b, s]``: log p(labels[:, i] | tokens[:, :i+1]) (a trainer's targets, teacher forced)."""
+    b, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    with torch.no_grad():
+        logp = torch.log_softmax(_logits(model, tokens, positions, _causal(s, tokens.device)), dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _choose(logits: torch.Tensor, how: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    if how.temperature <= 0:
+        return logits.argmax(dim=-1)
+    scaled = logits / how.temperature
+    if how.top_k > 0:
+        kth = torch.topk(scaled, min(how.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if how.top_p < 1.0:
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+        cum = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(ordered, dim=-1) >= how.top_p  # keep the smallest set reaching top_p
+        scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scaled, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, seed: int,
+             max_length: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's new tokens and their log-probs; the prompts share one length."""
+    lengths = {len(p) for p in prompts}
+    if len(lengths) != 1:
+        raise ValueError(f"one prompt length per batch, not {sorted(lengths)}")
+    n = lengths.pop()
+    if n + how.max_new_tokens > max_length:
+        raise ValueError(f"prompt {n} + {how.max_new_tokens} new tokens exceed the model's {max_length} positions")
+    device = next(model.parameters()).device
+    tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
+    b = tokens.shape[0]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    context = StaticInferenceContext(b, n + how.max_new_tokens)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    out_tokens: list[torch.Tensor] = []
+    out_logp: list[torch.Tensor] = []
+    step_in, positions, mask = tokens, torch.arange(n, device=device).unsqueeze(0).expand(b, n), _causal(n, device)
+    with torch.no_grad():
+        for i in range(how.max_new_tokens):
+            logits = _logits(model, step_in, positions, mask, context)[:, -1]
+            context.increment_sequence_len_offset(step_in.shape[1])
+            nxt = _choose(logits.cpu(), how, gen).to(device)
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+            if how.eos is not None:
+                nxt = torch.where(done, torch.full_like(nxt, how.eos), nxt)
+                logp = torch.where(done, torch.zeros_like(logp), logp)
+                done |= nxt == how.eos
+            out_tokens.append(nxt)
+            out_logp.append(logp)
+            context.enable_decode_mode()
+            step_in, positions, mask = nxt.unsqueeze(1), torch.full((b, 1), n + i, device=device), None
+    toks = torch.stack(out_tokens, dim=1).tolist()
+    logps = torch.stack(out_logp, dim=1).tolist()
+    return toks, logps

@@ -1,0 +1,65 @@
+"""The generator group of a run: a second compute flow beside the trainer.
+
+``generator.enabled``: a generator group receives the trainer's weights every
+``sync_interval_steps`` steps (policy version = the trainer's step count) and continues
+``num_prompts`` prompts of ``prompt_length`` tokens from the held-out data: one greedy
+continuation and ``samples_per_prompt`` sampled ones (``temperature``, ``top_k``,
+``top_p``, ``max_new_tokens``, ``eos``), written to ``samples.jsonl`` in the run folder.
+``tp``: the generator's tensor-parallel size (pp is 1; dp = its workers / tp).
+``placement``: ``colocated``, the generator's model lives in the trainer's worker
+processes with its own process groups. After every sync the run compares both models'
+log-probs of a probe batch; a gap above ``logprob_tolerance`` stops the run.
+``bucket_mb``: the most a weight sync holds in flight per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from core.errors import ConfigError
+from core.spec.schema import bounded, check_bounds
+
+if TYPE_CHECKING:  # config imports this module for its section
+    from core.spec.config import RunConfig
+
+MAX_TOKENS = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorConfig:
+    enabled: bool = False
+    placement: Literal["colocated", "split"] = "colocated"
+    tp: int = bounded(1, gt=0, le=2**20)
+    sync_interval_steps: int = bounded(10, gt=0, le=10**12)
+    num_prompts: int = bounded(4, gt=0, le=2**20)
+    prompt_length: int = bounded(8, gt=0, le=MAX_TOKENS)
+    samples_per_prompt: int = bounded(1, ge=0, le=2**10)
+    max_new_tokens: int = bounded(8, gt=0, le=MAX_TOKENS)
+    temperature: float = bounded(1.0, gt=0, le=1e3)
+    top_k: int = bounded(0, ge=0, le=2**26)  # 0: no limit
+    top_p: float = bounded(1.0, gt=0, le=1)
+    eos: int | None = bounded(None, ge=0, le=2**26)
+    logprob_tolerance: float = bounded(1e-4, gt=0, le=1e3)
+    bucket_mb: float = bounded(64.0, gt=0, le=2**20)
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "generator")
+        if self.enabled and self.placement == "split":
+            raise ConfigError("generator.placement: split (the generator on workers of its own) is not available "
+                              "yet; use generator.placement=colocated")
+
+
+def validate(gen: GeneratorConfig, cfg: RunConfig) -> None:
+    """The generator's layout and lengths against the model and the trainer's workers."""
+    if not gen.enabled:
+        return
+    world_size, heads, seq_length, kind = (cfg.trainer.world_size, cfg.model.num_attention_heads,
+                                           cfg.model.seq_length, cfg.model.kind)
+    if kind != "gpt":
+        raise ConfigError(f"generator.enabled: the {kind} model cannot generate; use model.kind=gpt")
+    if heads % gen.tp or world_size % gen.tp:
+        raise ConfigError(f"generator.tp: {gen.tp} must divide model.num_attention_heads = {heads} and the "
+                          f"{world_size} workers it is colocated on; pick a tp that divides both")
+    if gen.prompt_length + gen.max_new_tokens > seq_length:
+        raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
+                          f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")
