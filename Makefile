@@ -33,6 +33,7 @@ bench: venv
 	$(PY) benchmarks/control_plane.py --quick
 	$(PY) benchmarks/checkpoint.py --quick
 	$(PY) benchmarks/recovery.py --quick
+	$(PY) benchmarks/weight_sync.py --quick
 
 lint: venv
 	$(VENV)/bin/ruff check core launcher tests benchmarks

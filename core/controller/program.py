@@ -12,6 +12,7 @@ propagate as exceptions; core.controller.recovery decides what happens next.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.checkpoint.coordinator import CheckpointCoordinator
+from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
 from core.controller.stop import StopPolicy, StopRequest
 from core.errors import UserError
@@ -48,6 +50,7 @@ class Program:
     checkpoints: CheckpointCoordinator
     stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
     metrics: Metrics | None = None  # the Prometheus endpoint; None when metrics.enabled is false
+    generator: GeneratorFlow | None = field(default=None, init=False)  # with generator.enabled, once set up
     step: int = field(default=0, init=False)  # steps done
     last_loss: float | None = field(default=None, init=False)
     _started: float = field(default_factory=time.monotonic, init=False)
@@ -60,6 +63,9 @@ class Program:
         """The whole run; returns the stop request that ended it early, None when it finished."""
         self.setup()
         self.resume()
+        if self.cfg.generator.enabled:  # the second compute flow, synced from the restored trainer
+            self.generator = GeneratorFlow(self.cfg, self.run, self.group)
+            self.generator.start(self.step)
         stop = self.train()
         if stop is None:
             self.finish()
@@ -126,11 +132,14 @@ class Program:
             wall = time.perf_counter() - t0
             self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
             record = self._record(step, results, wall)
+            done = step + 1
+            if self.generator is not None and self.generator.due(done):
+                record = dataclasses.replace(record, sync_logprob_maxdiff=self.generator.sync(done))
+                self.generator.generate(done)
             step_records.append(self.run.metrics, record)
             self._observe(record, wall)
-            self.step, self.last_loss = step + 1, record.loss
+            self.step, self.last_loss = done, record.loss
             self.checkpoints.poll()
-            done = step + 1
             if interval and done % interval == 0 and done < cfg.trainer.steps:
                 self.checkpoints.save(done, loss=record.loss)
             if done % cfg.trainer.log_interval_steps == 0 or done == cfg.trainer.steps:

@@ -4,6 +4,7 @@
     SYNC_WEIGHTS  SyncWeights → Synced       run this rank's pieces of a weight-sync plan; now at ``version``
     PROBE         Probe       → Probed       log-probs of a probe batch under both models: their largest gap
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
+    GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
 
 A plan is made by the controller (``core.flows.reshard.plan``) from every rank's
 ``HeldSlices`` and sent to each rank as its own pieces.
@@ -68,6 +69,18 @@ class Generated:
     logprobs: tuple[tuple[float, ...], ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Prompts:
+    count: int
+    length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptSet:
+    prompts: tuple[tuple[int, ...], ...] = ()
+
+
+GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
 PROBE = Method("probe", Probe, Probed)

@@ -36,6 +36,7 @@ class Piece:
     shape: tuple[int, ...]
     nbytes: int
     dtype: str  # the target's: what travels
+    direct: bool = False  # contiguous in both ranks' parameters, one dtype: sent and received in place
 
 
 def _overlap(a: TensorSlice, b: TensorSlice) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -53,8 +54,15 @@ def _split(offset: tuple[int, ...], shape: tuple[int, ...], row_bytes: int,
     return [((offset[0] + i, *offset[1:]), (min(rows, shape[0] - i), *shape[1:])) for i in range(0, shape[0], rows)]
 
 
-def _pieces(src_slices: Sequence[tuple[int, TensorSlice]], dst: int, want: TensorSlice) -> list[tuple[int, tuple, tuple]]:
-    found: list[tuple[int, tuple, tuple]] = []
+def _contiguous(s: TensorSlice, offset: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the box is one contiguous run of the slice's (row-major) elements."""
+    axes = [i for i, (n, m) in enumerate(zip(shape, s.shape, strict=True)) if n != m]
+    return not axes or all(shape[i] == 1 for i in range(axes[0])) and all(
+        shape[i] == s.shape[i] for i in range(axes[0] + 1, len(shape)))
+
+
+def _pieces(src_slices: Sequence[tuple[int, TensorSlice]], dst: int, want: TensorSlice) -> list[tuple[int, tuple, tuple, TensorSlice]]:
+    found: list[tuple[int, tuple, tuple, TensorSlice]] = []
     covered = 0
     for src, have in src_slices:
         if have.global_shape != want.global_shape:
@@ -62,7 +70,7 @@ def _pieces(src_slices: Sequence[tuple[int, TensorSlice]], dst: int, want: Tenso
                               f"{have.global_shape} on source rank {src}: the two groups hold different models")
         box = _overlap(have, want)
         if box is not None:
-            found.append((src, *box))
+            found.append((src, *box, have))
             covered += math.prod(box[1])
     if covered != math.prod(want.shape):
         raise LayoutError(f"weight sync: the source group holds {covered} of the {math.prod(want.shape)} elements "
@@ -91,14 +99,16 @@ def plan(sources: Mapping[int, Sequence[TensorSlice]], targets: Mapping[int, Seq
             if want.name not in by_name:
                 raise LayoutError(f"weight sync: target rank {dst} needs {want.name}, which no source rank holds")
             item = ITEMSIZE[want.dtype]
-            for src, offset, shape in _pieces(by_name[want.name], dst, want):
+            for src, offset, shape, have in _pieces(by_name[want.name], dst, want):
                 row = item * math.prod(shape[1:])
                 for off, shp in _split(offset, shape, row, bucket_bytes):
                     nbytes = item * math.prod(shp)
                     if used and used + nbytes > bucket_bytes:
                         bucket, used = bucket + 1, 0
                     pieces.append(Piece(bucket=bucket, name=want.name, src=src, dst=dst, offset=off, shape=shp,
-                                        nbytes=nbytes, dtype=want.dtype))
+                                        nbytes=nbytes, dtype=want.dtype,
+                                        direct=have.dtype == want.dtype and _contiguous(have, off, shp)
+                                        and _contiguous(want, off, shp)))
                     used += nbytes
     return pieces
 

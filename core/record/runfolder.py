@@ -100,6 +100,11 @@ class RunFolder:
         return self.path / "metrics.jsonl"
 
     @property
+    def samples(self) -> Path:
+        """The generator's continuations (one JSON object per line)."""
+        return self.path / "samples.jsonl"
+
+    @property
     def logs(self) -> Path:
         return self.path / "logs"
 

@@ -41,10 +41,11 @@ class StepRecord:
     data_wait_s: tuple[float, ...] | None = None
     grad_sync_s: tuple[float, ...] | None = None
     cuda_peak_mb: tuple[float, ...] | None = None
+    sync_logprob_maxdiff: float | None = None  # after a generator's weight sync at this step
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
-OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb")
+OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb", "sync_logprob_maxdiff")
 
 
 def to_data(record: StepRecord) -> dict[str, Any]:

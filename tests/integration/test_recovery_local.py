@@ -41,10 +41,11 @@ class Submitted:
     """A ``baton submit --backend local`` run started from a test; everything it started is
     ended by pid at the end (SIGINT to the CLI first: it ends its children itself)."""
 
-    def __init__(self, root: Path, overrides: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, overrides: list[str], env: dict[str, str] | None = None,
+                 experiment: str = "experiments/toy.yaml", common: tuple[str, ...] = tuple(COMMON)) -> None:
         self.root = root
-        args = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={root}",
-                *COMMON, *overrides, "--backend", "local"]
+        args = [sys.executable, "-m", "launcher.cli", "submit", experiment, f"runs_root={root}",
+                *common, *overrides, "--backend", "local"]
         self.proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.seen_pids: set[int] = set()
@@ -52,7 +53,7 @@ class Submitted:
 
     @property
     def run_dir(self) -> Path:
-        return wait_for(lambda: next((p for p in (self.root / "toy").glob("*") if (p / "state.json").exists()), None),
+        return wait_for(lambda: next((p for p in self.root.glob("*/*") if (p / "state.json").exists()), None),
                         30, "the run folder")
 
     def state(self) -> dict[str, Any]:

@@ -121,8 +121,9 @@ def test_a_resume_that_changes_the_model_is_refused_before_anything_is_written(t
 def test_a_second_controller_on_a_running_run_is_refused_naming_the_first(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={tmp_path}", *FAST,
             "trainer.steps=100000000", "--backend", "local"]
+    out = (tmp_path / "first.out").open("w")  # a file, not a pipe nobody reads: the CLI never blocks on it
     first = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         run = wait_for(lambda: next(iter(tmp_path.glob("toy/*/controller.json")), None), 60, "controller.json").parent
         wait_for(lambda: json.loads((run / "state.json").read_text()).get("step", 0) > 3, 60, "the run to train")
@@ -136,7 +137,13 @@ def test_a_second_controller_on_a_running_run_is_refused_naming_the_first(tmp_pa
         wait_for(lambda: json.loads((run / "state.json").read_text())["step"] > step + 5, 60, "the first to go on")
     finally:
         first.send_signal(signal.SIGINT)  # the CLI ends its own children
-        first.wait(timeout=60)
+        try:
+            assert first.wait(timeout=60) is not None
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+            out.close()
 
 
 def test_a_storage_fault_in_a_checkpoint_write_is_retried_not_taken_for_a_user_error(tmp_path: Path) -> None:

@@ -64,7 +64,8 @@ def test_interrupted_local_sweep_resumes_only_the_unfinished_points(tmp_path: Pa
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "sweep", "submit", SWEEP, "--backend", "local",
          f"runs_root={tmp_path}", "trainer.n_gpus_per_node=2", "trainer.steps=3000", "trainer.log_interval_steps=50"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env={**env, "BATON_TOY_STEP_S": "0.002"},  # a point lasts seconds: long enough to be caught
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def point1_running() -> bool:
             try:

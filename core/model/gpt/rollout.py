@@ -70,6 +70,7 @@ class Rollout:
             self.model.cuda(torch.cuda.current_device())
         self.model.eval()
         self.version = -1
+        self._prepared: tuple[int, list[Any]] | None = None
 
     def _sources(self) -> list[tuple[Any, torch.Tensor]]:
         return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks) if is_writer(sh)]
@@ -83,7 +84,11 @@ class Rollout:
 
     def sync(self, req: gen_calls.SyncWeights) -> gen_calls.Synced:
         t0 = time.perf_counter()
-        got = sync.run_plan(req.pieces, self.rank, sync.index(self._sources()), sync.index(self._targets()))
+        key = hash(req.pieces)
+        if self._prepared is None or self._prepared[0] != key:  # bound to parameter views once per plan
+            self._prepared = (key, sync.prepare(req.pieces, self.rank, sync.index(self._sources()),
+                                                sync.index(self._targets())))
+        got = sync.run_plan(self._prepared[1])
         self.version = req.version
         return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0)
 
@@ -99,9 +104,21 @@ class Rollout:
         return gen_calls.Probed(max_abs_diff=float((mine - trainer.reshape(mine.shape)).abs().max()),
                                 tokens=int(mine.numel()))
 
+    def prompts(self, step_ctx: Any, req: gen_calls.Prompts) -> gen_calls.PromptSet:
+        """The first ``req.length`` tokens of held-out sequences (this rank's shard, step 0 on)."""
+        rows: list[tuple[int, ...]] = []
+        step = 0
+        while len(rows) < req.count:
+            for mb in step_ctx.source.micro_batches(step, "eval"):
+                rows += [tuple(int(t) for t in row[:req.length]) for row in mb.tokens]
+            step += 1
+        return gen_calls.PromptSet(prompts=tuple(rows[:req.count]))
+
     def generate(self, req: gen_calls.Generate) -> gen_calls.Generated:
         how = gen_mod.Sampling(max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k,
                                top_p=req.top_p, eos=req.eos)
+        if not req.prompts:  # more replicas than prompts
+            return gen_calls.Generated(replica=self.coords.dp if self.coords.tp == 0 else -1, version=self.version)
         # One stream per (seed, replica): the controller keys ``seed`` by run seed and step.
         seed = (req.seed * 1_000_003 + self.coords.dp) % 2**63
         tokens, logps = gen_mod.generate(self.model, req.prompts, how, seed=seed,

@@ -55,49 +55,66 @@ def index(items: Sequence[tuple[TensorSlice, torch.Tensor]]) -> dict[str, list[H
     return out
 
 
-def run_plan(pieces: Sequence[Piece], rank: int, sources: dict[str, list[Held]], targets: dict[str, list[Held]],
-             group: Any = None) -> int:
-    """Move this rank's ``pieces`` (``reshard.for_rank``), bucket by bucket; the bytes received."""
+@dataclass
+class _Bucket:
+    local: list[tuple[torch.Tensor, torch.Tensor]]  # (target view, source view)
+    sends: dict[int, tuple[list[tuple[torch.Tensor, bool]], torch.dtype]]  # peer → (source view, direct), dtype
+    recvs: dict[int, tuple[list[tuple[torch.Tensor, bool]], torch.dtype]]  # peer → (target view, direct), dtype
+
+
+def prepare(pieces: Sequence[Piece], rank: int, sources: dict[str, list[Held]],
+            targets: dict[str, list[Held]]) -> list[_Bucket]:
+    """This rank's ``pieces`` bound to views of its parameters, once per plan (views stay
+    valid: parameters are updated in place)."""
+    buckets: list[_Bucket] = []
+    for _, group in itertools.groupby(pieces, key=lambda p: p.bucket):
+        b = _Bucket(local=[], sends={}, recvs={})
+        for p in group:
+            if p.src == rank and p.dst == rank:
+                b.local.append((_find(targets, p).box(p.offset, p.shape), _find(sources, p).box(p.offset, p.shape)))
+            elif p.src == rank:
+                b.sends.setdefault(p.dst, ([], DTYPES[p.dtype]))[0].append(
+                    (_find(sources, p).box(p.offset, p.shape), p.direct))
+            else:
+                b.recvs.setdefault(p.src, ([], DTYPES[p.dtype]))[0].append(
+                    (_find(targets, p).box(p.offset, p.shape), p.direct))
+        buckets.append(b)
+    return buckets
+
+
+def run_plan(plan: list[_Bucket], group: Any = None) -> int:
+    """Move a prepared plan, bucket by bucket; the bytes received."""
     received = 0
     with torch.no_grad():
-        for _, bucket in itertools.groupby(pieces, key=lambda p: p.bucket):
-            received += _run_bucket(list(bucket), rank, sources, targets, group)
+        for bucket in plan:
+            received += _run_bucket(bucket, group)
     return received
 
 
-def _run_bucket(pieces: list[Piece], rank: int, sources: dict[str, list[Held]], targets: dict[str, list[Held]],
-                group: Any) -> int:
-    sends: dict[int, list[Piece]] = {}
-    recvs: dict[int, list[Piece]] = {}
-    for p in pieces:
-        if p.src == rank and p.dst == rank:
-            _find(targets, p).box(p.offset, p.shape).copy_(_find(sources, p).box(p.offset, p.shape))
-        elif p.src == rank:
-            sends.setdefault(p.dst, []).append(p)
-        else:
-            recvs.setdefault(p.src, []).append(p)
+def _run_bucket(b: _Bucket, group: Any) -> int:
+    """Pieces the plan marks direct travel as they are (no copy on either side); the others
+    of a peer are packed into one buffer. Both ends post their messages in plan order."""
+    for dst, src in b.local:
+        dst.copy_(src)
     ops, inbox = [], {}
-    for peer, out in sends.items():
-        buf = torch.cat([_find(sources, p).box(p.offset, p.shape).reshape(-1).to(DTYPES[p.dtype]) for p in out])
-        ops.append(dist.P2POp(dist.isend, buf, peer, group))
-    for peer, inc in recvs.items():
-        like = _find(targets, inc[0]).param
-        inbox[peer] = torch.empty(sum(_numel(p) for p in inc), dtype=DTYPES[inc[0].dtype], device=like.device)
-        ops.append(dist.P2POp(dist.irecv, inbox[peer], peer, group))
+    for peer, (views, dtype) in b.sends.items():
+        ops += [dist.P2POp(dist.isend, v, peer, group) for v, direct in views if direct]
+        packed = [v for v, direct in views if not direct]
+        if packed:
+            ops.append(dist.P2POp(dist.isend, torch.cat([v.reshape(-1).to(dtype) for v in packed]), peer, group))
+    for peer, (views, dtype) in b.recvs.items():
+        ops += [dist.P2POp(dist.irecv, v, peer, group) for v, direct in views if direct]
+        packed = [v for v, direct in views if not direct]
+        if packed:
+            inbox[peer] = (torch.empty(sum(v.numel() for v in packed), dtype=dtype, device=packed[0].device), packed)
+            ops.append(dist.P2POp(dist.irecv, inbox[peer][0], peer, group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for peer, inc in recvs.items():
+    for buf, packed in inbox.values():
         at = 0
-        for p in inc:
-            n = _numel(p)
-            _find(targets, p).box(p.offset, p.shape).copy_(inbox[peer][at:at + n].view(p.shape))
+        for v in packed:
+            n = v.numel()
+            v.copy_(buf[at:at + n].view(v.shape))
             at += n
-    return sum(buf.numel() * buf.element_size() for buf in inbox.values())
-
-
-def _numel(p: Piece) -> int:
-    n = 1
-    for s in p.shape:
-        n *= s
-    return n
+    return sum(v.numel() * v.element_size() for views, _ in b.recvs.values() for v, _ in views)

@@ -56,6 +56,7 @@ class GPTTask:
                 gen_calls.SYNC_WEIGHTS: lambda req: self._gen().sync(req),
                 gen_calls.PROBE: lambda req: self._gen().probe(self._ready(), req),
                 gen_calls.GENERATE: lambda req: self._gen().generate(req),
+                gen_calls.GEN_PROMPTS: lambda req: self._gen().prompts(self._ready(), req),
             })
         return table
 
