@@ -1,11 +1,12 @@
 """Executing a weight-sync plan (core.flows.reshard) on one rank.
 
 Each rank holds its source parameters (the trainer's, as global slices) and its target
-parameters (the generator's). For every bucket of the plan it packs what it sends to each
-peer into one flat buffer, posts the sends and the receives (point to point on the run's
-process group: gloo on CPU, NCCL on GPU), and unpacks what arrived into the target
-parameters; a piece whose source and target are this same rank is a local copy. Buffers
-live for one bucket. The arithmetic is copies only: the target receives the source's
+parameters (the generator's); ``prepare`` binds its pieces to views of them once per plan.
+For every bucket it posts the sends and the receives (point to point on the run's process
+group: gloo on CPU, NCCL on GPU): a piece the plan marks direct (contiguous on both ends)
+travels in place, the others of a peer are packed into one flat buffer and unpacked into
+the target parameters; a piece whose source and target are this same rank is a local copy.
+Buffers live for one bucket. The arithmetic is copies only: the target receives the source's
 values bit for bit, in the target's dtype when the two differ.
 """
 from __future__ import annotations
