@@ -1,4 +1,4 @@
-"""``baton logs RUN_DIR``: the controller's and workers' logs, merged or one rank."""
+"""``baton logs RUN_DIR``: the controller's and workers' logs, merged, one rank or one group."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord
 from core.spec.schema import arg_number
 
 
@@ -18,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     group = p.add_mutually_exclusive_group()
     group.add_argument("--rank", type=arg_number(int, ge=0, le=2**20), help="only this worker rank (≥ 0)")
     group.add_argument("--controller", action="store_true", help="only the controller")
+    group.add_argument("--group", choices=("trainer", "generator"), help="only this worker group's ranks")
     p.add_argument("--tail", type=arg_number(int, ge=0), default=0, metavar="N", help="only the last N lines (0: all)")
     p.set_defaults(func=run)
 
@@ -28,6 +30,12 @@ def run(args: argparse.Namespace) -> int:
         files = [run_folder.worker_log(args.rank)]
     elif args.controller:
         files = [run_folder.controller_log]
+    elif args.group is not None:
+        ranks = RunRecord(run_folder).read().ranks
+        files = [run_folder.worker_log(r.rank) for r in ranks if r.role == args.group]
+        if not files:
+            raise UserError(f"--group {args.group}: no ranks of that group were set up in {run_folder.path}; "
+                            f"groups: {sorted({r.role for r in ranks}) or 'none yet'}")
     else:
         files = sorted(run_folder.logs.glob("*.log"))
     missing = [f for f in files if not f.is_file()]

@@ -8,7 +8,7 @@ import sys
 from core.checkpoint import manifest
 from core.errors import ExitCode
 from core.record import events as ev
-from core.record.state import RunRecord, RunState
+from core.record.state import RankInfo, RunRecord, RunState
 from core.spec.schema import arg_number
 from launcher import slurm_jobs
 from launcher.cmd_watch import watch
@@ -28,10 +28,10 @@ def _fmt_time(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _by_node(state: RunState) -> str:
+def _by_node(ranks: list[RankInfo]) -> str:
     """``4 on 2 nodes: node2 (ranks 0-1), node3 (ranks 2-3)``: where the ranks were last set up."""
     nodes: dict[str, list[int]] = {}
-    for r in sorted(state.ranks, key=lambda r: r.rank):
+    for r in sorted(ranks, key=lambda r: r.rank):
         nodes.setdefault(r.node, []).append(r.rank)
 
     def span(ranks: list[int]) -> str:
@@ -39,7 +39,7 @@ def _by_node(state: RunState) -> str:
         return (f"{ranks[0]}-{ranks[-1]}" if contiguous else ",".join(map(str, ranks))) if len(ranks) > 1 else str(ranks[0])
 
     where = ", ".join(f"{n} (rank{'s' if len(rs) > 1 else ''} {span(rs)})" for n, rs in nodes.items())
-    return f"{len(state.ranks)} on {len(nodes)} node{'s' if len(nodes) > 1 else ''}: {where}"
+    return f"{len(ranks)} on {len(nodes)} node{'s' if len(nodes) > 1 else ''}: {where}"
 
 
 def format_status(state: RunState, history: list[ev.Event]) -> str:
@@ -50,8 +50,10 @@ def format_status(state: RunState, history: list[ev.Event]) -> str:
     if state.last_loss is not None:
         lines.append(f"loss:     {state.last_loss:.4f}")
     lines.append(f"restarts: {state.restarts}")
-    if state.ranks:
-        lines.append(f"workers:  {_by_node(state)}")
+    for role, label in (("trainer", "workers: "), ("generator", "generator:")):  # by group
+        ranks = [r for r in state.ranks if r.role == role]
+        if ranks:
+            lines.append(f"{label} {_by_node(ranks)}")
     if state.reason:
         lines.append(f"reason:   {state.reason}")
     if history:

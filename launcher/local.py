@@ -29,6 +29,7 @@ from core.errors import ExitCode
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig
+from core.spec.generator import own_workers
 from core.supervisor import contract
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,9 @@ def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None, generatio
 
 
 def _spawn_workers(run: RunFolder, cfg: RunConfig, *, epoch: int, generation: int) -> list[Proc]:
-    return [_spawn(run, "worker", epoch=epoch, rank=r, generation=generation) for r in range(cfg.trainer.world_size)]
+    """The trainer's workers, then a split generator's (ranks after the trainer's)."""
+    return [_spawn(run, "worker", epoch=epoch, rank=r, generation=generation)
+            for r in range(cfg.trainer.world_size + own_workers(cfg))]
 
 
 def _kill(procs: list[Proc], why: str) -> None:

@@ -136,9 +136,9 @@ def _sbatch_options(c: Component) -> list[tuple[str, Any]]:
     return [(key, value) for key, value in options if value is not None]
 
 
-def _component1_flags(spec: HetJobSpec) -> list[str]:
-    flags = [_flag("job_name", spec.name)] + [_flag(k, v) for k, v in _sbatch_options(spec.workers)]
-    return flags + [_flag(*_raw_flag(x)) for x in spec.workers.extra]
+def _component_flags(spec: HetJobSpec, c: Component) -> list[str]:
+    flags = [_flag("job_name", spec.name)] + [_flag(k, v) for k, v in _sbatch_options(c)]
+    return flags + [_flag(*_raw_flag(x)) for x in c.extra]
 
 
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -186,7 +186,11 @@ def _fields(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, python: str, pytho
             epoch: int = 0) -> dict[str, Any]:
     return {
         "epoch_base": str(int(epoch)),
-        "component1_flags": _component1_flags(spec), "setup": list(spec.setup),
+        "component1_flags": _component_flags(spec, spec.workers), "setup": list(spec.setup),
+        "component2_lines": [] if spec.generator is None else
+        ["#SBATCH hetjob"] + ["#SBATCH " + f for f in _component_flags(spec, spec.generator)],
+        "generator_step": [] if spec.generator is None else
+        [f"baton_worker_step 2 {cfg.trainer.world_size} generator &", "baton_workers=\"$baton_workers $!\""],
         "run_dir": shlex.quote(str(run.path)), "pythonpath": shlex.quote(pythonpath), "python": python,
         "world_size": str(cfg.trainer.world_size), "nodes": str(cfg.trainer.nodes),
         "tasks_per_node": str(cfg.trainer.n_gpus_per_node),
@@ -277,7 +281,7 @@ def preflight(spec: HetJobSpec, runs_root: Path, *, min_time_min: int = MIN_WALL
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 4]
     default = next((p.rstrip("*") for p, *_ in rows if p.endswith("*")), None)
     partitions = sorted({p.rstrip("*") for p, *_ in rows})
-    for c in (spec.controller, spec.workers):
+    for c in spec.components:
         role, part = c.role, c.partition or default
         where = f"slurm.{role}.partition" + (" / --partition" if role == "workers" else "")
         if part is None:
@@ -302,9 +306,10 @@ def preflight(spec: HetJobSpec, runs_root: Path, *, min_time_min: int = MIN_WALL
             raise UserError(f"preflight: slurm.{role}.time: {c.time_min} min cannot hold startup, one step and one "
                             f"checkpoint; ask for at least {min_time_min} min")
         _check_signal_fits(role, c)
-    if spec.controller.time_min < spec.workers.time_min:
-        raise UserError(f"preflight: slurm.controller.time: {spec.controller.time_min} min is shorter than the "
-                        f"workers' {spec.workers.time_min} min; the controller must outlive them")
+    for c in spec.components[1:]:
+        if spec.controller.time_min < c.time_min:
+            raise UserError(f"preflight: slurm.controller.time: {spec.controller.time_min} min is shorter than the "
+                            f"{c.role} component's {c.time_min} min; the controller must outlive them")
     existing = next(p for p in [runs_root, *runs_root.parents] if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"preflight: runs_root {runs_root}: {existing} is not a writable folder; set runs_root=...")

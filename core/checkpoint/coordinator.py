@@ -53,6 +53,7 @@ class Pending:
     tmp: Path
     started: float  # perf_counter
     loss: float | None
+    policy_version: int | None = None  # the trainer step a generator was last synced to
 
 
 class CheckpointCoordinator:
@@ -117,7 +118,8 @@ class CheckpointCoordinator:
         return step in manifest.committed_steps(self.root)
 
     # --- save -------------------------------------------------------------------------------
-    def save(self, step: int, *, loss: float | None, blocking: bool = False, timeout_s: float | None = None) -> None:
+    def save(self, step: int, *, loss: float | None, blocking: bool = False, timeout_s: float | None = None,
+             policy_version: int | None = None) -> None:
         """Order every rank to write its shard of ``step``; commit once all have acked."""
         self.drain()
         tmp = tmp_step_dir(self.root, step)
@@ -128,10 +130,11 @@ class CheckpointCoordinator:
                                                             async_save=async_save),
                                 timeout_s=timeout_s or self.timeout_s)
         if async_save:
-            self._pending = Pending(step=step, tmp=tmp, started=t0, loss=loss)
+            self._pending = Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version)
             self.record.append(ev.CheckpointStarted(step=step, blocked_s=round(time.perf_counter() - t0, 3)))
             return
-        self._commit(Pending(step=step, tmp=tmp, started=t0, loss=loss), [s.ack for s in saved])
+        self._commit(Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version),
+                     [s.ack for s in saved])
 
     def poll(self) -> None:
         """Commit the async save in flight if every rank has made its shard durable."""
@@ -160,10 +163,10 @@ class CheckpointCoordinator:
             "dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
             "config_hash": self.model_hash,
             "loop": {"step": p.step, "epoch": self.group.epoch, "generation": self.group.generation,
-                     "last_loss": p.loss},
+                     "last_loss": p.loss, "policy_version": p.policy_version},
         }
         try:
-            final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.world_size,
+            final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.dims.world_size,
                            keep_last=self.keep_last)
         except OSError as exc:
             if is_transient(exc):

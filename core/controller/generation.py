@@ -9,6 +9,11 @@ the interval also continues the run's prompts: one greedy continuation and
 version is the trainer's step count at the sync. Sampling is keyed by (seed, step,
 replica), so a resumed run writes the same samples as an uninterrupted one; rows past the
 step a run resumes from are cut first.
+
+Colocated, every call goes to the trainer's ranks, which hold both models. Split, the
+generator's ranks follow the trainer's: a weight sync runs over both (on a bridge group
+joined at the start), the trainer answers the probe batch and the generator scores it (the
+controller compares), prompts come from the trainer and continuations from the generator.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.record.runfolder import RunFolder
 from core.spec.config import RunConfig
-from core.spec.dims import ParallelDims
+from core.spec.generator import generator_dims
 from core.wire.contract import NO_ARGS
 
 log = logging.getLogger(__name__)
@@ -32,21 +37,36 @@ log = logging.getLogger(__name__)
 class GeneratorFlow:
     def __init__(self, cfg: RunConfig, run: RunFolder, group: WorkerGroup) -> None:
         self.cfg, self.run, self.group = cfg, run, group
-        g = cfg.generator
-        self.dims = ParallelDims(tp=g.tp, pp=1, dp=cfg.trainer.world_size // g.tp)
+        self.dims = generator_dims(cfg)
+        trainer = cfg.trainer.world_size
+        self.base = trainer if cfg.generator.split else 0  # the generator's first worker rank
+        self.trainer_ranks = tuple(range(trainer))
+        self.ranks = tuple(range(self.base, self.base + self.dims.world_size))  # the generator's
+        self.sync_ranks = tuple(sorted({*self.trainer_ranks, *self.ranks}))
         self._plan: list[reshard.Piece] | None = None
         self._prompts: tuple[tuple[int, ...], ...] = ()
         self.version = -1
 
+    def _call(self, method: Any, ranks: tuple[int, ...], req: Any = NO_ARGS, *, each: Any = None,
+              timeout_s: float | None = None) -> dict[int, Any]:
+        """``method`` on ``ranks`` (``each(rank)``: a rank's own request); every result by rank."""
+        return self.group.call(method, req, dispatch=lambda r, _: {k: r if each is None else each(k) for k in ranks},
+                               collect=lambda res, _: res, timeout_s=timeout_s)
+
     def start(self, step: int) -> float:
-        """After setup and resume: the plan, the prompts, samples past ``step`` cut, a first sync."""
-        held = self.group.call(gen_calls.GEN_SLICES, NO_ARGS)
-        self._plan = reshard.plan({r: h.sources for r, h in enumerate(held)},
-                                  {r: h.targets for r, h in enumerate(held)},
+        """After setup and resume: the bridge (split), the plan, the prompts, samples past
+        ``step`` cut, a first sync."""
+        if self.cfg.generator.split:
+            addr, port = self.group.rendezvous_of(0)  # the trainer's store hosts the bridge's rendezvous
+            self._call(gen_calls.BRIDGE, self.sync_ranks, gen_calls.Bridge(
+                master_addr=addr, master_port=port, size=len(self.sync_ranks),
+                name=f"baton-bridge/{self.group.generation}/"), timeout_s=self.cfg.timeouts.setup_s)
+        held = self._call(gen_calls.GEN_SLICES, self.sync_ranks)
+        self._plan = reshard.plan({r: h.sources for r, h in held.items()}, {r: h.targets for r, h in held.items()},
                                   bucket_bytes=int(self.cfg.generator.bucket_mb * 2**20))
         g = self.cfg.generator
-        self._prompts = self.group.call(gen_calls.GEN_PROMPTS, gen_calls.Prompts(count=g.num_prompts,
-                                        length=g.prompt_length), collect=lambda res, _: res[0]).prompts
+        self._prompts = self._call(gen_calls.GEN_PROMPTS, self.trainer_ranks, gen_calls.Prompts(
+            count=g.num_prompts, length=g.prompt_length))[0].prompts
         _keep_until(self.run, step)
         return self.sync(step)
 
@@ -54,18 +74,12 @@ class GeneratorFlow:
         """Trainer → generator at policy version ``step``; the probe's largest log-prob gap."""
         assert self._plan is not None
         pieces = self._plan
-
-        def each(req: gen_calls.SyncWeights, dims: Any) -> dict[int, gen_calls.SyncWeights]:
-            return {r: dataclasses.replace(req, pieces=tuple(reshard.for_rank(pieces, r)))
-                    for r in range(dims.world_size)}
-
-        synced = self.group.call(gen_calls.SYNC_WEIGHTS, gen_calls.SyncWeights(pieces=(), version=step), dispatch=each,
-                                 timeout_s=self.cfg.timeouts.checkpoint_s)
-        probed = self.group.call(gen_calls.PROBE, gen_calls.Probe(step=step), timeout_s=self.cfg.timeouts.step_s)
-        gap = max(p.max_abs_diff for p in probed if p.max_abs_diff is not None)
+        synced = self._call(gen_calls.SYNC_WEIGHTS, self.sync_ranks, each=lambda r: gen_calls.SyncWeights(
+            pieces=tuple(reshard.for_rank(pieces, r)), version=step), timeout_s=self.cfg.timeouts.checkpoint_s)
+        gap = self._probe(step)
         self.version = step
         log.info("generator synced to version %d: %.1f MB in %.3f s, probe log-prob gap %.2e", step,
-                 sum(s.bytes_received for s in synced) / 2**20, max(s.seconds for s in synced), gap)
+                 sum(s.bytes_received for s in synced.values()) / 2**20, max(s.seconds for s in synced.values()), gap)
         tol = self.cfg.generator.logprob_tolerance
         if gap > tol:
             raise UserError(f"generator.logprob_tolerance: after the weight sync at step {step} the generator's "
@@ -73,6 +87,21 @@ class GeneratorFlow:
                             "differently beyond the tolerance (bf16?) or the sync is wrong: raise the tolerance "
                             "only if the gap is expected")
         return gap
+
+    def _probe(self, step: int) -> float:
+        """The largest gap between both models' log-probs of a held-out batch of ``step``."""
+        timeout = self.cfg.timeouts.step_s
+        if not self.cfg.generator.split:
+            probed = self._call(gen_calls.PROBE, self.trainer_ranks, gen_calls.Probe(step=step), timeout_s=timeout)
+            return max(p.max_abs_diff for p in probed.values() if p.max_abs_diff is not None)
+        answers = self._call(gen_calls.PROBE_BATCH, self.trainer_ranks, gen_calls.Probe(step=step), timeout_s=timeout)
+        batch = next(b for b in answers.values() if b.tokens)
+        first = {self.base + r for r in range(self.dims.world_size) if self.dims.coords(r).dp == 0}
+        scored = self._call(gen_calls.SCORE, self.ranks, timeout_s=timeout, each=lambda r: dataclasses.replace(
+            batch, logprobs=()) if r in first else gen_calls.LogProbs())
+        mine = next(s.logprobs for s in scored.values() if s.logprobs)
+        return max(abs(a - b) for row, ref in zip(mine, batch.logprobs, strict=True)
+                   for a, b in zip(row, ref, strict=True))
 
     def due(self, done: int) -> bool:
         return done % self.cfg.generator.sync_interval_steps == 0
@@ -87,25 +116,23 @@ class GeneratorFlow:
             req = gen_calls.Generate(prompts=self._prompts, max_new_tokens=g.max_new_tokens,
                                      temperature=0.0 if greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
                                      eos=g.eos, seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
-            done = self.group.call(gen_calls.GENERATE, req, dispatch=self._split(replicas),
-                                   timeout_s=self.cfg.timeouts.step_s)
-            for part in sorted((d for d in done if d.replica >= 0), key=lambda d: d.replica):
-                for prompt, tokens, logps in zip(self._chunk(part.replica, replicas), part.tokens, part.logprobs,
-                                                 strict=True):
+            done = self._call(gen_calls.GENERATE, self.ranks, timeout_s=self.cfg.timeouts.step_s,
+                              each=lambda r, req=req: self._share(req, self.dims.coords(r - self.base).dp))
+            for part in (d for d in done.values() if d.replica >= 0):
+                for index, tokens, logps in zip(range(part.replica, len(self._prompts), replicas), part.tokens,
+                                                part.logprobs, strict=True):
                     rows.append({"step": step, "version": part.version, "kind": "greedy" if greedy else "sampled",
-                                 "sample": sample, "replica": part.replica, "prompt": list(prompt),
-                                 "tokens": list(tokens), "logprobs": [round(x, 6) for x in logps]})
+                                 "sample": sample, "index": index, "replica": part.replica,
+                                 "prompt": list(self._prompts[index]), "tokens": list(tokens),
+                                 "logprobs": [round(x, 6) for x in logps]})
+        rows.sort(key=lambda r: (r["sample"], r["index"]))  # the same order whatever the layout
         with self.run.samples.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    def _chunk(self, replica: int, replicas: int) -> tuple[tuple[int, ...], ...]:
-        return self._prompts[replica::replicas]
-
-    def _split(self, replicas: int) -> Any:
-        def each(req: gen_calls.Generate, dims: Any) -> dict[int, gen_calls.Generate]:
-            return {r: dataclasses.replace(req, prompts=self._chunk(self.dims.coords(r).dp, replicas))
-                    for r in range(dims.world_size)}
-        return each
+    def _share(self, req: gen_calls.Generate, replica: int) -> gen_calls.Generate:
+        """A replica's share of the prompts: every ``dp``-th, from its own index on."""
+        indices = tuple(range(replica, len(self._prompts), self.dims.dp))
+        return dataclasses.replace(req, prompts=tuple(self._prompts[i] for i in indices), indices=indices)
 
 
 def _keep_until(run: RunFolder, step: int) -> None:

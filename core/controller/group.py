@@ -11,6 +11,7 @@ look like this from here); when it runs on this host its pid is checked to say w
 Generations: after a loss the controller aborts the survivors, ``reset``s the group to
 the next generation of the same epoch and waits for a new set of workers (started by the
 supervisor, core.supervisor.contract). A worker of an older epoch or generation is refused by name.
+``dims`` lays out the trainer's ranks 0..; a split generator's ranks follow them.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class Peer:
     busy: str = ""
     lost: str = ""  # why it was declared lost, "" while alive
     started: bool = False  # it has answered a call: done importing and setting up
+    rendezvous_port: int = 0  # a free port on its host it offered for a torch.distributed rendezvous
 
     @property
     def hb_identity(self) -> bytes:
@@ -68,8 +70,8 @@ class WorkerGroup:
         generation: int = 0,
         signals: PreemptionFlag | None = None,
     ) -> None:
-        if dims.world_size != world_size:
-            raise ValueError(f"dims {dims.describe()} do not cover {world_size} workers")
+        if dims.world_size > world_size:  # dims: the trainer's ranks 0..; a split generator's follow
+            raise ValueError(f"dims {dims.describe()} need more than {world_size} workers")
         self.sock = sock
         self.world_size = world_size
         self.epoch = epoch
@@ -92,7 +94,6 @@ class WorkerGroup:
         self._beat_interval_s = max(timeouts.heartbeat_interval_s, timeouts.controller_lost_s / 5)
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
-        self.rendezvous: tuple[str, int] = ("", 0)
         self.heartbeats_handled = 0
         self._all_started = False
 
@@ -116,20 +117,14 @@ class WorkerGroup:
                 item = self.sock.recv()
                 if item is None:
                     continue
-                identity, frames = item
-                env = self._decode(identity, frames)
-                if env is None:
-                    continue
-                if not isinstance(env.msg, protocol.Register):
-                    continue  # early heartbeats before the welcome
-                if not self._admit(identity, env, pending):
-                    continue
-            ranks = sorted(pending)
-            rank0 = pending[ranks[0]][1]
-            self.rendezvous = (rank0.host, rank0.rendezvous_port)
+                env = self._decode(*item)
+                if env is not None and isinstance(env.msg, protocol.Register):  # not early heartbeats
+                    self._admit(item[0], env, pending)
+            rank0 = pending[min(pending)][1]
             now = time.monotonic()
             for rank, (identity, reg) in pending.items():
-                peer = Peer(rank=rank, identity=identity, host=reg.host, node=reg.node, pid=reg.pid, last_seen=now)
+                peer = Peer(rank=rank, identity=identity, host=reg.host, node=reg.node, pid=reg.pid, last_seen=now,
+                            rendezvous_port=reg.rendezvous_port)
                 self.peers[rank] = peer
                 self._by_identity[identity] = peer
                 self._by_identity[identity + HB_SUFFIX] = peer
@@ -137,11 +132,15 @@ class WorkerGroup:
                     rank=rank, world_size=self.world_size,
                     heartbeat_interval_s=self.timeouts.heartbeat_interval_s,
                     controller_lost_s=self.timeouts.controller_lost_s,
-                    master_addr=self.rendezvous[0], master_port=self.rendezvous[1],
+                    master_addr=rank0.host, master_port=rank0.rendezvous_port,
                 ))
         log.info("all %d workers registered (epoch %d, generation %d)", self.world_size, self.epoch, self.generation)
         self._pump = threading.Thread(target=self._pump_loop, args=(self._stop,), name="baton-pump", daemon=True)
         self._pump.start()
+
+    def rendezvous_of(self, rank: int = 0) -> tuple[str, int]:
+        """The torch.distributed rendezvous ``rank`` offered: its host and a free port there."""
+        return self.peers[rank].host, self.peers[rank].rendezvous_port
 
     def reset(self, generation: int) -> None:
         """Forget the current workers (lost or aborted) so that ``generation`` can register.
@@ -161,7 +160,6 @@ class WorkerGroup:
             self._n_lost = 0
             self._inflight.clear()
             self._errors.clear()
-            self.rendezvous = ("", 0)
             self._all_started = False
 
     def _admit(self, identity: bytes, env: protocol.Envelope, pending: dict[int, tuple[bytes, protocol.Register]]) -> bool:

@@ -73,7 +73,7 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
     sock = ControllerSocket(run.keys)
     publish_address(run, sock, host=env.controller_host, epoch=env.epoch)
     request_workers(run, WorkerRequest(epoch=env.epoch, generation=0, reason="epoch start"))
-    group = WorkerGroup(sock, world_size=plan.world_size, epoch=env.epoch, dims=plan.dims,
+    group = WorkerGroup(sock, world_size=plan.workers, epoch=env.epoch, dims=plan.dims,
                         timeouts=cfg.timeouts, run=run, signals=signals)
     checkpoints = CheckpointCoordinator(
         group, record, root=run.checkpoints, model_hash=config_mod.model_hash(cfg), keep_last=cfg.checkpoint.keep_last,

@@ -72,20 +72,24 @@ class Program:
         return stop
 
     def setup(self) -> None:
-        """Register the workers, then every rank joins the process group and builds its model."""
+        """Register the workers, then every rank joins its process group and builds its model
+        (a split generator's ranks their own group, from their first rank's rendezvous)."""
         group = self.group
         group.wait_for_workers()
-        addr, port = group.rendezvous
+        addr, port = group.rendezvous_of(0)
         t0 = time.perf_counter()
-        infos = group.call(calls.SETUP, calls.Setup(
-            master_addr=addr, master_port=port, config_hash=config_mod.config_hash(self.cfg),
-            micro_batch_size=self.plan.micro_batch_size,
-        ), timeout_s=self.cfg.timeouts.setup_s)
+        setup = calls.Setup(master_addr=addr, master_port=port, config_hash=config_mod.config_hash(self.cfg),
+                            micro_batch_size=self.plan.micro_batch_size)
+        trainer, n = self.plan.world_size, self.plan.generator_workers
+        gen_addr, gen_port = group.rendezvous_of(trainer) if n else (addr, port)
+        generator = dataclasses.replace(setup, master_addr=gen_addr, master_port=gen_port, micro_batch_size=None)
+        infos = group.call(calls.SETUP, setup, timeout_s=self.cfg.timeouts.setup_s, collect=lambda res, _: res,
+                           dispatch=lambda req, _: {r: req if r < trainer else generator for r in range(trainer + n)})
         if self.metrics is not None:
             self.metrics.observe_dispatch("setup", time.perf_counter() - t0)
         ranks = tuple(RankInfo(rank=p.rank, node=p.node, host=p.host, pid=p.pid, coords=infos[p.rank].coords,
                                layers=infos[p.rank].layers, num_params=infos[p.rank].num_params,
-                               device=infos[p.rank].device)
+                               device=infos[p.rank].device, role="trainer" if p.rank < trainer else "generator")
                       for p in sorted(group.peers.values(), key=lambda p: p.rank))
         micro = infos[0].micro_batch_size
         with self.record.update(ev.WorkersReady(world_size=group.world_size, epoch=group.epoch,
@@ -141,7 +145,7 @@ class Program:
             self.step, self.last_loss = done, record.loss
             self.checkpoints.poll()
             if interval and done % interval == 0 and done < cfg.trainer.steps:
-                self.checkpoints.save(done, loss=record.loss)
+                self.checkpoints.save(done, loss=record.loss, policy_version=self._policy())
             if done % cfg.trainer.log_interval_steps == 0 or done == cfg.trainer.steps:
                 log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record.loss, wall)
                 self.save_progress()
@@ -166,12 +170,17 @@ class Program:
             timeout = self.cfg.timeouts.checkpoint_s
             if stop.time_left_s is not None:  # commit within the time Slurm leaves us
                 timeout = max(1.0, min(timeout, stop.time_left_s - 2.0))
-            self.checkpoints.save(step, loss=self.last_loss, blocking=True, timeout_s=timeout)
+            self.checkpoints.save(step, loss=self.last_loss, blocking=True, timeout_s=timeout,
+                                  policy_version=self._policy())
 
     def finish(self) -> None:
         if self.cfg.checkpoint.at_end and not self.checkpoints.committed(self.step):
-            self.checkpoints.save(self.step, loss=self.last_loss, blocking=True)
+            self.checkpoints.save(self.step, loss=self.last_loss, blocking=True, policy_version=self._policy())
         self.checkpoints.drain()
+
+    def _policy(self) -> int | None:
+        """The policy version a checkpoint records: the step the generator was last synced to."""
+        return None if self.generator is None else self.generator.version
 
     # --- metrics ------------------------------------------------------------------------
     def _allocated_s(self) -> float:

@@ -6,6 +6,12 @@
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
 
+Split placement only (the generator on workers of its own, ranks after the trainer's):
+
+    BRIDGE        Bridge      → None         join the process group of every worker that weight syncs run on
+    PROBE_BATCH   Probe       → LogProbs     the trainer's probe batch and its log-probs (one rank answers)
+    SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
+
 A plan is made by the controller (``core.flows.reshard.plan``) from every rank's
 ``HeldSlices`` and sent to each rank as its own pieces.
 """
@@ -56,7 +62,8 @@ class Generate:
     top_k: int = 0
     top_p: float = 1.0
     eos: int | None = None
-    seed: int = 0  # with the replica: the sampling generator's seed
+    seed: int = 0  # with a prompt's index: the seed of the generator it samples from
+    indices: tuple[int, ...] = ()  # each prompt's index in the run's prompt set (default 0, 1, ...)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +87,31 @@ class PromptSet:
     prompts: tuple[tuple[int, ...], ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Bridge:
+    """A process group over every worker (trainer ranks, then the generator's), rendezvous
+    on the trainer's store (its rank 0's ``master_addr:master_port``) under ``name``."""
+
+    master_addr: str
+    master_port: int
+    size: int
+    name: str  # the store prefix: one per worker generation
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogProbs:
+    """Token rows, their labels and the per-token log-probs of the labels."""
+
+    tokens: tuple[tuple[int, ...], ...] = ()
+    labels: tuple[tuple[int, ...], ...] = ()
+    logprobs: tuple[tuple[float, ...], ...] = ()
+
+
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
 PROBE = Method("probe", Probe, Probed)
 GENERATE = Method("generate", Generate, Generated)
+BRIDGE = Method("bridge", Bridge, None)
+PROBE_BATCH = Method("probe_batch", Probe, LogProbs)
+SCORE = Method("score", LogProbs, LogProbs)

@@ -70,6 +70,7 @@ class RankInfo:
     layers: tuple[int, ...] = ()
     num_params: int = 0
     device: str = ""
+    role: str = "trainer"  # or "generator": a split generator's rank (its coords in the generator's layout)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,10 @@ continuation and ``samples_per_prompt`` sampled ones (``temperature``, ``top_k``
 ``top_p``, ``max_new_tokens``, ``eos``), written to ``samples.jsonl`` in the run folder.
 ``tp``: the generator's tensor-parallel size (pp is 1; dp = its workers / tp).
 ``placement``: ``colocated``, the generator's model lives in the trainer's worker
-processes with its own process groups. After every sync the run compares both models'
-log-probs of a probe batch; a gap above ``logprob_tolerance`` stops the run.
+processes with its own process groups; ``split``, it runs on ``workers`` processes of its
+own (0: ``tp``, one replica), on Slurm a component of the job of its own (``slurm.generator``).
+After every sync the run compares both models' log-probs of a probe batch; a gap above
+``logprob_tolerance`` stops the run.
 ``bucket_mb``: the most a weight sync holds in flight per rank.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import ConfigError
+from core.spec.dims import ParallelDims
 from core.spec.schema import bounded, check_bounds
 
 if TYPE_CHECKING:  # config imports this module for its section
@@ -30,6 +33,7 @@ class GeneratorConfig:
     enabled: bool = False
     placement: Literal["colocated", "split"] = "colocated"
     tp: int = bounded(1, gt=0, le=2**20)
+    workers: int = bounded(0, ge=0, le=2**20)  # split: the generator's own workers (0: tp); colocated: 0
     sync_interval_steps: int = bounded(10, gt=0, le=10**12)
     num_prompts: int = bounded(4, gt=0, le=2**20)
     prompt_length: int = bounded(8, gt=0, le=MAX_TOKENS)
@@ -44,9 +48,23 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "generator")
-        if self.enabled and self.placement == "split":
-            raise ConfigError("generator.placement: split (the generator on workers of its own) is not available "
-                              "yet; use generator.placement=colocated")
+
+    @property
+    def split(self) -> bool:
+        return self.enabled and self.placement == "split"
+
+
+def own_workers(cfg: RunConfig) -> int:
+    """The generator's own workers (ranks after the trainer's): 0 unless it runs split."""
+    g = cfg.generator
+    return (g.workers or g.tp) if g.split else 0
+
+
+def generator_dims(cfg: RunConfig) -> ParallelDims:
+    """The generator's layout: ``tp`` over its workers (its own, or the trainer's), one stage."""
+    g = cfg.generator
+    workers = own_workers(cfg) or cfg.trainer.world_size
+    return ParallelDims(tp=g.tp, pp=1, dp=workers // g.tp)
 
 
 def validate(gen: GeneratorConfig, cfg: RunConfig) -> None:
@@ -57,9 +75,17 @@ def validate(gen: GeneratorConfig, cfg: RunConfig) -> None:
                                            cfg.model.seq_length, cfg.model.kind)
     if kind != "gpt":
         raise ConfigError(f"generator.enabled: the {kind} model cannot generate; use model.kind=gpt")
+    if gen.split:
+        world_size = own_workers(cfg)
+        where = f"generator.workers = {world_size}"
+    else:
+        where = f"the {world_size} trainer workers it is colocated on"
+        if gen.workers not in (0, world_size):
+            raise ConfigError(f"generator.workers: {gen.workers}, but a colocated generator runs on the trainer's "
+                              f"{world_size} workers; drop generator.workers or use generator.placement=split")
     if heads % gen.tp or world_size % gen.tp:
-        raise ConfigError(f"generator.tp: {gen.tp} must divide model.num_attention_heads = {heads} and the "
-                          f"{world_size} workers it is colocated on; pick a tp that divides both")
+        raise ConfigError(f"generator.tp: {gen.tp} must divide model.num_attention_heads = {heads} and {where}; "
+                          "pick a tp that divides both")
     if gen.prompt_length + gen.max_new_tokens > seq_length:
         raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
                           f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")

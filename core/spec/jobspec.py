@@ -2,6 +2,7 @@
 
     component 0  the controller: one task
     component 1  the workers: ``trainer.nodes`` x ``trainer.n_gpus_per_node`` tasks
+    component 2  with ``generator.placement: split``: the generator's own workers
 
 ``job_spec`` merges the YAML (``slurm.*``) with the CLI's overrides of the workers and
 validates the result once; ``launcher.slurm`` renders, preflights and submits that value.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import UserError
+from core.spec.generator import own_workers
 from core.spec.schema import bounded, check_bounds, check_strings, check_text, show
 
 if TYPE_CHECKING:  # config imports this module for SlurmConfig
@@ -26,7 +28,7 @@ if TYPE_CHECKING:  # config imports this module for SlurmConfig
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
 DEFAULT_TIME_MIN = 60
 
-Role = Literal["controller", "workers"]
+Role = Literal["controller", "workers", "generator"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,16 +52,21 @@ class SlurmComponentConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SlurmConfig:
-    """Both components' sbatch options and the batch script's setup lines (module loads,
-    environment activation, exports), each one line without control characters."""
+    """Every component's sbatch options and the batch script's setup lines (module loads,
+    environment activation, exports), each one line without control characters.
+    ``generator``: the generator's component (``generator.placement: split``); what it
+    leaves unset, it takes from ``workers``, except ``nodes`` (1) and ``gpus_per_node``
+    (one per task)."""
 
     controller: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
     workers: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
+    generator: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
     setup: list[str] = ()  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         check_bounds(self.controller, "slurm.controller")
         check_bounds(self.workers, "slurm.workers")
+        check_bounds(self.generator, "slurm.generator")
         check_strings(self, "slurm")
 
 
@@ -121,12 +128,18 @@ class Component:
 
 @dataclass(frozen=True, kw_only=True)
 class HetJobSpec:
-    """One run's heterogeneous job: the job name, both components and the setup lines."""
+    """One run's heterogeneous job: the job name, its components and the setup lines."""
 
     name: str
     controller: Component
     workers: Component
+    generator: Component | None = None  # component 2: a split generator's workers
     setup: tuple[str, ...] = ()
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """In het-group order."""
+        return (self.controller, self.workers) + ((self.generator,) if self.generator else ())
 
     def with_job_flags(self, flags: Iterable[str]) -> HetJobSpec:
         """A copy with raw job-level sbatch flags (e.g. ``--dependency=afterany:ID``) added to
@@ -189,7 +202,26 @@ def job_spec(cfg: RunConfig, cli: SlurmComponentConfig | None = None) -> HetJobS
                          gpus_per_node=t.n_gpus_per_node if wrk.gpus_per_node is None else wrk.gpus_per_node)
     controller = _component("controller", ctl, nodes=1, ntasks_per_node=1, time_min=c_time or w_minutes,
                             account=ctl.account or wrk.account, gpus_per_node=ctl.gpus_per_node)
-    return HetJobSpec(name=f"baton-{cfg.name}", controller=controller, workers=workers, setup=tuple(cfg.slurm.setup))
+    return HetJobSpec(name=f"baton-{cfg.name}", controller=controller, workers=workers,
+                      generator=_generator(cfg, wrk, w_minutes), setup=tuple(cfg.slurm.setup))
+
+
+def _generator(cfg: RunConfig, wrk: SlurmComponentConfig, w_minutes: int) -> Component | None:
+    """Component 2 of a split generator: its workers over ``slurm.generator.nodes`` (1)."""
+    n = own_workers(cfg)
+    if not n:
+        return None
+    gen = _merged(cfg.slurm.generator, None, "slurm.generator")
+    nodes = gen.nodes or 1
+    if n % nodes:
+        raise UserError(f"slurm.generator.nodes: {nodes} do not divide the generator's {n} workers "
+                        "(generator.workers); pick a node count that divides them")
+    inherit = {f.name: getattr(wrk, f.name) for f in dataclasses.fields(wrk)
+               if f.name not in ("nodes", "gpus_per_node", "extra") and getattr(gen, f.name) is None}
+    gen = dataclasses.replace(gen, **inherit)
+    minutes = parse_time_min(gen.time, "slurm.generator.time") if gen.time else w_minutes
+    return _component("generator", gen, nodes=nodes, ntasks_per_node=n // nodes, time_min=minutes,
+                      account=gen.account, gpus_per_node=n // nodes if gen.gpus_per_node is None else gen.gpus_per_node)
 
 
 def _component(role: Role, opts: SlurmComponentConfig, *, nodes: int, ntasks_per_node: int, time_min: int,

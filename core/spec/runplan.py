@@ -16,6 +16,7 @@ from pathlib import Path
 from core.errors import RunFolderError
 from core.spec.config import RunConfig, config_hash
 from core.spec.dims import ParallelDims
+from core.spec.generator import own_workers
 from core.spec.plan import Plan, make_plan
 from core.spec.schema import build
 
@@ -32,10 +33,17 @@ class RunPlan:
     tasks_per_node: int  # one worker per GPU (per CPU slot on the local backend)
     micro_batch_size: int | None  # None: ``auto``, resolved by the workers at setup
     model: Plan | None = None  # the GPT's layers, parameters and memory; None for the toy model
+    generator_workers: int = 0  # a split generator's own workers: ranks world_size.. after the trainer's
 
     @property
     def world_size(self) -> int:
+        """The trainer's workers."""
         return self.dims.world_size
+
+    @property
+    def workers(self) -> int:
+        """Every worker process of the run: the trainer's, then a split generator's."""
+        return self.dims.world_size + self.generator_workers
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1) + "\n"
@@ -48,7 +56,7 @@ def plan_run(cfg: RunConfig) -> RunPlan:
     return RunPlan(
         config_hash=config_hash(cfg), kind=cfg.model.kind, dims=cfg.dims, nodes=cfg.trainer.nodes,
         tasks_per_node=cfg.trainer.n_gpus_per_node, micro_batch_size=None if micro == "auto" else int(micro),
-        model=model,
+        model=model, generator_workers=own_workers(cfg),
     )
 
 

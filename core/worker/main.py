@@ -10,6 +10,7 @@ from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
+from core.spec.generator import own_workers
 from core.worker.runtime import WorkerRuntime
 from core.worker.task import Task, WorkerContext
 
@@ -28,7 +29,8 @@ def run_worker(env: JobEnv, task_factory: TaskFactory) -> int:
     runtime = WorkerRuntime(env, cfg, task_factory(cfg), signals=signals)
 
     def welcomed(rank: int) -> None:
-        logsetup.set_label(f"worker r{rank}@{env.node}")
+        role = "generator" if own_workers(cfg) and rank >= cfg.trainer.world_size else "worker"
+        logsetup.set_label(f"{role} r{rank}@{env.node}")
         if rank != env.rank_hint:
             logsetup.switch_file(run.worker_log(rank))
 

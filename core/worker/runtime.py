@@ -107,7 +107,7 @@ class WorkerRuntime:
 
     def register(self, sock: WorkerSocket) -> Welcomed | None:
         """Say who we are; the controller's welcome, or None when it refused us (logged)."""
-        port = free_port() if self.env.rank_hint in (0, -1) else 0
+        port = free_port()  # a rendezvous, should the controller pick this rank to host one
         sock.send(protocol.encode(protocol.Register(
             rank_hint=self.env.rank_hint, host=self.env.host, node=self.env.node, pid=os.getpid(),
             rendezvous_port=port, generation=self.env.generation), epoch=self.env.epoch))

@@ -33,9 +33,9 @@ def _sync(g: RankGroup, version: int, bucket_bytes: int = 1 << 14) -> list[dict[
 
 def _weights(task: Any) -> tuple[list[tuple[TensorSlice, np.ndarray]], list[tuple[TensorSlice, np.ndarray]]]:
     """This rank's trainer slices (first replicas) and generator slices, as arrays."""
-    rollout = task._rollout
-    return ([(s, p.detach().numpy().copy()) for s, p in rollout._sources()],
-            [(s, p.detach().numpy().copy()) for s, p in rollout._targets()])
+    link = task._link
+    return ([(s, p.detach().numpy().copy()) for s, p in link._sources()],
+            [(s, p.detach().numpy().copy()) for s, p in link._targets()])
 
 
 def _plain_greedy(task: Any, prompts: tuple[tuple[int, ...], ...], new: int) -> list[list[int]]:
@@ -53,8 +53,8 @@ def _plain_greedy(task: Any, prompts: tuple[tuple[int, ...], ...], new: int) -> 
     return seq[:, len(prompts[0]):].tolist()
 
 
-def _generate(g: RankGroup, **kw: Any) -> list[dict[str, Any]]:
-    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=PROMPTS, **kw))
+def _generate(g: RankGroup, prompts: tuple[tuple[int, ...], ...] = PROMPTS, **kw: Any) -> list[dict[str, Any]]:
+    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=prompts, **kw))
     return [r for r in g.call("generate", **req) if r.get("tokens")]
 
 
@@ -88,8 +88,12 @@ def test_weights_sync_exactly_and_the_generator_scores_as_the_trainer(tmp_path, 
             assert [list(t) for t in greedy[0]["tokens"]] == g.apply(_plain_greedy, prompts=PROMPTS, new=6)[0]
         sampled = _generate(g, max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9, seed=11)
         again = _generate(g, max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9, seed=11)
-        assert [r["tokens"] for r in sampled] == [r["tokens"] for r in again]  # keyed by (seed, replica)
-        if len(sampled) > 1:
-            assert sampled[0]["tokens"] != sampled[1]["tokens"]  # replicas draw their own streams
+        assert [r["tokens"] for r in sampled] == [r["tokens"] for r in again]  # keyed by (seed, prompt index)
+        assert all(r["tokens"] == sampled[0]["tokens"] for r in sampled)  # not by replica: layouts agree
+        other = _generate(g, max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9, seed=12)
+        assert other[0]["tokens"] != sampled[0]["tokens"]
+        alone = _generate(g, prompts=PROMPTS[2:3], max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9, seed=11,
+                          indices=(2,))
+        assert alone[0]["tokens"][0] == sampled[0]["tokens"][2]  # a prompt draws the same in any batch
         for r in greedy + sampled:
             assert all(lp <= 0 for row in r["logprobs"] for lp in row)

@@ -50,8 +50,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return _losses(next((root / "toy").glob("*")))
 
 
-def _submit(root: Path, jobs: list[int], *args: str, env: dict[str, str] | None = None) -> tuple[int, Path]:
-    cmd = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON,
+def _submit(root: Path, jobs: list[int], *args: str, env: dict[str, str] | None = None,
+            experiment: str = "experiments/toy.yaml", common: list[str] = COMMON) -> tuple[int, Path]:
+    cmd = [sys.executable, "-m", "launcher.cli", "submit", experiment, f"runs_root={root}", *common,
            "--backend", "slurm", "slurm.controller.partition=cpu", *args]
     # The job inherits this environment (sbatch --export=ALL), test knobs included.
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60,

@@ -111,7 +111,7 @@ def test_dry_run_prints_the_exact_script_and_submits_nothing(slurm_cluster, runs
     assert res.returncode == 0, res.stderr
     script = res.stdout
     assert script.startswith("#!/bin/bash\n") and "#SBATCH hetjob" in script
-    assert f"#SBATCH --job-name=baton-{name}" in script and "srun --het-group=1" in script
+    assert f"#SBATCH --job-name=baton-{name}" in script and "baton_worker_step 1 0 worker &" in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     assert list(runs_root.iterdir()) == []  # no run folder either
     assert queued(f"baton-{name}") == []

@@ -189,3 +189,35 @@ def test_a_relative_data_path_is_stored_resolved_in_the_run_folder(tmp_path: Pat
     run = runprep.prepare_run(cfg, backend="local")
     stored = config.load(run.config)
     assert stored.data.path == str(tmp_path / "tokens.h5")
+
+
+# ------------------------------------------------------------------------------ generator
+
+
+def _generate(*overrides: str) -> config.RunConfig:
+    return config.load(REPO / "experiments" / "tiny_gpt_generate.yaml", list(overrides))
+
+
+def test_generator_placements_and_their_workers() -> None:
+    from core.spec.generator import generator_dims, own_workers
+    from core.spec.runplan import plan_run
+
+    colocated = _generate()
+    assert own_workers(colocated) == 0 and generator_dims(colocated) == ParallelDims(tp=1, pp=1, dp=4)
+    split = _generate("generator.placement=split", "generator.workers=4", "generator.tp=2")
+    assert own_workers(split) == 4 and generator_dims(split) == ParallelDims(tp=2, pp=1, dp=2)
+    assert plan_run(split).workers == 8 and plan_run(split).world_size == 4
+    assert own_workers(_generate("generator.placement=split", "generator.tp=2")) == 2  # default: one replica
+    assert own_workers(_generate("generator.placement=split", "generator.enabled=false")) == 0
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["generator.workers=2"], r"^generator.workers: 2, but a colocated generator runs on the trainer's 4 workers; "),
+    (["generator.placement=split", "generator.workers=3", "generator.tp=2"],
+     r"^generator.tp: 2 must divide model.num_attention_heads = 4 and generator.workers = 3; "),
+    (["generator.placement=elsewhere"], r"generator.placement"),
+])
+def test_impossible_generator_layouts_are_refused_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        _generate(*overrides)
+    assert "\n" not in str(err.value)

@@ -75,6 +75,27 @@ def test_script_with_every_option_matches_golden() -> None:
     check_golden("hetjob_all_options.sbatch", rendered(cfg, args))
 
 
+def test_split_generator_is_a_third_component_with_its_own_worker_step() -> None:
+    cfg = config.load(REPO / "experiments" / "tiny_gpt_generate.yaml", [
+        "generator.placement=split", "generator.workers=2", "slurm.generator.partition=cpu", "slurm.generator.time='20'"])
+    script = rendered(cfg)
+    check_golden("hetjob_split_generator.sbatch", script)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    lines = script.splitlines()
+    gen = lines[[i for i, line in enumerate(lines) if line == "#SBATCH hetjob"][1]:]
+    assert [line for line in lines if line == "#SBATCH hetjob"] == ["#SBATCH hetjob"] * 2
+    assert "#SBATCH --partition=cpu" in gen and "#SBATCH --ntasks-per-node=2" in gen and "#SBATCH --time=20" in gen
+    assert "#SBATCH --gpus-per-node=2" in gen and "#SBATCH --nodes=1" in gen
+    assert "baton_worker_step 1 0 worker &" in lines and "baton_worker_step 2 4 generator &" in lines
+
+
+def test_split_generator_nodes_must_divide_its_workers() -> None:
+    cfg = config.load(REPO / "experiments" / "tiny_gpt_generate.yaml", [
+        "generator.placement=split", "generator.workers=3", "slurm.generator.nodes=2"])
+    with pytest.raises(UserError, match=r"^slurm.generator.nodes: 2 do not divide the generator's 3 workers"):
+        slurm.job_spec_for(cfg)
+
+
 def test_rendered_script_is_valid_bash_and_quotes_awkward_paths() -> None:
     script = rendered(toy())
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -94,8 +115,8 @@ def test_hetjob_separates_controller_flags_from_worker_flags() -> None:
     assert "#SBATCH --partition=gpu" in lines[split:] and "#SBATCH --ntasks-per-node=4" in lines[split:]
     assert lines[:split].count("#SBATCH --signal=USR2@90") == 1 and lines[split:].count("#SBATCH --signal=USR2@90") == 1
     assert "#SBATCH --requeue" in lines[:split]
-    assert any(line.startswith("srun --het-group=1 ") for line in lines)
-    worker_output = next(line for line in lines if "--output=" in line and "worker_%t" in line)
+    assert "baton_worker_step 1 0 worker &" in lines and not any("baton_worker_step 2" in line for line in lines)
+    worker_output = next(line for line in lines if "--output=" in line and "_%t" in line)
     assert "${SLURM_JOB_ID}" in worker_output and "%j" not in worker_output  # %j = leader + 1 in component 1
     assert "--het-group=0" in lines[lines.index("export SUBMITIT_EXECUTOR=slurm") + 1]
 

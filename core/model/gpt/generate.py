@@ -3,7 +3,7 @@
 ``generate`` continues a batch of prompts of one length: a prefill over the prompts fills a
 KV cache (``megatron.core.inference.contexts.StaticInferenceContext``), then one token per
 forward; the logits are gathered across the tensor-parallel group, so every TP rank of a
-replica samples the same token from the same generator. Sampling is temperature, then
+replica samples the same token from the same generators (one per prompt). Sampling is temperature, then
 top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A sequence that
 produced ``eos`` stops (its later positions hold ``eos`` with log-prob 0). The log-prob of
 each new token is taken from the distribution it was drawn from before any truncation
@@ -61,7 +61,7 @@ def label_logprobs(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> to
     return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def _choose(logits: torch.Tensor, how: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+def _choose(logits: torch.Tensor, how: Sampling, gens: Sequence[torch.Generator]) -> torch.Tensor:
     if how.temperature <= 0:
         return logits.argmax(dim=-1)
     scaled = logits / how.temperature
@@ -74,12 +74,14 @@ def _choose(logits: torch.Tensor, how: Sampling, gen: torch.Generator | None) ->
         drop = cum - torch.softmax(ordered, dim=-1) >= how.top_p  # keep the smallest set reaching top_p
         scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, gens, strict=True)])
 
 
-def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, seed: int,
+def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, seeds: Sequence[int],
              max_length: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's new tokens and their log-probs; the prompts share one length."""
+    """Each prompt's new tokens and their log-probs; the prompts share one length. Prompt i
+    samples from a generator of its own, seeded ``seeds[i]``: what it draws does not depend
+    on the other prompts of the batch."""
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"one prompt length per batch, not {sorted(lengths)}")
@@ -89,7 +91,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
     device = next(model.parameters()).device
     tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
     b = tokens.shape[0]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
     context = StaticInferenceContext(b, n + how.max_new_tokens)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     out_tokens: list[torch.Tensor] = []
@@ -99,7 +101,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
         for i in range(how.max_new_tokens):
             logits = _logits(model, step_in, positions, mask, context)[:, -1]
             context.increment_sequence_len_offset(step_in.shape[1])
-            nxt = _choose(logits.cpu(), how, gen).to(device)
+            nxt = _choose(logits.cpu(), how, gens).to(device)
             logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
             if how.eos is not None:
                 nxt = torch.where(done, torch.full_like(nxt, how.eos), nxt)

@@ -1,9 +1,11 @@
-"""The generator role colocated with a trainer: a second GPT in its own layout, same processes.
+"""The generator role: a second GPT in its own layout, and the trainer's side of weight syncs.
 
-The trainer keeps Megatron's global parallel state; the generator's model gets a process-
-group collection of its own (``GPTModel(pg_collection=...)``): tensor-parallel groups of
-``generator.tp`` consecutive ranks, one pipeline stage, the rest data-parallel replicas.
-Its weights come only from weight syncs (``core.model.gpt.sync`` running a plan of
+Colocated, the generator's model lives in the trainer's processes: the trainer keeps
+Megatron's global parallel state and the generator's model gets a process-group collection
+of its own (``GPTModel(pg_collection=...)``). Split, it lives in processes of its own, whose
+world is the generator's alone (core.model.gpt.generator_task). Either way its groups are
+``generator.tp`` consecutive ranks of its world, one pipeline stage, the rest data-parallel
+replicas. Its weights come only from weight syncs (``core.model.gpt.sync`` running a plan of
 ``core.flows.reshard``); ``version`` is the trainer step they were taken after.
 """
 from __future__ import annotations
@@ -49,34 +51,28 @@ def process_groups(dims: ParallelDims, rank: int) -> ProcessGroupCollection:
     return pgc
 
 
-class Rollout:
-    """This rank's generator model and what the generator calls do with it."""
+class WeightLink:
+    """One rank's ends of the weight syncs: the trainer slices it owns (``trainer_chunks``),
+    the generator slices it holds (``model``), and how pieces travel: the default group
+    (colocated: plan ranks are its ranks) or ``bridge`` (split: plan ranks are bridge ranks)."""
 
-    def __init__(self, cfg: RunConfig, rank: int, *, on_cuda: bool, trainer_chunks: list[Any]) -> None:
-        g = cfg.generator
-        self.rank = rank
-        self.dims = ParallelDims(tp=g.tp, pp=1, dp=cfg.trainer.world_size // g.tp)
-        self.coords = self.dims.coords(rank)
-        self.cfg = cfg
-        self.trainer_chunks = trainer_chunks
-        parallel = dataclasses.replace(cfg.parallel, tp=g.tp, pp=1)
-        config = model_mod.transformer_config(cfg.model, parallel, cfg.training, on_cuda=on_cuda)
-        self.model = GPTModel(
-            config=config, transformer_layer_spec=model_mod.layer_spec(on_cuda=on_cuda),
-            vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length, pre_process=True,
-            post_process=True, share_embeddings_and_output_weights=False, parallel_output=True,
-            position_embedding_type="learned_absolute", pg_collection=process_groups(self.dims, rank))
-        if on_cuda:
-            self.model.cuda(torch.cuda.current_device())
-        self.model.eval()
+    def __init__(self, rank: int, *, trainer_chunks: list[Any] | None, model: Any | None) -> None:
+        self.rank, self.trainer_chunks, self.model = rank, trainer_chunks, model
+        self.bridge: Any = None
         self.version = -1
         self._prepared: tuple[int, list[Any]] | None = None
 
+    def join(self, req: gen_calls.Bridge, *, backend: str, timeout_s: float) -> None:
+        self.bridge = sync.connect(req.master_addr, req.master_port, name=req.name, rank=self.rank, size=req.size,
+                                   backend=backend, timeout_s=timeout_s)
+
     def _sources(self) -> list[tuple[Any, torch.Tensor]]:
+        if self.trainer_chunks is None:
+            return []
         return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks) if is_writer(sh)]
 
     def _targets(self) -> list[tuple[Any, torch.Tensor]]:
-        return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params([self.model])]
+        return [] if self.model is None else [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params([self.model])]
 
     def held(self) -> gen_calls.HeldSlices:
         return gen_calls.HeldSlices(sources=tuple(s for s, _ in self._sources()),
@@ -88,13 +84,38 @@ class Rollout:
         if self._prepared is None or self._prepared[0] != key:  # bound to parameter views once per plan
             self._prepared = (key, sync.prepare(req.pieces, self.rank, sync.index(self._sources()),
                                                 sync.index(self._targets())))
-        got = sync.run_plan(self._prepared[1])
+        got = sync.run_plan(self._prepared[1], link=self.bridge)
         self.version = req.version
         return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0)
 
+
+class Rollout:
+    """This rank's generator model (rank ``rank`` of a world laid out as ``dims``) and what
+    the generator calls do with it."""
+
+    def __init__(self, cfg: RunConfig, dims: ParallelDims, rank: int, *, on_cuda: bool) -> None:
+        g = cfg.generator
+        self.dims, self.coords, self.cfg = dims, dims.coords(rank), cfg
+        parallel = dataclasses.replace(cfg.parallel, tp=g.tp, pp=1)
+        config = model_mod.transformer_config(cfg.model, parallel, cfg.training, on_cuda=on_cuda)
+        self.model = GPTModel(
+            config=config, transformer_layer_spec=model_mod.layer_spec(on_cuda=on_cuda),
+            vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length, pre_process=True,
+            post_process=True, share_embeddings_and_output_weights=False, parallel_output=True,
+            position_embedding_type="learned_absolute", pg_collection=process_groups(dims, rank))
+        if on_cuda:
+            self.model.cuda(torch.cuda.current_device())
+        self.model.eval()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        self.link: WeightLink | None = None  # set by the task: the weight syncs that fill this model
+
+    @property
+    def version(self) -> int:
+        return -1 if self.link is None else self.link.version
+
     def probe(self, step_ctx: Any, req: gen_calls.Probe) -> gen_calls.Probed:
-        """Both models' log-probs of this rank's first held-out micro-batch of ``req.step``;
-        compared where the trainer's come out (its last pipeline stage)."""
+        """Colocated: both models' log-probs of this rank's first held-out micro-batch of
+        ``req.step``; compared where the trainer's come out (its last pipeline stage)."""
         batch = step_ctx.source.micro_batches(req.step, "eval")[0]
         trainer = label_logprobs(step_ctx, batch)
         if trainer is None:
@@ -104,29 +125,56 @@ class Rollout:
         return gen_calls.Probed(max_abs_diff=float((mine - trainer.reshape(mine.shape)).abs().max()),
                                 tokens=int(mine.numel()))
 
-    def prompts(self, step_ctx: Any, req: gen_calls.Prompts) -> gen_calls.PromptSet:
-        """The first ``req.length`` tokens of held-out sequences (this rank's shard, step 0 on)."""
-        rows: list[tuple[int, ...]] = []
-        step = 0
-        while len(rows) < req.count:
-            for mb in step_ctx.source.micro_batches(step, "eval"):
-                rows += [tuple(int(t) for t in row[:req.length]) for row in mb.tokens]
-            step += 1
-        return gen_calls.PromptSet(prompts=tuple(rows[:req.count]))
+    def score(self, req: gen_calls.LogProbs) -> gen_calls.LogProbs:
+        """Teacher-forced log-probs of ``req.labels`` after ``req.tokens`` (every rank of a
+        replica computes; its first tensor-parallel rank answers)."""
+        if not req.tokens:
+            return gen_calls.LogProbs()
+        tokens = torch.tensor(req.tokens, dtype=torch.int64, device=self.device)
+        logp = gen_mod.label_logprobs(self.model, tokens, torch.tensor(req.labels, dtype=torch.int64,
+                                                                       device=self.device))
+        if self.coords.tp != 0:
+            return gen_calls.LogProbs()
+        return gen_calls.LogProbs(logprobs=tuple(map(tuple, logp.float().cpu().tolist())))
 
     def generate(self, req: gen_calls.Generate) -> gen_calls.Generated:
         how = gen_mod.Sampling(max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k,
                                top_p=req.top_p, eos=req.eos)
         if not req.prompts:  # more replicas than prompts
             return gen_calls.Generated(replica=self.coords.dp if self.coords.tp == 0 else -1, version=self.version)
-        # One stream per (seed, replica): the controller keys ``seed`` by run seed and step.
-        seed = (req.seed * 1_000_003 + self.coords.dp) % 2**63
-        tokens, logps = gen_mod.generate(self.model, req.prompts, how, seed=seed,
-                                         max_length=self.cfg.model.seq_length)
+        # One stream per (seed, prompt): the controller keys ``seed`` by run seed, step and
+        # sample, so what a prompt draws does not depend on the layout that generates it.
+        indices = req.indices or tuple(range(len(req.prompts)))
+        tokens, logps = gen_mod.generate(self.model, req.prompts, how, max_length=self.cfg.model.seq_length,
+                                         seeds=[(req.seed * 1_000_003 + i) % 2**63 for i in indices])
         if self.coords.tp != 0:
             return gen_calls.Generated()
         return gen_calls.Generated(replica=self.coords.dp, version=self.version,
                                    tokens=tuple(map(tuple, tokens)), logprobs=tuple(map(tuple, logps)))
+
+
+def prompts(step_ctx: Any, req: gen_calls.Prompts) -> gen_calls.PromptSet:
+    """The first ``req.length`` tokens of held-out sequences (this rank's shard, step 0 on)."""
+    rows: list[tuple[int, ...]] = []
+    step = 0
+    while len(rows) < req.count:
+        for mb in step_ctx.source.micro_batches(step, "eval"):
+            rows += [tuple(int(t) for t in row[:req.length]) for row in mb.tokens]
+        step += 1
+    return gen_calls.PromptSet(prompts=tuple(rows[:req.count]))
+
+
+def trainer_probe(step_ctx: Any, req: gen_calls.Probe) -> gen_calls.LogProbs:
+    """Split: the trainer's log-probs of the first held-out micro-batch of ``req.step`` of
+    data replica 0, with its tokens and labels; from its last stage's first tp rank."""
+    batch = step_ctx.source.micro_batches(req.step, "eval")[0]
+    logp = label_logprobs(step_ctx, batch)
+    c = step_ctx.coords
+    if logp is None or c.dp != 0 or c.tp != 0:
+        return gen_calls.LogProbs()
+    return gen_calls.LogProbs(tokens=tuple(map(tuple, batch.tokens.tolist())),
+                              labels=tuple(map(tuple, batch.labels.tolist())),
+                              logprobs=tuple(map(tuple, logp.reshape(batch.tokens.shape).float().cpu().tolist())))
 
 
 def _name(t: torch.Tensor) -> str:

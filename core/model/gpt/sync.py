@@ -2,8 +2,9 @@
 
 Each rank holds its source parameters (the trainer's, as global slices) and its target
 parameters (the generator's); ``prepare`` binds its pieces to views of them once per plan.
-For every bucket it posts the sends and the receives (point to point on the run's process
-group: gloo on CPU, NCCL on GPU): a piece the plan marks direct (contiguous on both ends)
+For every bucket it posts the sends and the receives (point to point: on the default
+process group when both models share the processes, on a bridge group over every worker
+when the generator runs on its own, ``connect``; gloo on CPU, NCCL on GPU): a piece the plan marks direct (contiguous on both ends)
 travels in place, the others of a peer are packed into one flat buffer and unpacked into
 the target parameters; a piece whose source and target are this same rank is a local copy.
 Buffers live for one bucket. The arithmetic is copies only: the target receives the source's
@@ -11,6 +12,7 @@ values bit for bit, in the target's dtype when the two differ.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,13 +85,58 @@ def prepare(pieces: Sequence[Piece], rank: int, sources: dict[str, list[Held]],
     return buckets
 
 
-def run_plan(plan: list[_Bucket], group: Any = None) -> int:
-    """Move a prepared plan, bucket by bucket; the bytes received."""
+def connect(addr: str, port: int, *, name: str, rank: int, size: int, backend: str, timeout_s: float) -> Any:
+    """A process group of ``size`` ranks outside the default world (which it may span), met
+    on the TCP store at ``addr:port`` under the prefix ``name``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(name, dist.TCPStore(addr, port, is_master=False, timeout=timeout,
+                                                 wait_for_workers=False))
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def run_plan(plan: list[_Bucket], group: Any = None, *, link: Any = None) -> int:
+    """Move a prepared plan, bucket by bucket; the bytes received. ``link``: a process group
+    from ``connect`` (plan ranks are its ranks), else the default group's ``group``."""
     received = 0
     with torch.no_grad():
         for bucket in plan:
-            received += _run_bucket(bucket, group)
+            received += _run_bucket(bucket, group) if link is None else _run_linked(bucket, link)
     return received
+
+
+def _run_linked(b: _Bucket, link: Any) -> int:
+    """A bucket over a bridge group: its own send/recv (the group is not the default
+    world's), every message posted in plan order, then waited for."""
+    for dst, src in b.local:
+        dst.copy_(src)
+    works, inbox = [], []
+    for peer, (views, dtype) in b.sends.items():
+        works += [link.send([v], peer, 0) for v, direct in views if direct]
+        packed = [v for v, direct in views if not direct]
+        if packed:
+            works.append(link.send([torch.cat([v.reshape(-1).to(dtype) for v in packed])], peer, 0))
+    for peer, (views, dtype) in b.recvs.items():
+        works += [link.recv([v], peer, 0) for v, direct in views if direct]
+        packed = [v for v, direct in views if not direct]
+        if packed:
+            buf = torch.empty(sum(v.numel() for v in packed), dtype=dtype, device=packed[0].device)
+            works.append(link.recv([buf], peer, 0))
+            inbox.append((buf, packed))
+    for work in works:
+        work.wait()
+    _unpack(inbox)
+    return sum(v.numel() * v.element_size() for views, _ in b.recvs.values() for v, _ in views)
+
+
+def _unpack(inbox: Sequence[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
+    for buf, packed in inbox:
+        at = 0
+        for v in packed:
+            n = v.numel()
+            v.copy_(buf[at:at + n].view(v.shape))
+            at += n
 
 
 def _run_bucket(b: _Bucket, group: Any) -> int:
@@ -112,10 +159,5 @@ def _run_bucket(b: _Bucket, group: Any) -> int:
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for buf, packed in inbox.values():
-        at = 0
-        for v in packed:
-            n = v.numel()
-            v.copy_(buf[at:at + n].view(v.shape))
-            at += n
+    _unpack(list(inbox.values()))
     return sum(v.numel() * v.element_size() for views, _ in b.recvs.values() for v, _ in views)

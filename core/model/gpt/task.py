@@ -23,6 +23,7 @@ from core.job.process import rss_mb
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
 from core.spec.dims import Coords
+from core.spec.generator import generator_dims, own_workers
 from core.spec.plan import resolve_micro_batch, static_bytes
 from core.wire import calls
 from core.wire.contract import Method
@@ -40,7 +41,8 @@ class GPTTask:
         self._step_ctx: Any = None  # core.model.gpt.step.StepContext once set up
         self._next_step = 0  # steps done: what a checkpoint taken now is "after"
         self._fence: Callable[[], None] = lambda: None  # core.checkpoint.service's, once bound
-        self._rollout: Any = None  # core.model.gpt.rollout.Rollout when the run has a generator
+        self._rollout: Any = None  # core.model.gpt.rollout.Rollout: a colocated generator
+        self._link: Any = None  # core.model.gpt.rollout.WeightLink: this rank's end of weight syncs
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         table: dict[Method[Any, Any], Callable[[Any], Any]] = {
@@ -50,14 +52,28 @@ class GPTTask:
             calls.LOAD_WEIGHTS: self.load_global_weights,
             calls.SAVE_WEIGHTS: self.save_global_weights,
         }
-        if self.cfg.generator.enabled:  # the generator role, colocated (core.model.gpt.rollout)
-            table.update({
-                gen_calls.GEN_SLICES: lambda _: self._gen().held(),
-                gen_calls.SYNC_WEIGHTS: lambda req: self._gen().sync(req),
-                gen_calls.PROBE: lambda req: self._gen().probe(self._ready(), req),
-                gen_calls.GENERATE: lambda req: self._gen().generate(req),
-                gen_calls.GEN_PROMPTS: lambda req: self._gen().prompts(self._ready(), req),
-            })
+        if self.cfg.generator.enabled:
+            table.update(self._generator_handlers())
+        return table
+
+    def _generator_handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
+        """The trainer's side of the generator flow (core.model.gpt.rollout); colocated, the
+        generator's side too."""
+        from core.model.gpt import rollout  # torch and megatron: this module loads without them
+
+        table: dict[Method[Any, Any], Callable[[Any], Any]] = {
+            gen_calls.GEN_SLICES: lambda _: self._linked().held(),
+            gen_calls.SYNC_WEIGHTS: lambda req: self._linked().sync(req),
+            gen_calls.GEN_PROMPTS: lambda req: rollout.prompts(self._ready(), req),
+        }
+        if self.cfg.generator.split:
+            table[gen_calls.BRIDGE] = lambda req: self._linked().join(
+                req, backend="nccl" if self._ready().device.type == "cuda" else "gloo",
+                timeout_s=self.cfg.timeouts.setup_s)
+            table[gen_calls.PROBE_BATCH] = lambda req: rollout.trainer_probe(self._ready(), req)
+        else:
+            table[gen_calls.PROBE] = lambda req: self._gen().probe(self._ready(), req)
+            table[gen_calls.GENERATE] = lambda req: self._gen().generate(req)
         return table
 
     # --- calls ------------------------------------------------------------------------------
@@ -79,7 +95,7 @@ class GPTTask:
         if not on_cuda:
             cpu_shim.activate_if_needed()
         init_megatron(
-            dims, rank=self.ctx.rank, world_size=self.ctx.world_size, master_addr=req.master_addr,
+            dims, rank=self.ctx.rank, world_size=dims.world_size, master_addr=req.master_addr,
             master_port=req.master_port, backend="nccl" if on_cuda else "gloo", seed=cfg.seed,
             timeout_s=cfg.timeouts.setup_s,
         )
@@ -94,9 +110,7 @@ class GPTTask:
         elif cfg.training.micro_batch_size == "auto":
             cfg = _with_micro_batch(cfg, _auto_micro_batch(cfg, on_cuda=on_cuda))
         if cfg.generator.enabled:
-            from core.model.gpt.rollout import Rollout  # torch and megatron: this module loads without them
-
-            self._rollout = Rollout(cfg, self.ctx.rank, on_cuda=on_cuda, trainer_chunks=chunks)
+            self._set_up_generator(cfg, chunks, on_cuda=on_cuda)
         source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         self.cfg = cfg
@@ -110,6 +124,16 @@ class GPTTask:
         log.info("rank %d set up: %s", self.ctx.rank, info)
         return info
 
+    def _set_up_generator(self, cfg: RunConfig, chunks: list[Any], *, on_cuda: bool) -> None:
+        """This rank's end of weight syncs; colocated, the generator's model too (own groups)."""
+        from core.model.gpt.rollout import Rollout, WeightLink  # torch and megatron: this module loads without them
+
+        if cfg.generator.split:
+            self._link = WeightLink(self.ctx.rank, trainer_chunks=chunks, model=None)
+            return
+        self._rollout = Rollout(cfg, generator_dims(cfg), self.ctx.rank, on_cuda=on_cuda)
+        self._link = self._rollout.link = WeightLink(self.ctx.rank, trainer_chunks=chunks, model=self._rollout.model)
+
     def _check(self, req: calls.Setup, dims: Any) -> bool:
         """The controller's config and the group's size are this rank's; whether it runs on a GPU."""
         import torch  # torch and megatron: this module loads without them
@@ -122,9 +146,10 @@ class GPTTask:
         if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"trainer.device: 'cuda' but rank {self.ctx.rank} on {self.ctx.host} sees no GPU; "
                               "use trainer.device=auto or cpu")
-        if dims.world_size != self.ctx.world_size:
-            raise LayoutError(f"config describes {dims.world_size} workers ({dims.describe()}) but this group "
-                              f"has {self.ctx.world_size}")
+        if dims.world_size + own_workers(cfg) != self.ctx.world_size:
+            raise LayoutError(f"config describes {dims.world_size + own_workers(cfg)} workers ({dims.describe()}"
+                              f"{' and the generator' if own_workers(cfg) else ''}) but this group has "
+                              f"{self.ctx.world_size}")
         return cfg.trainer.device != "cpu" and torch.cuda.is_available()
 
     def _build(self, on_cuda: bool) -> tuple[Any, list[Any], Any]:
@@ -236,6 +261,10 @@ class GPTTask:
         if self._step_ctx is None:
             raise RuntimeError(f"rank {self.ctx.rank}: call setup before any other method")
         return self._step_ctx
+
+    def _linked(self) -> Any:
+        self._ready()
+        return self._link
 
     def _gen(self) -> Any:
         self._ready()

@@ -1,0 +1,78 @@
+"""A split generator on the real local Slurm cluster: ONE het job of three components.
+
+Component 0 the controller (node1, partition cpu), component 1 the trainer's 4 workers
+(node2, partition low), component 2 the generator's 2 workers (partition multi, node2
+excluded). A job on ``high`` preempts node2 mid-run: the controller checkpoints at the step
+boundary, the job is requeued as a whole and resumes, and the run ends with the losses and
+the samples of an uninterrupted run of the same config on the local backend (the trainer's
+arithmetic does not depend on the backend; sampling is keyed by seed, step and prompt).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # works under any --import-mode
+    sys.path.insert(0, _HERE)
+
+import slurm_helpers as sh  # noqa: E402
+from test_recovery_slurm import _events, _finished, _losses, _state, _submit  # noqa: E402
+
+from tests.helpers import baton  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+GEN = ["trainer.steps=40", "generator.sync_interval_steps=10", "checkpoint.interval_steps=0",
+       "generator.placement=split", "generator.workers=2", "recovery.backoff_s=0.2",
+       "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3", "timeouts.controller_lost_s=6"]
+EXPERIMENT = "experiments/tiny_gpt_generate.yaml"
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(900)
+def test_a_split_generator_job_of_three_components_is_preempted_and_resumes_the_same(
+        slurm_cluster, slurm_jobs, shared_tmp, tmp_path) -> None:
+    problem = sh.cluster_problem(("node1", "node2", "node3"))
+    if problem is not None:
+        pytest.fail(f"the local cluster needs node3 for the generator's component: {problem}")
+    ref_root = tmp_path / "reference"
+    res = baton("submit", EXPERIMENT, f"runs_root={ref_root}", *GEN, "--backend", "local", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ref = next((ref_root / "tiny-gpt-generate").glob("*"))
+
+    job, run = _submit(shared_tmp, slurm_jobs, "--partition", "low", "slurm.generator.partition=multi",
+                       "slurm.generator.exclude=node2", experiment=EXPERIMENT, common=GEN)
+    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 12, 600, awaited=f"job {job} at step 12")
+    high = shared_tmp / "high.sbatch"
+    high.write_text(textwrap.dedent("""\
+        #!/bin/bash
+        #SBATCH --job-name=baton-test-high
+        #SBATCH --partition=high
+        #SBATCH --nodes=1
+        #SBATCH --ntasks=16
+        #SBATCH --gpus-per-node=8
+        #SBATCH --exclusive
+        #SBATCH --time=5
+        #SBATCH --output=/dev/null
+        sleep 1
+        """))
+    slurm_jobs.append(sh.sbatch(high))
+    done = _finished(run, job)
+    assert done["status"] == "completed", done.get("reason")
+    assert done["restarts"] >= 1 and _events(run, "preempted"), "the run finished before the preemption"
+    roles = {r["rank"]: (r["role"], r["node"]) for r in done["ranks"]}
+    assert roles == {**{r: ("trainer", "node2") for r in range(4)}, 4: ("generator", "node3"),
+                     5: ("generator", "node3")}, roles
+    assert [s for s, _ in sh.sacct_states(job)][:3] == [f"{job}+0", f"{job}+1", f"{job}+2"]
+    resumed = _events(run, "resumed")
+    assert resumed and resumed[0]["step"] == _events(run, "preempted")[0]["step"]
+    assert _losses(run) == _losses(ref)
+    assert _lines(run / "samples.jsonl") == _lines(ref / "samples.jsonl")  # same generator layout: bit for bit
