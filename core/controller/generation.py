@@ -10,10 +10,11 @@ version is the trainer's step count at the sync. Sampling is keyed by (seed, ste
 replica), so a resumed run writes the same samples as an uninterrupted one; rows past the
 step a run resumes from are cut first.
 
-Colocated, every call goes to the trainer's ranks, which hold both models. Split, the
-generator's ranks follow the trainer's: a weight sync runs over both (on a bridge group
-joined at the start), the trainer answers the probe batch and the generator scores it (the
-controller compares), prompts come from the trainer and continuations from the generator.
+The probe: the trainer answers a held-out batch with its log-probs, the generator scores
+the same tokens, the controller compares. Prompts come from the trainer, continuations from
+the generator. Colocated, every call goes to the trainer's ranks, which hold both models.
+Split, the generator's ranks follow the trainer's, and a weight sync runs over both (on a
+bridge group joined at the start).
 """
 from __future__ import annotations
 
@@ -91,9 +92,6 @@ class GeneratorFlow:
     def _probe(self, step: int) -> float:
         """The largest gap between both models' log-probs of a held-out batch of ``step``."""
         timeout = self.cfg.timeouts.step_s
-        if not self.cfg.generator.split:
-            probed = self._call(gen_calls.PROBE, self.trainer_ranks, gen_calls.Probe(step=step), timeout_s=timeout)
-            return max(p.max_abs_diff for p in probed.values() if p.max_abs_diff is not None)
         answers = self._call(gen_calls.PROBE_BATCH, self.trainer_ranks, gen_calls.Probe(step=step), timeout_s=timeout)
         batch = next(b for b in answers.values() if b.tokens)
         first = {self.base + r for r in range(self.dims.world_size) if self.dims.coords(r).dp == 0}

@@ -269,10 +269,14 @@ class WorkerGroup:
             errors = errors_of.get(req)
             if errors:
                 # Give the other ranks a moment to answer too: the same exception from every
-                # rank marks a deterministic error (a bug, a bad config), not a sick node.
+                # rank marks a deterministic error (a bug, a bad config), not a sick node; a
+                # worker lost meanwhile is the cause (its peers' collectives fail first).
                 if error_deadline is None:
-                    error_deadline = min(deadline, monotonic() + self.timeouts.heartbeat_timeout_s)
+                    error_deadline = min(deadline, monotonic() + self.timeouts.heartbeat_timeout_s + 2 * check)
                 if answered() >= n or monotonic() >= error_deadline:
+                    self._next_check = 0.0
+                    self._housekeeping()
+                    self._raise_if_lost()
                     raise self._remote_error(method, errors, n)
             elif len(results) >= n:
                 return
@@ -397,9 +401,7 @@ class WorkerGroup:
         return [p for p in self.peers.values() if p.lost]
 
     def _raise_if_lost(self) -> None:
-        if not self._n_lost:
-            return
-        lost = self.lost()
+        lost = self.lost() if self._n_lost else None
         if lost:
             detail = "; ".join(
                 f"rank {p.rank} (pid {p.pid} on {p.node}): {p.lost}; log {self.run.worker_log(p.rank)}" for p in lost

@@ -2,15 +2,14 @@
 
     GEN_SLICES    NoArgs      → HeldSlices   the trainer slices this rank owns, the generator slices it needs
     SYNC_WEIGHTS  SyncWeights → Synced       run this rank's pieces of a weight-sync plan; now at ``version``
-    PROBE         Probe       → Probed       log-probs of a probe batch under both models: their largest gap
+    PROBE_BATCH   Probe       → LogProbs     the trainer's probe batch and its log-probs (one rank answers)
+    SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
 
 Split placement only (the generator on workers of its own, ranks after the trainer's):
 
     BRIDGE        Bridge      → None         join the process group of every worker that weight syncs run on
-    PROBE_BATCH   Probe       → LogProbs     the trainer's probe batch and its log-probs (one rank answers)
-    SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
 
 A plan is made by the controller (``core.flows.reshard.plan``) from every rank's
 ``HeldSlices`` and sent to each rank as its own pieces.
@@ -46,12 +45,6 @@ class Synced:
 @dataclass(frozen=True, kw_only=True)
 class Probe:
     step: int  # the probe batch is the held-out batch of this step
-
-
-@dataclass(frozen=True, kw_only=True)
-class Probed:
-    max_abs_diff: float | None = None  # on ranks that hold both models' log-probs; None elsewhere
-    tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +103,6 @@ class LogProbs:
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
-PROBE = Method("probe", Probe, Probed)
 GENERATE = Method("generate", Generate, Generated)
 BRIDGE = Method("bridge", Bridge, None)
 PROBE_BATCH = Method("probe_batch", Probe, LogProbs)

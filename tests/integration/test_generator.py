@@ -77,9 +77,13 @@ def test_weights_sync_exactly_and_the_generator_scores_as_the_trainer(tmp_path, 
             for s, a in targets:
                 box = full[s.name][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))]
                 assert np.array_equal(box.reshape(a.shape), a), f"rank {rank}: {s.name} differs after the sync"
-        probed = [p for p in g.call("probe", step=0) if p.get("max_abs_diff") is not None]
-        assert len(probed) == 2  # the trainer's last stage: ranks 2 and 3
-        assert max(p["max_abs_diff"] for p in probed) < 1e-5, probed  # fp32; the layouts sum in other orders
+        batch = [b for b in g.call("probe_batch", step=0) if b.get("tokens")]
+        assert len(batch) == 1  # the trainer's last stage, first tp rank of data replica 0 (rank 2)
+        first = {r for r in range(4) if r // gen_tp == 0}  # the generator's first replica scores it
+        scored = [s for s in g.call_each("score", [dict(batch[0], logprobs=[]) if r in first else {}
+                                                   for r in range(4)]) if s.get("logprobs")]
+        gap = np.abs(np.array(scored[0]["logprobs"]) - np.array(batch[0]["logprobs"])).max()
+        assert len(scored) == 1 and gap < 1e-5, gap  # fp32; the layouts sum in other orders
 
         greedy = _generate(g, max_new_tokens=6)
         assert {r["version"] for r in greedy} == {3} and len(greedy) == 4 // gen_tp  # one answer per replica

@@ -71,7 +71,7 @@ def test_a_split_generator_job_of_three_components_is_preempted_and_resumes_the_
     roles = {r["rank"]: (r["role"], r["node"]) for r in done["ranks"]}
     assert roles == {**{r: ("trainer", "node2") for r in range(4)}, 4: ("generator", "node3"),
                      5: ("generator", "node3")}, roles
-    assert [s for s, _ in sh.sacct_states(job)][:3] == [f"{job}+0", f"{job}+1", f"{job}+2"]
+    assert sorted(s for s, _ in sh.sacct_states(job)) == [f"{job}+0", f"{job}+1", f"{job}+2"]
     resumed = _events(run, "resumed")
     assert resumed and resumed[0]["step"] == _events(run, "preempted")[0]["step"]
     assert _losses(run) == _losses(ref)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
 
@@ -53,12 +54,30 @@ def token_logprobs(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def label_logprobs(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``[b, s]``: log p(labels[:, i] | tokens[:, :i+1]) (a trainer's targets, teacher forced)."""
+    """``[b, s]``: log p(labels[:, i] | tokens[:, :i+1]) (a trainer's targets, teacher forced),
+    from vocab-parallel logits: no rank gathers the whole vocabulary."""
     b, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     with torch.no_grad():
-        logp = torch.log_softmax(_logits(model, tokens, positions, _causal(s, tokens.device)), dim=-1)
-    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        logits = model(tokens, positions, _causal(s, tokens.device), runtime_gather_output=False).float()
+        return vocab_parallel_logprobs(logits, labels, model.pg_collection.tp)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, group: Any) -> torch.Tensor:
+    """log-softmax of ``labels`` over a vocabulary split in order over ``group``'s ranks
+    (``logits``: this rank's ``[..., vocab / tp]`` part): a max, a sum of exponentials and
+    the label's logit, each all-reduced."""
+    part = logits.shape[-1]
+    lo = dist.get_rank(group) * part
+    top = logits.max(dim=-1).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top.unsqueeze(-1)
+    total = shifted.exp().sum(dim=-1)
+    dist.all_reduce(total, group=group)
+    inside = (labels >= lo) & (labels < lo + part)
+    picked = shifted.gather(-1, (labels - lo).clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * inside
+    dist.all_reduce(picked, group=group)
+    return picked - total.log()
 
 
 def _choose(logits: torch.Tensor, how: Sampling, gens: Sequence[torch.Generator]) -> torch.Tensor:

@@ -113,18 +113,6 @@ class Rollout:
     def version(self) -> int:
         return -1 if self.link is None else self.link.version
 
-    def probe(self, step_ctx: Any, req: gen_calls.Probe) -> gen_calls.Probed:
-        """Colocated: both models' log-probs of this rank's first held-out micro-batch of
-        ``req.step``; compared where the trainer's come out (its last pipeline stage)."""
-        batch = step_ctx.source.micro_batches(req.step, "eval")[0]
-        trainer = label_logprobs(step_ctx, batch)
-        if trainer is None:
-            return gen_calls.Probed()
-        tokens = torch.from_numpy(batch.tokens).to(step_ctx.device)
-        mine = gen_mod.label_logprobs(self.model, tokens, torch.from_numpy(batch.labels).to(step_ctx.device))
-        return gen_calls.Probed(max_abs_diff=float((mine - trainer.reshape(mine.shape)).abs().max()),
-                                tokens=int(mine.numel()))
-
     def score(self, req: gen_calls.LogProbs) -> gen_calls.LogProbs:
         """Teacher-forced log-probs of ``req.labels`` after ``req.tokens`` (every rank of a
         replica computes; its first tensor-parallel rank answers)."""
@@ -165,8 +153,9 @@ def prompts(step_ctx: Any, req: gen_calls.Prompts) -> gen_calls.PromptSet:
 
 
 def trainer_probe(step_ctx: Any, req: gen_calls.Probe) -> gen_calls.LogProbs:
-    """Split: the trainer's log-probs of the first held-out micro-batch of ``req.step`` of
-    data replica 0, with its tokens and labels; from its last stage's first tp rank."""
+    """The trainer's log-probs of the first held-out micro-batch of ``req.step`` of data
+    replica 0, with its tokens and labels; from its last stage's first tp rank (the
+    controller has the generator score the same tokens)."""
     batch = step_ctx.source.micro_batches(req.step, "eval")[0]
     logp = label_logprobs(step_ctx, batch)
     c = step_ctx.coords

@@ -65,14 +65,14 @@ class GPTTask:
             gen_calls.GEN_SLICES: lambda _: self._linked().held(),
             gen_calls.SYNC_WEIGHTS: lambda req: self._linked().sync(req),
             gen_calls.GEN_PROMPTS: lambda req: rollout.prompts(self._ready(), req),
+            gen_calls.PROBE_BATCH: lambda req: rollout.trainer_probe(self._ready(), req),
         }
         if self.cfg.generator.split:
             table[gen_calls.BRIDGE] = lambda req: self._linked().join(
                 req, backend="nccl" if self._ready().device.type == "cuda" else "gloo",
                 timeout_s=self.cfg.timeouts.setup_s)
-            table[gen_calls.PROBE_BATCH] = lambda req: rollout.trainer_probe(self._ready(), req)
         else:
-            table[gen_calls.PROBE] = lambda req: self._gen().probe(self._ready(), req)
+            table[gen_calls.SCORE] = lambda req: self._gen().score(req)
             table[gen_calls.GENERATE] = lambda req: self._gen().generate(req)
         return table
 
