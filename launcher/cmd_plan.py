@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 
 from core.errors import ExitCode
 from core.spec import config
+from core.spec.genplan import format_generator, plan_generator
 from core.spec.plan import format_plan, make_plan
 from core.spec.schema import arg_number
 
@@ -26,8 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config, print the plan; 1 if it does not fit the GPU memory."""
+    """Load the config, print the plan (and the generator's); 1 if it does not fit the GPU memory."""
     cfg = config.load(args.config, args.overrides)
     plan = make_plan(cfg, gpu_mem_gb=args.gpu_mem_gb)
-    print(plan.to_json() if args.json else format_plan(plan))
-    return ExitCode.FAILED if plan.fits is False else ExitCode.OK
+    gen = plan_generator(cfg, plan)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "generator": gen and dataclasses.asdict(gen)}, indent=2))
+    else:
+        print(format_plan(plan) + ("" if gen is None else "\n" + format_generator(gen)))
+    return ExitCode.FAILED if plan.fits is False or (gen is not None and gen.fits is False) else ExitCode.OK

@@ -117,7 +117,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -130,7 +130,7 @@ def _layer_params(cfg: RunConfig, tp: int) -> int:
     h, f = cfg.model.hidden_size, cfg.model.ffn
     sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h
     replicated = h + 4 * h + h  # proj bias, 2 LayerNorms (weight + bias), fc2 bias
-    return _ceil_div(sharded, tp) + replicated
+    return ceil_div(sharded, tp) + replicated
 
 
 def _tied(cfg: RunConfig) -> bool:
@@ -152,10 +152,10 @@ def count_params(cfg: RunConfig) -> ParamCount:
     )
 
 
-def _rank_params(cfg: RunConfig, *, tp: int, first: bool, last: bool, n_layers: int) -> int:
+def rank_params(cfg: RunConfig, *, tp: int, first: bool, last: bool, n_layers: int) -> int:
     m = cfg.model
     params = n_layers * _layer_params(cfg, tp)
-    vocab_shard = _ceil_div(m.vocab_size, tp) * m.hidden_size
+    vocab_shard = ceil_div(m.vocab_size, tp) * m.hidden_size
     if first:
         params += vocab_shard + m.seq_length * m.hidden_size  # position embeddings are replicated
     if last:
@@ -176,7 +176,7 @@ def _rank_table(cfg: RunConfig, dims: ParallelDims) -> tuple[RankPlan, ...]:
             rank=rank, node=rank // gpus, local_rank=rank % gpus, tp=c.tp, pp=c.pp, dp=c.dp,
             layers=tuple(range(c.pp * per_stage, (c.pp + 1) * per_stage)),
             embeddings=first, output_layer=last, loss_owner=last and c.tp == 0,
-            params=_rank_params(cfg, tp=dims.tp, first=first, last=last, n_layers=per_stage),
+            params=rank_params(cfg, tp=dims.tp, first=first, last=last, n_layers=per_stage),
         ))
     return tuple(rows)
 
@@ -200,7 +200,7 @@ def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, r
     acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight
     logits = 0
     if stage == dims.pp - 1:
-        logits = cfg.model.seq_length * micro_batch * _ceil_div(cfg.model.vocab_size, dims.tp) * 4
+        logits = cfg.model.seq_length * micro_batch * ceil_div(cfg.model.vocab_size, dims.tp) * 4
     return acts, logits
 
 
@@ -210,11 +210,11 @@ def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: b
     shard = dp if distributed_optimizer else 1
     if DTYPE_BYTES[param_dtype] < 4:
         low = DTYPE_BYTES[param_dtype]
-        weights = low * params + _ceil_div(4 * params, shard)
+        weights = low * params + ceil_div(4 * params, shard)
         grads = (4 if reduce_dtype == "fp32" else low) * params  # as core.model.gpt.model's grad_reduce_in_fp32
     else:
         weights = grads = 4 * params
-    return weights, grads, _ceil_div(8 * params, shard)
+    return weights, grads, ceil_div(8 * params, shard)
 
 
 def _estimate(cfg: RunConfig, dims: ParallelDims, ranks: tuple[RankPlan, ...], *, micro_batch: int,
@@ -284,7 +284,7 @@ def _layout_warnings(cfg: RunConfig, dims: ParallelDims, num_micro: int) -> list
     out = []
     if m.vocab_size % tp:
         out.append(f"model.vocab_size: {m.vocab_size} is not divisible by parallel.tp = {tp}; Megatron's "
-                   f"vocab-parallel embedding needs it: pad it to {_ceil_div(m.vocab_size, tp) * tp}")
+                   f"vocab-parallel embedding needs it: pad it to {ceil_div(m.vocab_size, tp) * tp}")
     if m.ffn % tp:
         out.append(f"model.ffn_hidden_size: {m.ffn} is not divisible by parallel.tp = {tp}")
     if num_micro < dims.pp:

@@ -257,3 +257,26 @@ def test_plan_command_leaves_user_errors_to_the_cli(tmp_path: Path) -> None:
     path.write_text("parallel:\n  tp: 3\n")
     with pytest.raises(ConfigError, match="parallel.tp: 3 does not divide"):
         cmd_plan.run(_plan_args(str(path)))
+
+
+def test_the_generator_plan_counts_its_weights_kv_cache_and_logits_per_rank() -> None:
+    from core.spec import config as config_mod
+    from core.spec.genplan import plan_generator
+    from core.spec.plan import count_params, make_plan
+
+    cfg = config_mod.load(Path(__file__).resolve().parents[2] / "experiments" / "tiny_gpt_generate.yaml",
+                          ["generator.placement=split", "generator.workers=2"])
+    trainer = make_plan(cfg, gpu_mem_gb=80)
+    g = plan_generator(cfg, trainer)
+    assert g is not None and (g.placement, g.first_rank, g.dims.describe()) == ("split", 4, "tp1pp1dp2")
+    assert g.weights_bytes == 2 * count_params(cfg).total  # tp1: the whole model, bf16 on a GPU
+    assert g.kv_cache_bytes == 2 * 4 * 2 * (8 + 8) * 64 * 2  # k and v, 4 layers, 2 prompts per replica, hidden 64
+    assert g.logits_bytes == 2 * 8 * 128 * 4  # the prefill's fp32 logits over the whole vocabulary
+    assert g.with_trainer_bytes == g.total_bytes and g.fits
+    colocated = plan_generator(config_mod.load(Path(__file__).resolve().parents[2] / "experiments" /
+                                               "tiny_gpt_generate.yaml", ["generator.num_prompts=100000"]), trainer)
+    assert colocated is not None and colocated.with_trainer_bytes == colocated.total_bytes + trainer.memory.total_bytes
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "experiments/tiny_gpt_generate.yaml",
+                          "generator.num_prompts=100000", "--gpu-mem-gb", "0.2"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 1 and "generator: tp1pp1dp4, colocated" in out.stdout and "DOES NOT FIT" in out.stdout

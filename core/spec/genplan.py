@@ -1,0 +1,71 @@
+"""The generator group's plan: where it runs, its layout and its memory per rank.
+
+Pure arithmetic beside ``core.spec.plan`` (the trainer's), for ``baton plan``. Per generator
+rank (bytes; ``P`` its parameters after tensor parallelism, ``b`` the prompts of its
+replica, ``n`` = ``prompt_length + max_new_tokens``):
+
+- weights: ``P`` in the parameter dtype (2 bytes under bf16/fp16, else 4), nothing else;
+- KV cache: ``2 · layers · b · n · hidden / tp`` in the same dtype;
+- logits: the gathered fp32 logits of the prefill, ``b · prompt_length · vocab · 4``.
+
+Colocated, these add to the trainer's worst rank; split, they are all its workers hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.spec.config import RunConfig
+from core.spec.dims import ParallelDims
+from core.spec.generator import generator_dims, own_workers
+from core.spec.plan import DTYPE_BYTES, GIB, Plan, ceil_div, rank_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorPlan:
+    placement: str
+    dims: ParallelDims
+    first_rank: int  # the worker rank its rank 0 is
+    weights_bytes: int
+    kv_cache_bytes: int
+    logits_bytes: int
+    total_bytes: int  # per generator rank
+    with_trainer_bytes: int  # colocated: plus the trainer's worst rank; split: the same as total_bytes
+    fits: bool | None  # None when no GPU memory was given
+
+
+def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
+    """The generator's plan beside ``trainer``'s (None without a generator)."""
+    g = cfg.generator
+    if not g.enabled:
+        return None
+    dims = generator_dims(cfg)
+    param_dtype, _ = cfg.training.mixed_precision.resolved(on_cuda=True)  # a GPU plan, as the trainer's
+    size = DTYPE_BYTES[param_dtype]
+    m = cfg.model
+    weights = size * rank_params(cfg, tp=dims.tp, first=True, last=True, n_layers=m.num_layers)
+    batch = ceil_div(g.num_prompts, dims.dp)
+    kv = 2 * m.num_layers * batch * (g.prompt_length + g.max_new_tokens) * ceil_div(m.hidden_size, dims.tp) * size
+    logits = batch * g.prompt_length * m.vocab_size * 4
+    total = weights + kv + logits
+    together = total if g.split else total + trainer.memory.total_bytes
+    gpu = trainer.gpu_mem_gb
+    return GeneratorPlan(placement=g.placement, dims=dims, first_rank=cfg.trainer.world_size if own_workers(cfg) else 0,
+                         weights_bytes=weights, kv_cache_bytes=kv, logits_bytes=logits, total_bytes=total,
+                         with_trainer_bytes=together, fits=None if gpu is None else together <= gpu * GIB)
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"  # MiB: the small models of tests
+
+
+def format_generator(p: GeneratorPlan) -> str:
+    ranks = f"ranks {p.first_rank}-{p.first_rank + p.dims.world_size - 1}"
+    where = (f"split: {p.dims.world_size} workers of its own ({ranks})" if p.placement == "split"
+             else f"colocated on the trainer's workers ({ranks})")
+    line = (f"generator: {p.dims.describe()}, {where}; per rank {_size(p.total_bytes)} (weights "
+            f"{_size(p.weights_bytes)}, KV cache {_size(p.kv_cache_bytes)}, logits {_size(p.logits_bytes)})")
+    if p.placement != "split":
+        line += f"; with the trainer's worst rank {_size(p.with_trainer_bytes)}"
+    if p.fits is not None:
+        line += "; fits" if p.fits else "; DOES NOT FIT: lower generator.num_prompts or raise generator.tp"
+    return line
