@@ -238,7 +238,7 @@ def _split_rank(rank: int, ports: tuple[int, int], args: Any, gen_tp: int, out: 
     baton = _timed_on(link.bridge, lambda: sync.run_plan(prepared, link=link.bridge), args.repeat, device)
     raw = _timed_on(link.bridge, _raw_linked(mine, rank, device, link.bridge), args.repeat, device)
     if rank == 2:
-        out.put({"gen_tp": gen_tp, "placement": "split", "params": sum(p.nbytes for p in pieces) // 4 // (2 // gen_tp),
+        out.put({"gen_tp": gen_tp, "placement": "split", "params": sum(p.nbytes for p in mine if p.dst == rank) // 4,  # a generator rank's
                  "bytes_per_rank": sum(p.nbytes for p in mine if p.dst == rank), "plan_s": float("nan"),
                  "baton_s": statistics.median(baton), "raw_s": statistics.median(raw), "exact_local": True,
                  "buckets": len({p.bucket for p in pieces})})
