@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ if _HERE not in sys.path:  # works under any --import-mode
     sys.path.insert(0, _HERE)
 
 import slurm_helpers as sh  # noqa: E402
-from test_recovery_slurm import _events, _finished, _losses, _state, _submit  # noqa: E402
+from test_recovery_slurm import _events, _finished, _losses, _preempt_node2, _state, _submit  # noqa: E402
 
 from tests.helpers import baton  # noqa: E402
 
@@ -51,20 +50,7 @@ def test_a_split_generator_job_of_three_components_is_preempted_and_resumes_the_
     job, run = _submit(shared_tmp, slurm_jobs, "--partition", "low", "slurm.generator.partition=multi",
                        "slurm.generator.exclude=node2", experiment=EXPERIMENT, common=GEN)
     sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 12, 600, awaited=f"job {job} at step 12")
-    high = shared_tmp / "high.sbatch"
-    high.write_text(textwrap.dedent("""\
-        #!/bin/bash
-        #SBATCH --job-name=baton-test-high
-        #SBATCH --partition=high
-        #SBATCH --nodes=1
-        #SBATCH --ntasks=16
-        #SBATCH --gpus-per-node=8
-        #SBATCH --exclusive
-        #SBATCH --time=5
-        #SBATCH --output=/dev/null
-        sleep 1
-        """))
-    slurm_jobs.append(sh.sbatch(high))
+    _preempt_node2(shared_tmp, slurm_jobs)
     done = _finished(run, job)
     assert done["status"] == "completed", done.get("reason")
     assert done["restarts"] >= 1 and _events(run, "preempted"), "the run finished before the preemption"

@@ -79,13 +79,8 @@ def _finished(run: Path, job: int) -> dict[str, Any]:
                          RUN_S, awaited=f"job {job} to finish its run in {run}")
 
 
-@pytest.mark.timeout(480)
-def test_a_preempted_run_checkpoints_requeues_and_resumes_with_no_lost_step(
-        slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
-    # 10 ms more per step: ~20 s of training, so the preemption lands mid-run.
-    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=0", "--partition", "low",
-                       env={"BATON_TOY_STEP_S": "0.01"})
-    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+def _preempt_node2(shared_tmp: Path, jobs: list[int]) -> None:
+    """Submit a job on ``high`` that needs all of node2: Slurm preempts what runs there on ``low``."""
     high = shared_tmp / "high.sbatch"
     high.write_text(textwrap.dedent("""\
         #!/bin/bash
@@ -99,7 +94,17 @@ def test_a_preempted_run_checkpoints_requeues_and_resumes_with_no_lost_step(
         #SBATCH --output=/dev/null
         sleep 1
         """))
-    slurm_jobs.append(sh.sbatch(high))
+    jobs.append(sh.sbatch(high))
+
+
+@pytest.mark.timeout(480)
+def test_a_preempted_run_checkpoints_requeues_and_resumes_with_no_lost_step(
+        slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
+    # 10 ms more per step: ~20 s of training, so the preemption lands mid-run.
+    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=0", "--partition", "low",
+                       env={"BATON_TOY_STEP_S": "0.01"})
+    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+    _preempt_node2(shared_tmp, slurm_jobs)
     done = _finished(run, job)
     assert done["status"] == "completed", done.get("reason")
     assert done["restarts"] >= 1
