@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from core.checkpoint import manifest
@@ -26,15 +27,24 @@ def main(argv: list[str]) -> int:
     cfg = config_mod.load(run.config)
     steps = manifest.committed_steps(run.checkpoints)
     before = RunRecord(run).read().status
-    status = after_controller(run, int(argv[2]), max_retries=cfg.recovery.max_retries,
-                              committed_step=steps[-1] if steps else None)
     job_id = os.environ.get("SLURM_JOB_ID")
+    status = after_controller(run, int(argv[2]), max_retries=cfg.recovery.max_retries,
+                              committed_step=steps[-1] if steps else None, ending=_ending(job_id))
     if status is Status.REQUEUED and before is not Status.REQUEUED and job_id:
         result = slurmctl.requeue(job_id)
         if not result.ok:
             print(f"baton: requeue failed: {result.detail}", file=sys.stderr)
     print("requeue" if status is Status.REQUEUED else "stop")
     return ExitCode.OK
+
+
+def _ending(job_id: str | None) -> str:
+    """How Slurm is ending this job ("" when it is not, or no scheduler answers): a job that is
+    no longer RUNNING and was not preempted is being cancelled or timed out."""
+    times = slurmctl.show_job(job_id) if job_id else None
+    if times is None or slurmctl.classify(times, time.time(), slurmctl.DEFAULT_SIGNAL_LEAD_S) != "ending":
+        return ""
+    return f"job state {times.state}"
 
 
 if __name__ == "__main__":

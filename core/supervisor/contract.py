@@ -67,15 +67,19 @@ def read_request(run: RunFolder) -> WorkerRequest | None:
         return None
 
 
-def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, committed_step: int | None) -> Status:
+def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, committed_step: int | None,
+                     ending: str = "") -> Status:
     """The supervisor's decision once the controller has exited: ``REQUEUED`` (start the next
     epoch) or the run's final status (stop).
 
     A controller that left any other status (``running``, or one from before it started)
     died: killed, OOM, a crash before its handlers ran. That spends one retry, recorded in
-    the run's history with the exit code. One that exited with ``ExitCode.USER_ERROR`` said
-    why on its way out (bad input, or another controller holding the run): nothing to retry,
-    and the record is left as it is (it may be the other controller's).
+    the run's history with the exit code, unless the scheduler is ending the job (``ending``
+    says how, e.g. a ``scancel`` that reached the job while its controller was starting):
+    then the run stops, as a controller stops when Slurm ends its job, and is not requeued.
+    One that exited with ``ExitCode.USER_ERROR`` said why on its way out (bad input, or
+    another controller holding the run): nothing to retry, and the record is left as it is
+    (it may be the other controller's).
     """
     record = RunRecord(run)
     if exit_code == ExitCode.USER_ERROR and controller_alive(run) is not None:
@@ -87,8 +91,14 @@ def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, commit
             return s.status
         if s.status is Status.REQUEUED or s.status.final:
             return s.status
+        if ending:
+            s.status, s.reason = Status.STOPPED, (
+                f"Slurm is ending the job ({ending}; scancel or the time limit) and its controller exited "
+                f"({_how(exit_code)}) at step {s.step}: not requeued; continue with `baton submit --resume`")
+            record.append(ev.Stopped(step=s.step, reason=s.reason))
+            return s.status
         s.recovery = s.recovery.spend(nodes=(), step=s.step, committed_step=committed_step)
-        how = f"signal {-exit_code}" if exit_code < 0 else f"exit code {exit_code}"
+        how = _how(exit_code)
         record.append(ev.ControllerDied(exit_code=exit_code, step=s.step, epoch=s.epoch, retry=s.recovery.retries,
                                         max_retries=max_retries))
         if s.recovery.retries > max_retries:
@@ -101,3 +111,7 @@ def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, commit
             record.append(ev.Requeued(by="supervisor", reason=f"the controller died ({how})", step=s.step,
                                       epoch=s.epoch))
         return s.status
+
+
+def _how(exit_code: int) -> str:
+    return f"signal {-exit_code}" if exit_code < 0 else f"exit code {exit_code}"

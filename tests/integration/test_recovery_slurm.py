@@ -156,3 +156,35 @@ def test_a_deterministic_error_on_slurm_fails_the_job_once_with_the_reason_and_n
     assert sh.job_field(job, "Restarts") in ("0", None)  # no requeue loop
     status = baton("status", str(run))
     assert "toy failure at step 250" in status.stdout, status.stdout + status.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_controller_that_dies_while_scancel_ends_the_job_is_not_requeued(
+        slurm_cluster, slurm_jobs, shared_tmp) -> None:
+    """The batch script's last word (``core.supervisor after-controller``) after a controller
+    that exited without one, in a job that ``scancel`` is ending: the run stops, not requeued.
+    The script stands in for a controller that scancel reached while it was starting."""
+    from tests.helpers import make_run
+
+    local_run = make_run(shared_tmp, "toy.yaml", [])
+    run = local_run.run.path
+    started, out = shared_tmp / "started", shared_tmp / "after.out"
+    script = shared_tmp / "ending.sbatch"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --partition=cpu --output={shared_tmp}/ending-%j.out
+        trap '' TERM
+        touch {started}
+        while scontrol show job -o "$SLURM_JOB_ID" | grep -q JobState=RUNNING; do sleep 0.2; done
+        cd {REPO} && PYTHONPATH={REPO} {sys.executable} -m core.supervisor after-controller {run} 1 > {out}
+        """))
+    job = sh.sbatch(script)
+    slurm_jobs.append(job)
+    sh.wait_until(lambda: started.exists(), bool, 60, awaited=f"job {job} to start")
+    sh.scancel([job])
+    assert sh.wait_for_file(out, 60, awaited="stop").strip() == "stop"
+    done = _state(run)
+    assert done["status"] == "stopped" and "scancel" in done["reason"], done
+    assert _events(run, "controller_died") == [] and _events(run, "requeued") == []
+    sh.wait_for_sacct(job, "CANCELLED", 60)
+    assert sh.job_field(job, "Restarts") in ("0", None)

@@ -114,6 +114,15 @@ def test_a_controller_that_died_is_requeued_within_the_budget_then_failed(tmp_pa
     assert state.status is Status.FAILED and "the controller died (signal 9)" in state.reason
 
 
+def test_a_controller_that_died_while_slurm_ends_the_job_stops_without_a_retry(tmp_path: Path) -> None:
+    run = _run(tmp_path, "running")
+    record = RunRecord(run)
+    assert after_controller(run, 1, max_retries=3, committed_step=None, ending="job state CANCELLED") is Status.STOPPED
+    state = record.read()
+    assert state.recovery.retries == 0 and "job state CANCELLED" in state.reason and "--resume" in state.reason
+    assert [ev.kind_of(e) for e in record.events()] == ["stopped"]
+
+
 @pytest.mark.parametrize(("status", "decision"), [("requeued", Status.REQUEUED), ("completed", Status.COMPLETED),
                                                   ("failed", Status.FAILED), ("stopped", Status.STOPPED)])
 def test_a_controller_that_had_its_last_word_is_followed(tmp_path: Path, status: str, decision: Status) -> None:
