@@ -7,12 +7,17 @@
     RemoteError, same rank/type/method/step as the last one  fail at once: a restart reproduced it
     lost worker (exit, silence), missed deadline,            spend one retry (core.record.state.Budget), then
     registration timeout, any other RemoteError                retries spent            → fail, naming them
+                                                               its node drained/down    → requeue without it
+                                                                 in Slurm's view
                                                                node failed twice, Slurm → requeue without it
                                                                supervisor restarts      → new generation
                                                                  workers here             after a backoff
                                                                else on Slurm            → requeue
                                                                else                     → fail, saying why
     a preemption signal while recovering                     requeue from the latest committed checkpoint
+    Slurm requeued the job itself (a node set down:          checkpoint at the step boundary, name the
+      SIGTERM with the job's Restarts past this epoch's)       nodes Slurm took (node_failed), exclude
+                                                               those at recovery.node_failure_limit
 
 A restart inside the allocation: abort the survivors, forget this generation, back off
 (``recovery.backoff_s`` doubling per retry), ask the supervisor for the next generation
@@ -39,6 +44,7 @@ from core.errors import (
     UserError,
     WorkerLostError,
 )
+from core.job import slurmctl
 from core.record import events as ev
 from core.record.state import Budget, Status
 from core.supervisor.contract import WorkerRequest, request_workers
@@ -83,13 +89,20 @@ class Outcome:
 
 
 def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: float,
-           worker_restarts: bool, on_slurm: bool, node_failure_limit: int = NODE_FAILURE_LIMIT) -> Decision:
-    """The policy, pure: ``budget`` already counts this failure."""
+           worker_restarts: bool, on_slurm: bool, node_failure_limit: int = NODE_FAILURE_LIMIT,
+           out_of_service: tuple[str, ...] = ()) -> Decision:
+    """The policy, pure: ``budget`` already counts this failure; ``out_of_service``: the
+    failure's nodes that Slurm has drained or set down (no restart on them can help)."""
     by_node = ", ".join(f"{n}: {c}" for n, c in sorted(budget.node_failures.items())) or "none known"
     if budget.retries > max_retries:
         return Decision(action="fail", reason=(
             f"{failure.why}; gave up after {max_retries} retries (recovery.max_retries); "
             f"failures by node: {by_node}"))
+    gone = [n for n in out_of_service if n not in budget.exclude]
+    if on_slurm and gone:
+        exclude = (*budget.exclude, *gone)
+        return Decision(action="requeue", exclude=exclude, reason=(
+            f"node(s) {', '.join(gone)} drained or down in Slurm: requeue excluding {', '.join(exclude)}"))
     bad = [n for n, c in sorted(budget.node_failures.items()) if c >= node_failure_limit and n not in budget.exclude]
     if on_slurm and bad:
         exclude = (*budget.exclude, *bad)
@@ -173,6 +186,10 @@ class Recovery:
         step = self.program.step
         if stop is None:
             return Outcome(status=Status.COMPLETED)
+        if stop.cause == "requeued":
+            exclude, named = self._nodes_slurm_took()
+            return Outcome(status=Status.REQUEUED, stop=stop, exclude=exclude,
+                           reason=f"Slurm requeued the job ({stop.detail}){named}")
         if stop.cause == "ending":
             return Outcome(status=Status.STOPPED, stop=stop, reason=(
                 f"Slurm is ending the job ({stop.detail}; scancel or the time limit): checkpointed at "
@@ -198,15 +215,19 @@ class Recovery:
         log.error("failure at step %d (%s): %s", failure.step, failure.kind, failure.why)
         if program.stop.stop_requested():
             group.abort("controller: preempted while failing")
-            return Outcome(status=Status.REQUEUED, clean=False,
-                           reason=f"preempted during a failure ({failure.why}); resuming from the latest checkpoint")
+            exclude, named = self._nodes_slurm_took()
+            return Outcome(status=Status.REQUEUED, clean=False, exclude=exclude, reason=(
+                f"preempted during a failure ({failure.why}){named}; resuming from the latest checkpoint"))
         steps = manifest.committed_steps(program.run.checkpoints)
+        down = slurmctl.unavailable_nodes(failure.nodes) if self.on_slurm else {}
         with program.record.update() as s:
             budget = s.recovery.spend(nodes=failure.nodes, step=failure.step, committed_step=steps[-1] if steps else None)
             decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
                               worker_restarts=self.worker_restarts, on_slurm=self.on_slurm,
-                              node_failure_limit=cfg.recovery.node_failure_limit)
+                              node_failure_limit=cfg.recovery.node_failure_limit, out_of_service=tuple(down))
             s.recovery = replace(budget, exclude=decision.exclude) if decision.action == "requeue" else budget
+        program.record.append(*(ev.NodeFailed(node=n, state=st, why=why, step=failure.step,
+                                              failures=budget.node_failures.get(n, 0)) for n, (st, why) in down.items()))
         if decision.action == "fail":
             return self._fail(decision.reason, ExitCode.FAILED)
         if decision.action == "requeue":
@@ -215,6 +236,32 @@ class Recovery:
                                                     retry=budget.retries, max_retries=cfg.recovery.max_retries))
             return Outcome(status=Status.REQUEUED, reason=decision.reason, exclude=decision.exclude, clean=False)
         return self._restart(decision, budget)
+
+    def _nodes_slurm_took(self) -> tuple[tuple[str, ...], str]:
+        """When a signal came with Slurm requeueing the job: the run's nodes Slurm has taken
+        out of service (down, drained), each a failure of its node in the run's history; those
+        at ``recovery.node_failure_limit`` are excluded from the requeued job. (Excluded nodes
+        to add, a phrase naming the nodes for the reason.)"""
+        program = self.program
+        nodes = sorted({p.node for p in program.group.peers.values() if p.node})
+        down = slurmctl.unavailable_nodes(nodes) if self.on_slurm else {}
+        if not down:
+            return (), ""
+        limit = program.cfg.recovery.node_failure_limit
+        with program.record.update() as s:
+            counts = dict(s.recovery.node_failures)
+            for n in down:
+                counts[n] = counts.get(n, 0) + 1
+            bad = tuple(n for n in down if counts[n] >= limit and n not in s.recovery.exclude)
+            s.recovery = replace(s.recovery, node_failures=counts, exclude=(*s.recovery.exclude, *bad))
+            exclude = s.recovery.exclude if bad else ()
+        program.record.append(*(ev.NodeFailed(node=n, state=st, why=why, step=program.step, failures=counts[n])
+                                for n, (st, why) in down.items()))
+        named = "; ".join(f"node {n} is {st} in Slurm ({why or 'no reason given'})" for n, (st, why) in down.items())
+        log.error("%s", named)
+        if bad:
+            named += f"; excluding {', '.join(exclude)} (recovery.node_failure_limit={limit})"
+        return exclude, f": {named}"
 
     def _restart(self, decision: Decision, budget: Budget) -> Outcome | None:
         """Abort what is left, back off, ask for the next generation; None: go round again."""

@@ -21,7 +21,7 @@ UNKNOWN_SAVE_S = 60.0  # a save's duration before the first one was measured
 class StopRequest:
     """Why the controller stops training at this step boundary to checkpoint and requeue."""
 
-    cause: str  # "preemption" | "walltime" | "signal" | "ending" (see classify) | "time_running_out"
+    cause: str  # "preemption" | "walltime" | "signal" | "requeued" | "ending" (see classify) | "time_running_out"
     signal: str  # "SIGUSR2", "SIGTERM" or "" for a proactive stop
     time_left_s: float | None
     detail: str

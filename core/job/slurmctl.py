@@ -43,6 +43,7 @@ class JobTimes:
     end_time: float | None  # unix seconds; None when unlimited or unknown
     preempt_time: float | None  # set once Slurm has decided to preempt the job
     state: str
+    restarts: int | None = None  # Slurm's requeue count of the job (the largest of its components)
 
 
 _FIELD_RE = re.compile(r"(\w+)=(\S*)")
@@ -61,6 +62,7 @@ def parse_show_job(text: str) -> JobTimes:
     ends: list[float] = []
     preempts: list[float] = []
     states: list[str] = []
+    restarts: list[int] = []
     for line in text.splitlines():
         fields = dict(_FIELD_RE.findall(line))
         if not fields:
@@ -70,8 +72,10 @@ def parse_show_job(text: str) -> JobTimes:
         if (pre := _slurm_time(fields.get("PreemptTime", ""))) is not None:
             preempts.append(pre)
         states.append(fields.get("JobState", ""))
+        if fields.get("Restarts", "").isdigit():
+            restarts.append(int(fields["Restarts"]))
     return JobTimes(end_time=min(ends) if ends else None, preempt_time=min(preempts) if preempts else None,
-                    state=",".join(states))
+                    state=",".join(states), restarts=max(restarts) if restarts else None)
 
 
 def show_job(job_id: str, run: Runner = _run) -> JobTimes | None:
@@ -100,13 +104,18 @@ def is_walltime(times: JobTimes, now: float, lead_s: float) -> bool:
             and times.end_time - now <= lead_s + SIGNAL_EARLY_S)
 
 
-def classify(times: JobTimes | None, now: float, lead_s: float) -> str:
-    """Why a signal came: ``preemption``, ``walltime``, ``ending`` (Slurm is already ending
-    the job: scancel, or the limit hit without warning) or ``signal`` (someone else sent it)."""
+def classify(times: JobTimes | None, now: float, lead_s: float, restart_count: int | None = None) -> str:
+    """Why a signal came: ``preemption``, ``walltime``, ``requeued`` (Slurm requeued the job
+    itself, e.g. a node of it went down: its ``Restarts`` is past ``restart_count``, the
+    count this allocation started with; observed ``COMPLETING,PENDING`` then ``PENDING``),
+    ``ending`` (Slurm is already ending the job: scancel, or the limit hit without warning)
+    or ``signal`` (someone else sent it)."""
     if times is None:
         return "preemption"  # no record to tell: act as for the earlier, shorter deadline
     if times.preempt_time is not None:
         return "preemption"
+    if restart_count is not None and times.restarts is not None and times.restarts > restart_count:
+        return "requeued"
     if any(s != "RUNNING" for s in times.state.split(",") if s):
         return "ending"
     return "walltime" if is_walltime(times, now, lead_s) else "signal"
@@ -116,9 +125,10 @@ class JobClock:
     """Seconds left before Slurm ends the job; the end time is re-read every CLOCK_REFRESH_S."""
 
     def __init__(self, job_id: str, *, lead_s: float = DEFAULT_SIGNAL_LEAD_S, run: Runner = _run,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time, restart_count: int | None = None) -> None:
         self.job_id = job_id
         self.lead_s = lead_s
+        self.restart_count = restart_count  # SLURM_RESTART_COUNT of this allocation
         self._run = run
         self._now = now
         self._times: JobTimes | None = None
@@ -137,7 +147,7 @@ class JobClock:
 
     def classify_signal(self) -> str:
         """``classify`` on a fresh read of the job record."""
-        return classify(self.times(fresh=True), self._now(), self.lead_s)
+        return classify(self.times(fresh=True), self._now(), self.lead_s, self.restart_count)
 
 
 def clock_for(environ: Mapping[str, str]) -> JobClock | None:
@@ -146,7 +156,9 @@ def clock_for(environ: Mapping[str, str]) -> JobClock | None:
     if not job_id:
         return None
     lead = environ.get("BATON_SIGNAL_LEAD_S")
-    return JobClock(job_id, lead_s=float(lead) if lead else DEFAULT_SIGNAL_LEAD_S)
+    restarts = environ.get("SLURM_RESTART_COUNT", "0")
+    return JobClock(job_id, lead_s=float(lead) if lead else DEFAULT_SIGNAL_LEAD_S,
+                    restart_count=int(restarts) if restarts.isdigit() else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,18 +181,41 @@ def requeue(job_id: str, *, exclude: Sequence[str] = (), component_id: str | Non
         if not exclude:
             return _scontrol(run, ["scontrol", "requeue", job_id])
         held = _scontrol(run, ["scontrol", "requeuehold", job_id])
-        if not held.ok:
+        pending = not held.ok and _PENDING in held.detail.lower()  # Slurm requeued it already
+        if not held.ok and not pending:
             return held
         target = component_id or job_id
         nodes = ",".join(dict.fromkeys([*excluded_nodes(target, run), *exclude]))
         upd = _scontrol(run, ["scontrol", "update", f"JobId={target}", f"ExcNodeList={nodes}"])
-        rel = _scontrol(run, ["scontrol", "release", job_id])
-        if not rel.ok:
+        rel = None if pending else _scontrol(run, ["scontrol", "release", job_id])
+        if rel is not None and not rel.ok:
             return rel
         return RequeueResult(ok=True, detail=f"requeued excluding {nodes}"
                              + ("" if upd.ok else f" (exclusion failed: {upd.detail})"))
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+_PENDING = "pending execution"  # scontrol's answer to a requeue of a job that is already pending
+
+
+def unavailable_nodes(nodes: Sequence[str], run: Runner = _run) -> dict[str, tuple[str, str]]:
+    """``{node: (state, reason)}`` for those of ``nodes`` that Slurm has taken out of service
+    (down, drained or draining, failing, not responding); {} when none or sinfo does not answer."""
+    if not nodes:
+        return {}
+    try:
+        proc = run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("sinfo failed: %s", exc)
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        node, _, rest = line.partition("|")
+        state, _, reason = rest.partition("|")
+        if any(word in state for word in ("down", "drain", "fail", "*")):
+            found[node.strip()] = (state.strip(), reason.strip())
+    return found
 
 
 def excluded_nodes(job_id: str, run: Runner = _run) -> list[str]:
@@ -215,6 +250,6 @@ def _scontrol(run: Runner, args: list[str]) -> RequeueResult:
     out = (proc.stderr.strip() or proc.stdout.strip())
     if proc.returncode == 0:
         return RequeueResult(ok=True, detail=" ".join(args))
-    if args[1] == "requeue" and "pending execution" in out.lower():
+    if args[1] == "requeue" and _PENDING in out.lower():
         return RequeueResult(ok=True, detail="Slurm is already requeueing the job")
     return RequeueResult(ok=False, detail=f"{' '.join(args)}: rc {proc.returncode}: {out}")

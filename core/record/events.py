@@ -158,6 +158,18 @@ class WorkerLost(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeFailed(Event):
+    """A node of the run that Slurm took out of service (down, drained, failing) when it requeued the job."""
+
+    KIND: ClassVar[str] = "node_failed"
+    node: str
+    state: str  # Slurm's (sinfo %T): down, down*, drained, draining, fail, ...
+    why: str  # the node's reason in Slurm (sinfo %E)
+    step: int
+    failures: int  # this node's failures so far (recovery.node_failure_limit excludes it)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RequeueDecided(Event):
     KIND: ClassVar[str] = "requeue_decided"
     reason: str
@@ -231,7 +243,7 @@ class OtherEvent(Event):
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
     CheckpointDamaged, RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
-    RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
+    NodeFailed, RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
 )}
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 from core.checkpoint import manifest
@@ -29,7 +28,7 @@ def main(argv: list[str]) -> int:
     before = RunRecord(run).read().status
     job_id = os.environ.get("SLURM_JOB_ID")
     status = after_controller(run, int(argv[2]), max_retries=cfg.recovery.max_retries,
-                              committed_step=steps[-1] if steps else None, ending=_ending(job_id))
+                              committed_step=steps[-1] if steps else None, ending=_ending())
     if status is Status.REQUEUED and before is not Status.REQUEUED and job_id:
         result = slurmctl.requeue(job_id)
         if not result.ok:
@@ -38,13 +37,14 @@ def main(argv: list[str]) -> int:
     return ExitCode.OK
 
 
-def _ending(job_id: str | None) -> str:
+def _ending() -> str:
     """How Slurm is ending this job ("" when it is not, or no scheduler answers): a job that is
-    no longer RUNNING and was not preempted is being cancelled or timed out."""
-    times = slurmctl.show_job(job_id) if job_id else None
-    if times is None or slurmctl.classify(times, time.time(), slurmctl.DEFAULT_SIGNAL_LEAD_S) != "ending":
+    no longer RUNNING, neither preempted nor requeued by Slurm, is being cancelled or timed out."""
+    clock = slurmctl.clock_for(os.environ)
+    if clock is None or clock.classify_signal() != "ending":
         return ""
-    return f"job state {times.state}"
+    times = clock.times()
+    return f"job state {times.state if times else 'unknown'}"
 
 
 if __name__ == "__main__":

@@ -93,6 +93,14 @@ def _kill_node(run: Path, node: str) -> list[int]:
     return pids
 
 
+def _excluded(job: int) -> set[str]:
+    """The nodes the workers' component (``job + 1``) excludes, hostlists expanded."""
+    shown = sh.run(["scontrol", "show", "job", f"{job + 1}"]).stdout
+    found = re.search(r"ExcNodeList=(\S+)", shown)
+    assert found is not None, shown
+    return set(sh.run(["scontrol", "show", "hostnames", found.group(1)]).stdout.split())
+
+
 def _at_step(run: Path, job: int, step: int, generation: int = 0) -> None:
     def ready(s: dict[str, Any]) -> bool:
         gens = [e["generation"] for e in history(run, "workers_ready")]
@@ -140,11 +148,63 @@ def test_a_node_losing_every_worker_is_named_and_recovered_then_excluded_when_it
     (requeue,) = history(run, "requeue_decided")
     assert node in requeue["exclude"], requeue
     assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
-    excluded = sh.run(["scontrol", "show", "job", f"{job + 1}"]).stdout  # component 1: the workers
-    found = re.search(r"ExcNodeList=(\S+)", excluded)
-    assert found is not None, excluded
-    names = set(sh.run(["scontrol", "show", "hostnames", found.group(1)]).stdout.split())
-    assert {"node1", node} <= names, found.group(1)
+    assert {"node1", node} <= _excluded(job)
+    assert _losses(run) == _local(shared_tmp / "local-toy", "toy.yaml", *TOY)
+
+
+@pytest.mark.timeout(420)
+def test_a_node_slurm_sets_down_is_named_and_excluded_and_the_run_resumes_with_no_lost_step(
+        nodes_up, slurm_jobs, shared_tmp) -> None:
+    """A node set DOWN in Slurm (as an administrator or a health check does) under a running
+    job: Slurm kills and requeues the job itself. The controller checkpoints at the step
+    boundary, names the node and its reason, counts the failure (recovery.node_failure_limit=1:
+    excluded at once, beside the user's own exclusion) and the run resumes with no lost step."""
+    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *TOY, "recovery.node_failure_limit=1",
+                       "slurm.workers.exclude=node1")
+    _at_step(run, job, 200)
+    node = _state(run)["ranks"][2]["node"]
+    try:
+        sh.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=baton-test-down"])
+        done = _finished(run, job)
+    finally:
+        sh.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+    assert done["status"] == "completed", done.get("reason")
+    (failed,) = history(run, "node_failed")
+    assert failed["node"] == node and failed["state"].startswith("down") and failed["why"] == "baton-test-down"
+    (requeued,) = history(run, "requeued")
+    assert requeued["reason"].startswith("Slurm requeued the job") and node in requeued["reason"], requeued
+    assert node in requeued["exclude"], requeued
+    assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
+    assert {"node1", node} <= _excluded(job)
+    (stopped_at,) = [e["step"] for e in history(run, "preempted")]
+    assert [e["step"] for e in history(run, "resumed")] == [stopped_at], "a step was lost or redone"
+    assert _losses(run) == _local(shared_tmp / "local-toy", "toy.yaml", *TOY)
+
+
+@pytest.mark.timeout(420)
+def test_a_drained_node_keeps_training_until_its_workers_fail_then_the_requeue_leaves_it_out(
+        nodes_up, slurm_jobs, shared_tmp) -> None:
+    """Draining a node (a health check, maintenance) leaves running jobs alone: the run trains
+    on. When that node's workers then die, no restart inside the allocation can help: the
+    first failure requeues the job without the node (recovery.node_failure_limit is 2)."""
+    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *TOY, "slurm.workers.exclude=node1")
+    _at_step(run, job, 200)
+    node = _state(run)["ranks"][2]["node"]
+    try:
+        sh.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=baton-test-drain"])
+        _at_step(run, job, 350)  # drained: still training
+        _kill_node(run, node)
+        done = _finished(run, job)
+    finally:
+        sh.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+    assert done["status"] == "completed", done.get("reason")
+    (failed,) = history(run, "node_failed")
+    assert failed["node"] == node and "drain" in failed["state"] and failed["why"] == "baton-test-drain", failed
+    (requeue,) = history(run, "requeue_decided")
+    assert requeue["exclude"] == [node] and "drained or down in Slurm" in requeue["reason"], requeue
+    assert history(run, "restarting_workers") == [], "restarted on a drained node"
+    assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
+    assert {"node1", node} <= _excluded(job)
     assert _losses(run) == _local(shared_tmp / "local-toy", "toy.yaml", *TOY)
 
 

@@ -25,6 +25,11 @@ PREEMPTED = RUNNING.replace("EndTime=2026-12-02T18:44:22", "EndTime=2026-12-02T1
     "PreemptTime=None", "PreemptTime=2026-12-02T18:34:23")
 CANCELLED = RUNNING.replace("JobState=RUNNING", "JobState=COMPLETING").replace(
     "EndTime=2026-12-02T18:44:22", "EndTime=2026-12-02T18:40:35")
+# Right after `scontrol update NodeName=node3 State=DOWN` under a het job's workers: Slurm
+# has requeued the job itself (Restarts + 1); the controller's component is still completing.
+NODE_DOWN = (RUNNING.replace("JobState=RUNNING", "JobState=COMPLETING").replace("Restarts=0", "Restarts=1") + "\n"
+             + RUNNING.replace("JobId=16", "JobId=17").replace("JobState=RUNNING", "JobState=PENDING").replace(
+                 "Restarts=0", "Restarts=1"))
 HET = RUNNING + "\n" + RUNNING.replace("JobId=16", "JobId=17").replace("EndTime=2026-12-02T18:44:22",
                                                                       "EndTime=2026-12-02T18:43:22")
 
@@ -59,9 +64,17 @@ def test_parse_show_job_takes_the_earliest_end_of_all_components() -> None:
     (RUNNING, "2026-12-02T18:41:52", "walltime"),          # ... sent a minute early (Slurm's timer)
     (RUNNING, "2026-12-02T18:35:00", "signal"),            # a signal with the end far away
     (CANCELLED, "2026-12-02T18:40:35", "ending"),          # scancel: already COMPLETING
+    (NODE_DOWN, "2026-12-02T18:40:35", "requeued"),        # a node went down: Slurm requeued the job
 ])
 def test_a_signal_is_told_apart_by_the_job_record(record: str, now: str, cause: str) -> None:
-    assert slurmctl.classify(slurmctl.parse_show_job(record), _t(now), lead_s=90) == cause
+    assert slurmctl.classify(slurmctl.parse_show_job(record), _t(now), lead_s=90, restart_count=0) == cause
+
+
+def test_a_requeue_by_slurm_is_told_by_the_restart_count_this_allocation_began_with() -> None:
+    times = slurmctl.parse_show_job(NODE_DOWN)
+    assert times.restarts == 1 and times.state == "COMPLETING,PENDING"
+    assert slurmctl.classify(times, 0.0, lead_s=90, restart_count=1) == "ending"  # already counted: not ours
+    assert slurmctl.clock_for({"SLURM_JOB_ID": "16", "SLURM_RESTART_COUNT": "2"}).restart_count == 2
 
 
 def test_without_a_record_a_signal_counts_as_preemption() -> None:
@@ -157,6 +170,24 @@ def test_an_exclusion_adds_to_the_users_own_never_replaces_them() -> None:
 def test_a_job_slurm_is_already_requeueing_counts_as_requeued() -> None:
     runner = FakeRunner({"requeue": (1, "", "Job is pending execution for job 16")})
     assert slurmctl.requeue("16", run=runner).ok
+
+
+def test_exclusions_on_a_job_slurm_requeued_itself_update_the_pending_job() -> None:
+    runner = FakeRunner({"requeuehold": (1, "", "Job is pending execution for job 16")})
+    result = slurmctl.requeue("16", exclude=["node3"], component_id="17", run=runner)
+    assert result.ok and "excluding node3" in result.detail
+    assert runner.calls[-1] == ["scontrol", "update", "JobId=17", "ExcNodeList=node3"]  # no release: not held
+
+
+def test_unavailable_nodes_are_the_ones_slurm_took_out_of_service() -> None:
+    shown = ("node2|mixed|none\nnode3|down|baton-test\nnode3|down|baton-test\nnode4|draining|bad gpu\n"
+             "node5|idle*|Not responding\nnode6|allocated|none\n")
+    runner = FakeRunner({"-h": (0, shown, "")})
+    found = slurmctl.unavailable_nodes(["node2", "node3", "node4", "node5", "node6"], run=runner)
+    assert found == {"node3": ("down", "baton-test"), "node4": ("draining", "bad gpu"),
+                     "node5": ("idle*", "Not responding")}
+    assert runner.calls == [["sinfo", "-h", "-N", "-n", "node2,node3,node4,node5,node6", "-o", "%N|%T|%E"]]
+    assert slurmctl.unavailable_nodes([], run=runner) == {}
 
 
 def test_a_refused_requeue_says_why() -> None:

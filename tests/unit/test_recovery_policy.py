@@ -47,6 +47,13 @@ def test_a_node_that_failed_twice_is_excluded_by_a_requeue_on_slurm() -> None:
     assert _decide(b, on_slurm=False).action == "restart"  # nothing to exclude locally
 
 
+def test_a_failure_on_a_node_slurm_drained_requeues_without_it_at_once() -> None:
+    b = Budget(exclude=("n0",)).spend(nodes=("n1",), step=10, committed_step=None)  # its first failure
+    d = _decide(b, on_slurm=True, out_of_service=("n1",))
+    assert d.action == "requeue" and d.exclude == ("n0", "n1") and "drained or down in Slurm" in d.reason
+    assert _decide(b, on_slurm=True).action == "restart"  # not drained: a restart inside the allocation
+
+
 def test_without_worker_restarts_slurm_requeues_and_elsewhere_the_run_fails_saying_why() -> None:
     b = Budget().spend(nodes=("n1",), step=10, committed_step=None)
     assert _decide(b, worker_restarts=False, on_slurm=True).action == "requeue"
