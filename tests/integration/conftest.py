@@ -69,3 +69,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.when == "call":
         item._baton_call_report = report  # type: ignore[attr-defined]
     return report
+
+
+# experiments/tiny_gpt_generate.yaml for 30 steps, the generator synced and sampling every 10:
+# the uninterrupted colocated run that the split and Slurm generator tests compare with.
+GENERATOR_RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkpoint.interval_steps=10",
+                 "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3",
+                 "timeouts.controller_lost_s=6")
+
+
+@pytest.fixture(scope="session")
+def generator_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of that reference run (once per session: both generator tests use it)."""
+    from tests.helpers import baton
+
+    root = tmp_path_factory.mktemp("generator-reference")
+    res = baton("submit", "experiments/tiny_gpt_generate.yaml", f"runs_root={root}", *GENERATOR_RUN,
+                "--backend", "local", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next((root / "tiny-gpt-generate").glob("*"))

@@ -21,22 +21,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import GENERATOR_RUN
 from tests.integration.test_recovery_local import Submitted
 
 pytestmark = pytest.mark.timeout(900)
-RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkpoint.interval_steps=10", "recovery.backoff_s=0.2",
-       "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3", "timeouts.controller_lost_s=6")
 
 
 def _start(root: Path, *overrides: str) -> Submitted:
-    return Submitted(root, list(overrides), experiment="experiments/tiny_gpt_generate.yaml", common=RUN)
+    return Submitted(root, list(overrides), experiment="experiments/tiny_gpt_generate.yaml", common=GENERATOR_RUN)
 
 
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _same_samples(got: list[dict], want: list[dict]) -> None:
+def same_samples(got: list[dict], want: list[dict]) -> None:
+    """The same rows, tokens and all; log-probs within 1e-5 (another generator layout)."""
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert {k: v for k, v in g.items() if k not in ("replica", "logprobs")} == \
@@ -44,17 +44,13 @@ def _same_samples(got: list[dict], want: list[dict]) -> None:
         assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) <= 1e-5, (g, w)
 
 
-def test_split_generator_matches_colocated_and_survives_a_killed_generator_worker(tmp_path: Path) -> None:
-    ref = _start(tmp_path / "ref")
-    try:
-        assert ref.finish(timeout=600) == 0, ref.output
-    finally:
-        ref.cleanup()
-    samples = _lines(ref.run_dir / "samples.jsonl")
+def test_split_generator_matches_colocated_and_survives_a_killed_generator_worker(
+        tmp_path: Path, generator_reference: Path) -> None:
+    samples = _lines(generator_reference / "samples.jsonl")
     assert [(s["version"], s["kind"]) for s in samples[::4]] == [
         (10, "greedy"), (10, "sampled"), (20, "greedy"), (20, "sampled"), (30, "greedy"), (30, "sampled")]
     assert all(len(s["tokens"]) == 8 and len(s["prompt"]) == 8 for s in samples)
-    metrics = _lines(ref.run_dir / "metrics.jsonl")
+    metrics = _lines(generator_reference / "metrics.jsonl")
     gaps = {m["step"]: m["sync_logprob_maxdiff"] for m in metrics if "sync_logprob_maxdiff" in m}
     assert sorted(gaps) == [9, 19, 29] and max(gaps.values()) < 1e-5, gaps
 
@@ -68,7 +64,7 @@ def test_split_generator_matches_colocated_and_survives_a_killed_generator_worke
     assert [e["rank"] for e in r.events("worker_lost")] == [4]
     assert r.events("resumed")[-1]["step"] == 10
     assert [m["loss"] for m in _lines(r.run_dir / "metrics.jsonl")] == [m["loss"] for m in metrics]
-    _same_samples(_lines(r.run_dir / "samples.jsonl"), samples)  # re-synced from the restored trainer
+    same_samples(_lines(r.run_dir / "samples.jsonl"), samples)  # re-synced from the restored trainer
     manifests = {d.name: json.loads((d / "manifest.json").read_text()) for d in (r.run_dir / "checkpoints").glob("step_*")}
     assert {k: m["meta"]["loop"]["policy_version"] for k, m in manifests.items()} == {"step_00000020": 20, "step_00000030": 30}
     split_gaps = [m["sync_logprob_maxdiff"] for m in _lines(r.run_dir / "metrics.jsonl") if "sync_logprob_maxdiff" in m]

@@ -29,7 +29,7 @@ from tests.helpers import REPO, baton, history  # noqa: E402
 pytestmark = pytest.mark.slurm
 MULTI = ["trainer.nodes=2", "trainer.n_gpus_per_node=2", "slurm.workers.partition=multi",
          "slurm.workers.gpus_per_node=2", "slurm.controller.partition=cpu"]
-STEPS = 1500
+STEPS = 1000
 TOY = ["model.kind=toy", f"trainer.steps={STEPS}", "optimizer.lr=0.002", "trainer.log_interval_steps=20",
        "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=1.5",
        "timeouts.controller_lost_s=5", "checkpoint.interval_steps=100"]
@@ -77,6 +77,13 @@ def _local(root: Path, experiment: str, *args: str) -> list[float]:
                 timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return _losses(Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1]))
+
+
+@pytest.fixture(scope="module")
+def toy_reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of an uninterrupted local run of the TOY config (exclusions and failure
+    limits do not change them)."""
+    return _local(tmp_path_factory.mktemp("local-toy"), "toy.yaml", *TOY)
 
 
 def _finished(run: Path, job: int, within_s: float = RUN_S) -> dict[str, Any]:
@@ -127,7 +134,7 @@ def test_a_gpt_over_two_nodes_matches_the_local_backend(nodes_up, slurm_jobs, sh
 
 @pytest.mark.timeout(600)
 def test_a_node_losing_every_worker_is_named_and_recovered_then_excluded_when_it_fails_again(
-        nodes_up, slurm_jobs, shared_tmp) -> None:
+        nodes_up, slurm_jobs, shared_tmp, toy_reference) -> None:
     """First failure: every worker of the node killed at once is named and the workers restart
     inside the allocation. Second failure of the same node (recovery.node_failure_limit=2): a
     requeue excludes it, beside the user's own exclusion; the run completes on the other nodes
@@ -149,12 +156,12 @@ def test_a_node_losing_every_worker_is_named_and_recovered_then_excluded_when_it
     assert node in requeue["exclude"], requeue
     assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
     assert {"node1", node} <= _excluded(job)
-    assert _losses(run) == _local(shared_tmp / "local-toy", "toy.yaml", *TOY)
+    assert _losses(run) == toy_reference
 
 
 @pytest.mark.timeout(420)
 def test_a_node_slurm_sets_down_is_named_and_excluded_and_the_run_resumes_with_no_lost_step(
-        nodes_up, slurm_jobs, shared_tmp) -> None:
+        nodes_up, slurm_jobs, shared_tmp, toy_reference) -> None:
     """A node set DOWN in Slurm (as an administrator or a health check does) under a running
     job: Slurm kills and requeues the job itself. The controller checkpoints at the step
     boundary, names the node and its reason, counts the failure (recovery.node_failure_limit=1:
@@ -178,12 +185,12 @@ def test_a_node_slurm_sets_down_is_named_and_excluded_and_the_run_resumes_with_n
     assert {"node1", node} <= _excluded(job)
     (stopped_at,) = [e["step"] for e in history(run, "preempted")]
     assert [e["step"] for e in history(run, "resumed")] == [stopped_at], "a step was lost or redone"
-    assert _losses(run) == _local(shared_tmp / "local-toy", "toy.yaml", *TOY)
+    assert _losses(run) == toy_reference
 
 
 @pytest.mark.timeout(420)
 def test_a_drained_node_keeps_training_until_its_workers_fail_then_the_requeue_leaves_it_out(
-        nodes_up, slurm_jobs, shared_tmp) -> None:
+        nodes_up, slurm_jobs, shared_tmp, toy_reference) -> None:
     """Draining a node (a health check, maintenance) leaves running jobs alone: the run trains
     on. When that node's workers then die, no restart inside the allocation can help: the
     first failure requeues the job without the node (recovery.node_failure_limit is 2)."""
@@ -205,7 +212,7 @@ def test_a_drained_node_keeps_training_until_its_workers_fail_then_the_requeue_l
     assert history(run, "restarting_workers") == [], "restarted on a drained node"
     assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
     assert {"node1", node} <= _excluded(job)
-    assert _losses(run) == _local(shared_tmp / "local-toy", "toy.yaml", *TOY)
+    assert _losses(run) == toy_reference
 
 
 @pytest.mark.timeout(540)

@@ -29,7 +29,7 @@ import slurm_helpers as sh  # noqa: E402
 from tests.helpers import REPO, baton, history  # noqa: E402
 
 pytestmark = pytest.mark.slurm
-STEPS = 2000
+STEPS = 1000
 COMMON = ["model.kind=toy", "trainer.n_gpus_per_node=4", f"trainer.steps={STEPS}", "optimizer.lr=0.002",
           "trainer.log_interval_steps=20", "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1",
           "timeouts.heartbeat_timeout_s=1.5", "timeouts.controller_lost_s=5"]
@@ -100,7 +100,7 @@ def _preempt_node2(shared_tmp: Path, jobs: list[int]) -> None:
 @pytest.mark.timeout(480)
 def test_a_preempted_run_checkpoints_requeues_and_resumes_with_no_lost_step(
         slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
-    # 10 ms more per step: ~20 s of training, so the preemption lands mid-run.
+    # 10 ms more per step: ~10 s of training after step 300, so the preemption lands mid-run.
     job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=0", "--partition", "low",
                        env={"BATON_TOY_STEP_S": "0.01"})
     sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
