@@ -1,4 +1,5 @@
-"""Tokenizers for ``baton data build``: a built-in byte tokenizer, or a local Hugging Face one.
+"""Tokenizers for ``baton data build``: a built-in byte tokenizer, Qwen3's (``qwen3``,
+offline: core.data.qwen), or a local Hugging Face one.
 
 The byte tokenizer maps UTF-8 bytes to ids 0..255 and adds one special token, EOS = 256
 (vocab 257). Text is encoded with ``surrogatepass`` so that *any* Python string, lone
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from core.data.qwen import QWEN3, load_qwen3
 from core.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -125,12 +127,15 @@ def _from_folder(path: Path) -> HFTokenizer:
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"byte"`` → the built-in byte tokenizer; a local path → a Hugging Face tokenizer."""
+    """``"byte"`` → the built-in byte tokenizer; ``"qwen3"`` → Qwen3's (offline); a local
+    path → a Hugging Face tokenizer."""
     if str(spec) == BYTE:
         return ByteTokenizer()
+    if str(spec) == QWEN3:
+        return load_qwen3()
     path = Path(spec)
     if not path.exists():
-        raise TokenizerError(f"--tokenizer {spec}: no such file or folder; pass 'byte' or the local path "
+        raise TokenizerError(f"--tokenizer {spec}: no such file or folder; pass 'byte', 'qwen3' or the local path "
                              "of a tokenizer.json / tokenizer folder (nothing is downloaded)")
     tok = _from_folder(path) if path.is_dir() else _from_tokenizer_json(path)
     logger.info("tokenizer %s: vocab %d, eos %d", tok.name, tok.vocab_size, tok.eos_id)

