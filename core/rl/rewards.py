@@ -1,0 +1,77 @@
+"""Rewards, scored on the controller: built-in rule rewards, or the user's ``module:function``.
+
+A reward function takes ``(prompt, response, metadata)``, where ``prompt`` and ``response``
+are token-id tuples and ``metadata`` the prompt's own fields (its JSONL row, the task's
+answer), and returns a float. It runs on the controller, once per response.
+
+Built in:
+
+- ``counting``: the prompt counts up by one (``5 6 7 8``); the reward is the share of the
+  first ``len(response)`` continuation tokens that continue the count exactly, position by
+  position, stopping at the first miss. A response that counts on for all its tokens
+  scores 1.0. Matches ``data.task: increment`` (a supervised warm start learns the same).
+
+A user reward that raises is a user error naming the prompt (the step fails, not retried);
+one that returns a non-finite number or a non-number is refused the same way.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from core.errors import ConfigError, UserError
+
+RewardFn = Callable[[Sequence[int], Sequence[int], Mapping[str, Any]], float]
+
+
+def counting(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any]) -> float:
+    """The share of the response that continues the prompt's count, up to the first miss."""
+    vocab = int(metadata.get("vocab_size", 0)) or None
+    if not prompt or not response:
+        return 0.0
+    expected = int(prompt[-1])
+    good = 0
+    for token in response:
+        expected = expected + 1 if vocab is None else (expected + 1) % vocab
+        if int(token) != expected:
+            break
+        good += 1
+    return good / len(response)
+
+
+BUILTIN: dict[str, RewardFn] = {"counting": counting}
+
+
+def load(spec: str, key: str = "reward") -> RewardFn:
+    """A built-in name, or ``package.module:function`` importable on the controller."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}: {spec!r} is neither a built-in reward ({', '.join(sorted(BUILTIN))}) nor "
+                          "'module:function'; name one of those")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({exc}); put it on PYTHONPATH "
+                          "or in the folder you submit from") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: {module_name} has no function {attr!r}; give module:function")
+    return fn
+
+
+def score(fn: RewardFn, prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any],
+          *, index: int) -> float:
+    """``fn`` on one response; anything but a finite number is a user error naming the prompt."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        value = fn(tuple(prompt), tuple(response), metadata)
+    except Exception as exc:  # noqa: BLE001 - the user's code: any failure is theirs, reported as such
+        raise UserError(f"reward {name} raised {type(exc).__name__}: {exc} on prompt {index} "
+                        f"({list(prompt)[:16]}); fix the reward function") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UserError(f"reward {name} returned {value!r} on prompt {index}: a reward must be a finite number")
+    return float(value)

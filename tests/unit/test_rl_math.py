@@ -1,0 +1,125 @@
+"""core.rl (advantages, the KL coefficient, rewards) and core.model.gpt.rl_loss, against the
+formulas written out by hand."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from core.errors import ConfigError, UserError
+from core.model.gpt import rl_loss
+from core.rl import advantages as adv
+from core.rl import rewards
+
+
+def test_grpo_normalises_each_group_by_its_own_mean_and_sample_std() -> None:
+    scores, groups = [1.0, 0.0, 0.5, 0.5, 0.2], [0, 0, 1, 1, 2]
+    got = adv.grpo(scores, groups)
+    std0 = np.std([1.0, 0.0], ddof=1)
+    assert got[0] == pytest.approx(0.5 / (std0 + 1e-6)) and got[1] == pytest.approx(-0.5 / (std0 + 1e-6))
+    assert got[2] == got[3] == 0.0  # a group that all scored the same teaches nothing
+    assert got[4] == pytest.approx(0.2 / (1 + 1e-6))  # a group of one: mean 0, std 1
+    assert list(adv.grpo(scores, groups, norm_by_std=False)[:2]) == [0.5, -0.5]
+    assert adv.per_token(np.array([2.0, -1.0]), np.array([[1, 1, 0], [1, 0, 0]])).tolist() == [[2, 2, 0], [-1, 0, 0]]
+    with pytest.raises(ValueError, match="equal 1-D"):
+        adv.grpo([1.0], [0, 1])
+
+
+def _gae_reference(r: list[float], v: list[float], gamma: float, lam: float) -> list[float]:
+    out, last = [0.0] * len(r), 0.0
+    for t in reversed(range(len(r))):
+        nxt = v[t + 1] if t + 1 < len(r) else 0.0
+        last = r[t] + gamma * nxt - v[t] + gamma * lam * last
+        out[t] = last
+    return out
+
+
+def test_gae_follows_the_recursion_and_skips_padding() -> None:
+    rng = np.random.default_rng(0)
+    r, v = rng.normal(size=(1, 5)), rng.normal(size=(1, 5))
+    a, ret = adv.gae(r, v, np.ones((1, 5)), gamma=0.9, lam=0.8, whiten=False)
+    assert a[0] == pytest.approx(_gae_reference(list(r[0]), list(v[0]), 0.9, 0.8))
+    assert ret[0] == pytest.approx(a[0] + v[0])
+    padded_r, padded_v = np.concatenate([r, [[7.0, 7.0]]], axis=1), np.concatenate([v, [[3.0, 3.0]]], axis=1)
+    mask = np.array([[1, 1, 1, 1, 1, 0, 0]])
+    pa, _ = adv.gae(padded_r, padded_v, mask, gamma=0.9, lam=0.8, whiten=False)
+    assert pa[0, :5] == pytest.approx(a[0]) and list(pa[0, 5:]) == [0.0, 0.0]
+    w, _ = adv.gae(padded_r, padded_v, mask, gamma=0.9, lam=0.8)
+    assert w[0, :5].mean() == pytest.approx(0.0, abs=1e-12) and w[0, :5].std(ddof=1) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_adaptive_kl_moves_towards_its_target_at_most_20_percent_per_horizon() -> None:
+    k = adv.AdaptiveKL(value=0.1, target=0.01, horizon=100)
+    assert k.update(current_kl=1.0, n_samples=100) == pytest.approx(0.12)  # error clipped to +0.2
+    assert k.update(current_kl=0.005, n_samples=50) == pytest.approx(0.12 * (1 - 0.2 * 0.5))  # -0.5 clipped
+    fixed = adv.AdaptiveKL(value=0.1)
+    assert fixed.update(current_kl=5.0, n_samples=100) == 0.1
+
+
+def test_auto_kl_coef_is_the_clamped_heuristic() -> None:
+    assert adv.auto_kl_coef(500_000_000) == 1e-3  # 0.02 ln 0.5 < 0: clamped
+    assert adv.auto_kl_coef(7_000_000_000) == pytest.approx(0.02 * math.log(7))
+
+
+def test_the_counting_reward_scores_the_share_continued_up_to_the_first_miss() -> None:
+    assert rewards.counting((5, 6, 7, 8), (9, 10, 11, 12), {}) == 1.0
+    assert rewards.counting((5, 6, 7, 8), (9, 10, 12, 13), {}) == 0.5
+    assert rewards.counting((5, 6, 7, 8), (1, 10, 11, 12), {}) == 0.0
+    assert rewards.counting((30, 31), (0, 1), {"vocab_size": 32}) == 1.0  # counts on modulo the vocabulary
+    assert rewards.counting((), (1,), {}) == 0.0
+
+
+def user_reward(prompt, response, metadata) -> float:  # noqa: ANN001 - a user's function, as users write it
+    if metadata.get("boom"):
+        raise KeyError("answer")
+    return metadata.get("value", float(len(response)))
+
+
+def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> None:
+    fn = rewards.load(f"{__name__}:user_reward")
+    assert rewards.score(fn, (1, 2), (3, 4, 5), {}, index=0) == 3.0
+    with pytest.raises(UserError, match=r"raised KeyError: 'answer' on prompt 7 \(\[1, 2\]\)"):
+        rewards.score(fn, (1, 2), (3,), {"boom": True}, index=7)
+    for bad in (float("nan"), "1.0", True):
+        with pytest.raises(UserError, match="on prompt 3: a reward must be a finite number"):
+            rewards.score(fn, (1,), (2,), {"value": bad}, index=3)
+    assert rewards.load("counting") is rewards.counting
+    for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot import"),
+                      (f"{__name__}:missing", "has no function 'missing'")):
+        with pytest.raises(ConfigError, match=f"reward: .*{msg}"):
+            rewards.load(spec)
+
+
+def test_kl_estimators_match_their_formulas() -> None:
+    logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    d = logp - ref
+    assert torch.equal(rl_loss.kl(logp, ref, "k1"), d)
+    assert torch.equal(rl_loss.kl(logp, ref, "abs"), d.abs())
+    assert torch.allclose(rl_loss.kl(logp, ref, "mse"), 0.5 * d * d)
+    assert torch.allclose(rl_loss.kl(logp, ref, "low_var_kl"), torch.exp(-d) + d - 1)
+    assert rl_loss.kl(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0  # clamped
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        rl_loss.kl(logp, ref, "k9")
+
+
+def test_the_policy_loss_clips_low_and_high_and_dual_clips_negative_advantages() -> None:
+    mask = torch.ones(4)
+    a = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    ratio = torch.tensor([1.0, 1.5, 0.5, 5.0])
+    old = torch.zeros(4)
+    loss, frac = rl_loss.policy_loss(torch.log(ratio), old, a, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    # per token: -1 (unclipped); -1.28 (high clip); 0.8 (low clip: max(0.5, 0.8)); 3 (dual clip of 5)
+    assert loss.item() == pytest.approx((-1.0 - 1.28 + 0.8 + 3.0) / 4)
+    assert frac.item() == pytest.approx(0.5)  # the clip bound on tokens 1 and 2 (the dual clip is not counted)
+    masked, _ = rl_loss.policy_loss(torch.log(ratio), old, a, torch.tensor([1.0, 1.0, 0.0, 0.0]),
+                                    clip_low=0.2, clip_high=0.28)
+    assert masked.item() == pytest.approx((-1.0 - 1.28) / 2)
+
+
+def test_value_loss_and_entropy() -> None:
+    v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0])
+    # token 0: max((1-0)^2, (0.5-0)^2) = 1; token 1: max((0-1)^2, (0-1)^2) = 1
+    assert rl_loss.value_loss(v, old, ret, torch.ones(2), clip=0.5).item() == pytest.approx(0.5)
+    assert rl_loss.entropy(torch.zeros(3, 8))[0].item() == pytest.approx(math.log(8))
