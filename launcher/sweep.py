@@ -274,7 +274,7 @@ def _base_data(spec: SweepFile, path: Path) -> dict[str, Any]:
     if not base_path.is_absolute():
         base_path = path.resolve().parent / base_path
     try:
-        return config_mod.load_yaml(base_path)
+        return config_mod.read_yaml(base_path)[0]
     except ConfigError as exc:
         raise ConfigError(f"{path}: base: {exc}") from None
 

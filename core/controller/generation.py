@@ -129,8 +129,19 @@ class GeneratorFlow:
 
     def _share(self, req: gen_calls.Generate, replica: int) -> gen_calls.Generate:
         """A replica's share of the prompts: every ``dp``-th, from its own index on."""
-        indices = tuple(range(replica, len(self._prompts), self.dims.dp))
-        return dataclasses.replace(req, prompts=tuple(self._prompts[i] for i in indices), indices=indices)
+        indices = tuple(range(replica, len(req.prompts), self.dims.dp))
+        return dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices)
+
+    def rollout(self, req: gen_calls.Generate) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+        """Continue ``req.prompts`` (spread over the replicas); (tokens, log-probs) per prompt, in order."""
+        done = self._call(gen_calls.GENERATE, self.ranks, timeout_s=self.cfg.timeouts.step_s,
+                          each=lambda r: self._share(req, self.dims.coords(r - self.base).dp))
+        out: list[tuple[tuple[int, ...], tuple[float, ...]]] = [((), ())] * len(req.prompts)
+        for part in (d for d in done.values() if d.replica >= 0):
+            for index, tokens, logps in zip(range(part.replica, len(req.prompts), self.dims.dp), part.tokens,
+                                            part.logprobs, strict=True):
+                out[index] = (tuple(tokens), tuple(logps))
+        return out
 
 
 def _keep_until(run: RunFolder, step: int) -> None:

@@ -17,7 +17,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.generation import GeneratorFlow
@@ -36,6 +36,7 @@ from core.wire import calls
 
 if TYPE_CHECKING:
     from core.controller.metrics import Metrics
+    from core.controller.rl_program import GRPOStep
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Program:
     stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
     metrics: Metrics | None = None  # the Prometheus endpoint; None when metrics.enabled is false
     generator: GeneratorFlow | None = field(default=None, init=False)  # with generator.enabled, once set up
+    rl: GRPOStep | None = field(default=None, init=False)  # program: grpo, once set up
     step: int = field(default=0, init=False)  # steps done
     last_loss: float | None = field(default=None, init=False)
     _started: float = field(default_factory=time.monotonic, init=False)
@@ -66,6 +68,10 @@ class Program:
         if self.cfg.generator.enabled:  # the second compute flow, synced from the restored trainer
             self.generator = GeneratorFlow(self.cfg, self.run, self.group)
             self.generator.start(self.step)
+            if self.cfg.program == "grpo":
+                from core.controller.rl_program import GRPOStep  # numpy: only RL programs need it
+
+                self.rl = GRPOStep(self.cfg, self.group, self.generator)
         stop = self.train()
         if stop is None:
             self.finish()
@@ -132,10 +138,14 @@ class Program:
                 self._stop_at_boundary(step, stop)
                 return stop
             t0 = time.perf_counter()
-            results = self.group.call(calls.TRAIN_STEP, calls.Step(step=step), timeout_s=cfg.timeouts.step_s)
+            extra: dict[str, object] = {}
+            if self.rl is not None and step >= cfg.rl.warmup_steps:
+                results, extra = self.rl.run(step)
+            else:
+                results = self.group.call(calls.TRAIN_STEP, calls.Step(step=step), timeout_s=cfg.timeouts.step_s)
             wall = time.perf_counter() - t0
             self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
-            record = self._record(step, results, wall)
+            record = dataclasses.replace(self._record(step, results, wall), **extra)
             done = step + 1
             if self.generator is not None and self.generator.due(done):
                 record = dataclasses.replace(record, sync_logprob_maxdiff=self.generator.sync(done))
@@ -199,7 +209,7 @@ class Program:
         for peer in self.group.peers.values():
             self.metrics.observe_heartbeat_lag(peer.rank, now - peer.last_seen)
 
-    def _record(self, step: int, results: list[calls.StepResult], wall: float) -> StepRecord:
+    def _record(self, step: int, results: list[Any], wall: float) -> StepRecord:
         owners = [results[r] for r in self.group.dims.loss_owners()]
         losses = [o.loss for o in owners if o.loss is not None]
         if len(losses) != len(owners):
@@ -207,7 +217,7 @@ class Program:
         tokens = sum(o.tokens for o in owners)
 
         def per_rank(key: str) -> tuple[float, ...] | None:
-            values = [getattr(r, key) for r in results]
+            values = [getattr(r, key, None) for r in results]
             return None if any(v is None for v in values) else tuple(float(v) for v in values)
 
         return StepRecord(

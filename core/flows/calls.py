@@ -6,6 +6,7 @@
     SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
+    POLICY_STEP   PolicyBatch → PolicyResult one actor update on the clipped policy objective (RL)
 
 Split placement only (the generator on workers of its own, ranks after the trainer's):
 
@@ -100,6 +101,33 @@ class LogProbs:
     logprobs: tuple[tuple[float, ...], ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class PolicyBatch:
+    """One optimizer step of the actor on this rank's data replica's share of a rollout:
+    ``sequences`` prompt + response (prompts of ``prompt_length`` tokens), per response token
+    its ``advantages`` and the rollout's (old policy's) ``old_logprobs``."""
+
+    step: int
+    prompt_length: int
+    sequences: tuple[tuple[int, ...], ...]
+    advantages: tuple[tuple[float, ...], ...]
+    old_logprobs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyResult:
+    """Every rank its time; loss owners (one per data replica) the replica's numbers."""
+
+    step_time_s: float
+    rss_mb: float = 0.0
+    loss: float | None = None  # the clipped policy loss (token mean)
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int = 0  # response tokens of this replica
+    clip_frac: float | None = None
+    ratio_max: float | None = None  # the largest new/old probability ratio seen
+
+
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
@@ -107,3 +135,4 @@ GENERATE = Method("generate", Generate, Generated)
 BRIDGE = Method("bridge", Bridge, None)
 PROBE_BATCH = Method("probe_batch", Probe, LogProbs)
 SCORE = Method("score", LogProbs, LogProbs)
+POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult)

@@ -42,10 +42,17 @@ class StepRecord:
     grad_sync_s: tuple[float, ...] | None = None
     cuda_peak_mb: tuple[float, ...] | None = None
     sync_logprob_maxdiff: float | None = None  # after a generator's weight sync at this step
+    # program: grpo (core.controller.rl_program), on its RL steps
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    response_length: float | None = None
+    clip_frac: float | None = None
+    policy_version: int | None = None  # the policy that generated this step's responses
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
-OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb", "sync_logprob_maxdiff")
+OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb", "sync_logprob_maxdiff", "reward_mean", "reward_std",
+                     "response_length", "clip_frac", "policy_version")
 
 
 def to_data(record: StepRecord) -> dict[str, Any]:

@@ -6,10 +6,10 @@ answer), and returns a float. It runs on the controller, once per response.
 
 Built in:
 
-- ``counting``: the prompt counts up by one (``5 6 7 8``); the reward is the share of the
-  first ``len(response)`` continuation tokens that continue the count exactly, position by
-  position, stopping at the first miss. A response that counts on for all its tokens
-  scores 1.0. Matches ``data.task: increment`` (a supervised warm start learns the same).
+- ``counting``: the prompt counts up by one (``5 6 7 8``, modulo the vocabulary); 1.0 when
+  the whole response counts on (``9 10 11 ...``), else 0.0. Exact match: partial credit
+  would also reward the wrong tokens after a response's first miss, and teach them. A
+  supervised warm start on ``data.task: increment`` learns the same rule.
 
 A user reward that raises is a user error naming the prompt (the step fails, not retried);
 one that returns a non-finite number or a non-number is refused the same way.
@@ -27,18 +27,13 @@ RewardFn = Callable[[Sequence[int], Sequence[int], Mapping[str, Any]], float]
 
 
 def counting(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any]) -> float:
-    """The share of the response that continues the prompt's count, up to the first miss."""
+    """1.0 when every response token continues the prompt's count, else 0.0."""
     vocab = int(metadata.get("vocab_size", 0)) or None
     if not prompt or not response:
         return 0.0
-    expected = int(prompt[-1])
-    good = 0
-    for token in response:
-        expected = expected + 1 if vocab is None else (expected + 1) % vocab
-        if int(token) != expected:
-            break
-        good += 1
-    return good / len(response)
+    start = int(prompt[-1])
+    want = [(start + k) if vocab is None else (start + k) % vocab for k in range(1, len(response) + 1)]
+    return 1.0 if [int(t) for t in response] == want else 0.0
 
 
 BUILTIN: dict[str, RewardFn] = {"counting": counting}

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from core.errors import ConfigError, LayoutError
+from core.spec import rl as rl_spec
 from core.spec import schema
 from core.spec.dims import ParallelDims
 from core.spec.generator import GeneratorConfig
@@ -277,6 +278,7 @@ class RunConfig:
     """
 
     name: str = "run"
+    program: str = "pretrain"  # or grpo (core.spec.rl)
     seed: int = bounded(1234, ge=0, le=2**63 - 1, why=" (seeds are 64-bit)")
     runs_root: str = "runs"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -291,6 +293,7 @@ class RunConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    rl: rl_spec.RLConfig = field(default_factory=rl_spec.RLConfig)
 
     def __post_init__(self) -> None:
         schema.check_strings(self, "")
@@ -301,6 +304,7 @@ class RunConfig:
         if self.model.kind == "gpt":
             validate_layout(self)
         validate_generator(self.generator, self)
+        rl_spec.validate(self)
 
     @property
     def dims(self) -> ParallelDims:
@@ -412,11 +416,6 @@ def read_yaml(path: str | Path, *, kind: FileKind = "experiment") -> tuple[dict[
     return data, text
 
 
-def load_yaml(path: str | Path, *, kind: FileKind = "experiment") -> dict[str, Any]:
-    """Read a non-empty YAML mapping (``read_yaml`` without the text)."""
-    return read_yaml(path, kind=kind)[0]
-
-
 def from_data(data: dict[str, Any]) -> RunConfig:
     """Plain data → validated ``RunConfig`` (NaN and the infinities are refused)."""
     return build(RunConfig, data, finite=True)
@@ -424,7 +423,7 @@ def from_data(data: dict[str, Any]) -> RunConfig:
 
 def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """YAML file + overrides → validated ``RunConfig``."""
-    return from_data(apply_overrides(load_yaml(path), overrides or []))
+    return from_data(apply_overrides(read_yaml(path)[0], overrides or []))
 
 
 def dump(cfg: RunConfig) -> str:

@@ -221,3 +221,30 @@ def test_impossible_generator_layouts_are_refused_in_one_line(overrides: list[st
     with pytest.raises(ConfigError, match=message) as err:
         _generate(*overrides)
     assert "\n" not in str(err.value)
+
+
+def _grpo(*overrides: str) -> config.RunConfig:
+    return config.load(Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml", list(overrides))
+
+
+def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
+    cfg = _grpo()
+    assert cfg.program == "grpo" and (cfg.rl.n, cfg.rl.prompts_per_step, cfg.rl.warmup_steps) == (8, 4, 30)
+    assert cfg.rl.lr == 1e-3 and config.from_data({}).program == "pretrain"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["program=ppo2"], r"^program: 'ppo2' is not one of pretrain, grpo$"),
+    (["generator.enabled=false"], r"^program: grpo needs model.kind: gpt and generator.enabled: true"),
+    (["rl.max_response_length=14"], r"^rl.max_response_length: prompt_length \+ max_response_length - 1 = 17 > "
+                                    r"model.seq_length = 16; "),
+    (["rl.n=3"], r"^rl.prompts_per_step: prompts_per_step × n = 12 responses do not split into 2 data-parallel "),
+    (["rl.warmup_steps=500"], r"^rl.warmup_steps: 500 > trainer.steps = 130"),
+    (["rl.clip_low=2"], r"^rl.clip_low: "),
+    (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting\) nor "),
+])
+def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        _grpo(*overrides)
+    assert "\n" not in str(err.value)
+    assert _grpo("rl.reward=my_pkg.scores:exact").rl.reward == "my_pkg.scores:exact"  # imported on the controller

@@ -63,9 +63,9 @@ def test_auto_kl_coef_is_the_clamped_heuristic() -> None:
     assert adv.auto_kl_coef(7_000_000_000) == pytest.approx(0.02 * math.log(7))
 
 
-def test_the_counting_reward_scores_the_share_continued_up_to_the_first_miss() -> None:
+def test_the_counting_reward_is_an_exact_match_of_the_continued_count() -> None:
     assert rewards.counting((5, 6, 7, 8), (9, 10, 11, 12), {}) == 1.0
-    assert rewards.counting((5, 6, 7, 8), (9, 10, 12, 13), {}) == 0.5
+    assert rewards.counting((5, 6, 7, 8), (9, 10, 12, 13), {}) == 0.0
     assert rewards.counting((5, 6, 7, 8), (1, 10, 11, 12), {}) == 0.0
     assert rewards.counting((30, 31), (0, 1), {"vocab_size": 32}) == 1.0  # counts on modulo the vocabulary
     assert rewards.counting((), (1,), {}) == 0.0
@@ -86,6 +86,8 @@ def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> 
         with pytest.raises(UserError, match="on prompt 3: a reward must be a finite number"):
             rewards.score(fn, (1,), (2,), {"value": bad}, index=3)
     assert rewards.load("counting") is rewards.counting
+    from core.spec.rl import BUILTIN_REWARDS
+    assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN)  # what submit accepts is what the controller has
     for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot import"),
                       (f"{__name__}:missing", "has no function 'missing'")):
         with pytest.raises(ConfigError, match=f"reward: .*{msg}"):

@@ -54,6 +54,8 @@ class GPTTask:
         }
         if self.cfg.generator.enabled:
             table.update(self._generator_handlers())
+        if self.cfg.program == "grpo":
+            table[gen_calls.POLICY_STEP] = self.policy_step
         return table
 
     def _generator_handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
@@ -183,6 +185,14 @@ class GPTTask:
         out = train_step(self._ready(), req.step, before_update=self._fence)
         self._next_step = req.step + 1
         return calls.StepResult(rss_mb=rss_mb(), **out)
+
+    def policy_step(self, req: gen_calls.PolicyBatch) -> gen_calls.PolicyResult:
+        """One actor update on this replica's share of a rollout (core.model.gpt.policy)."""
+        from core.model.gpt.policy import policy_step  # torch and megatron: this module loads without them
+
+        out = policy_step(self._ready(), req, before_update=self._fence)
+        self._next_step = req.step + 1
+        return gen_calls.PolicyResult(rss_mb=rss_mb(), **out)
 
     def eval_step(self, req: calls.Step) -> calls.StepResult:
         """Forward only on the held-out batch of ``req.step``; the loss on loss owners."""

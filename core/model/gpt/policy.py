@@ -1,0 +1,93 @@
+"""The actor's RL update: one optimizer step on the clipped policy objective, through the
+same Megatron schedule as a training step (1F1B when pp > 1, the DDP reduction, the
+optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
+
+A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
+and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. Per
+response token the row carries its advantage and the rollout's log-prob (the old policy);
+the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_loss``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from core.flows import calls as gen_calls
+from core.model.gpt import rl_loss
+from core.model.gpt.optim import set_lr
+from core.model.gpt.step import StepContext, is_loss_owner
+
+
+def _arrays(batch: gen_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
+    """Padded inputs, labels, mask, advantages and old log-probs, rows x seq_length."""
+    rows, p = len(batch.sequences), batch.prompt_length
+    out = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
+    out.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "adv", "old")})
+    for i, (row, adv, old) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, strict=True)):
+        n = len(row) - 1
+        out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
+        r = len(row) - p  # response tokens: labels p-1 .. n-1
+        out["mask"][i, p - 1:n], out["adv"][i, p - 1:n], out["old"][i, p - 1:n] = 1.0, adv[:r], old[:r]
+    return out
+
+
+def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    rows, seq = arrays["tokens"].shape
+    for start in range(0, rows, micro):
+        mb = {k: torch.from_numpy(v[start:start + micro]).to(device) for k, v in arrays.items()}
+        mb["position_ids"] = torch.arange(seq, device=device).unsqueeze(0).expand_as(mb["tokens"])
+        yield mb
+
+
+def policy_step(ctx: StepContext, batch: gen_calls.PolicyBatch,
+                before_update: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One optimizer step of the actor; this rank's metrics (loss owners: the replica's).
+    ``before_update``: as for a training step (an async checkpoint's fence)."""
+    t0 = time.perf_counter()
+    cfg, rl = ctx.cfg, ctx.cfg.rl
+    lr = set_lr(ctx.optimizer, batch.step, cfg)
+    if rl.lr is not None:  # the RL phase's own rate, with Megatron's per-group multipliers
+        for group in ctx.optimizer.param_groups:
+            group["lr"] = rl.lr * group.get("lr_mult", 1.0)
+        lr = rl.lr
+    for chunk in ctx.model_chunks:
+        chunk.zero_grad_buffer()
+        chunk.train()
+    ctx.optimizer.zero_grad()
+    arrays = _arrays(batch, cfg.model.seq_length)
+    rows = len(batch.sequences)
+    micro = min(int(cfg.training.micro_batch_size), rows)
+
+    def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
+        mb = next(data)
+        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+
+        def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            logp = -per_token_loss.float()
+            loss, clip_frac = rl_loss.policy_loss(logp, mb["old"], mb["adv"], mb["mask"], clip_low=rl.clip_low,
+                                                  clip_high=rl.clip_high, clip_c=rl.clip_c)
+            ratio = (torch.exp(logp - mb["old"]) * mb["mask"]).max()
+            return loss, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach()}
+
+        return output, loss_func
+
+    out_mb = get_forward_backward_func()(
+        forward_step_func=forward, data_iterator=_micro(arrays, micro, ctx.device), model=ctx.model_chunks,
+        num_microbatches=rows // micro, seq_length=cfg.model.seq_length, micro_batch_size=micro, forward_only=False)
+    if before_update is not None:
+        before_update()
+    update_ok, grad_norm, _ = ctx.optimizer.step()
+    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0}
+    if is_loss_owner() and parallel_state.is_pipeline_last_stage():
+        out.update(loss=float(torch.stack([d["pg"] for d in out_mb]).mean()),
+                   clip_frac=float(torch.stack([d["clip_frac"] for d in out_mb]).mean()),
+                   ratio_max=float(torch.stack([d["ratio_max"] for d in out_mb]).max()),
+                   grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),
+                   lr=float(lr), tokens=int(arrays["mask"].sum()))
+    return out

@@ -1,0 +1,77 @@
+"""RL post-training settings: ``program: grpo`` and the ``rl`` section.
+
+``program``: ``pretrain`` (the default: next-token training on ``data``) or ``grpo``.
+Under ``grpo`` the first ``rl.warmup_steps`` steps are supervised steps on ``data`` (a warm
+start: a policy that never succeeds gets no signal), then every step is one GRPO iteration:
+``prompts_per_step`` prompts of ``prompt_length`` tokens from ``rl.task``, each answered
+``n`` times (the group, verl's ``rollout.n``) by the generator group with ``temperature`` /
+``top_k`` / ``top_p`` and ``max_response_length`` new tokens; ``reward`` scores every
+response on the controller (a built-in name, or the user's ``module:function``, see
+core.rl.rewards); advantages are group-normalised (``norm_adv_by_std``: divide by the
+group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
+on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
+rollout's log-probs as the old policy's; then the generator is synced to the new policy.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from core.errors import ConfigError
+from core.spec.schema import bounded, check_bounds
+
+if TYPE_CHECKING:  # config imports this module for its section
+    from core.spec.config import RunConfig
+
+PROGRAMS = ("pretrain", "grpo")
+BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    warmup_steps: int = bounded(0, ge=0, le=10**12)
+    task: Literal["counting"] = "counting"
+    reward: str = "counting"
+    prompts_per_step: int = bounded(4, gt=0, le=2**20)
+    n: int = bounded(8, gt=0, le=2**16)
+    prompt_length: int = bounded(4, gt=0, le=2**20)
+    max_response_length: int = bounded(8, gt=0, le=2**20)
+    temperature: float = bounded(1.0, gt=0, le=1e3)
+    top_k: int = bounded(0, ge=0, le=2**26)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    ppo_epochs: int = bounded(1, gt=0, le=2**10)
+    clip_low: float = bounded(0.2, ge=0, le=1)
+    clip_high: float = bounded(0.28, ge=0, le=1e3)
+    clip_c: float = bounded(3.0, gt=1, le=1e3)
+    norm_adv_by_std: bool = True
+    lr: float | None = bounded(None, gt=0, le=1e3)  # the actor's in RL steps; None: the optimizer's schedule
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "rl")
+
+
+def validate(cfg: RunConfig) -> None:
+    """What a GRPO run needs from the rest of the config, refused at submit."""
+    if cfg.program not in PROGRAMS:
+        raise ConfigError(f"program: {cfg.program!r} is not one of {', '.join(PROGRAMS)}")
+    if cfg.program == "pretrain":
+        return
+    rl = cfg.rl
+    if cfg.model.kind != "gpt" or not cfg.generator.enabled:
+        raise ConfigError(f"program: {cfg.program} needs model.kind: gpt and generator.enabled: true "
+                          "(the generator group is the rollout)")
+    if rl.prompt_length + rl.max_response_length - 1 > cfg.model.seq_length:
+        raise ConfigError(f"rl.max_response_length: prompt_length + max_response_length - 1 = "
+                          f"{rl.prompt_length + rl.max_response_length - 1} > model.seq_length = "
+                          f"{cfg.model.seq_length}; shorten them or raise model.seq_length")
+    rows, dp, micro = rl.prompts_per_step * rl.n, cfg.dims.dp, cfg.training.micro_batch_size
+    if rows % dp or (micro != "auto" and (rows // dp) % micro):
+        raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "
+                          f"{dp} data-parallel replica(s) of whole micro-batches of {micro} "
+                          "(training.micro_batch_size); pick sizes that divide")
+    if rl.reward not in BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
+        raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+                          "nor 'module:function' (imported on the controller)")
+    if rl.warmup_steps > cfg.trainer.steps:
+        raise ConfigError(f"rl.warmup_steps: {rl.warmup_steps} > trainer.steps = {cfg.trainer.steps}")
