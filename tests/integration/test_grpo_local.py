@@ -9,7 +9,8 @@ exactly afterwards.
 The preempted run gets SIGUSR2 at its controller after RL step 50: it checkpoints at the
 step boundary, requeues, resumes, re-syncs the generator from the restored actor, and
 writes the same losses, rewards and policy versions bit for bit (prompts and sampling are
-keyed by seed and step, so no prompt repeats or is skipped).
+keyed by seed and step, so no prompt repeats or is skipped). With the rollout on a worker
+of its own (generator.placement=split) every number equals the colocated demo's too.
 """
 from __future__ import annotations
 
@@ -70,3 +71,17 @@ def test_grpo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path:
     assert got == [{k: m.get(k) for k in keys} for m in _metrics(demo)]
     log = (r.run_dir / "logs" / "controller.log").read_text()
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout
+
+
+def test_grpo_with_the_rollout_on_workers_of_its_own_gives_the_same_numbers(demo: Path, tmp_path: Path) -> None:
+    """generator.placement=split: the rollout on one worker of its own (rank 2), every weight
+    sync over the bridge group; prompts, sampling and the actor's arithmetic are the same,
+    so every step's numbers equal the colocated demo's."""
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "generator.placement=split", "generator.workers=1",
+                "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = next((tmp_path / "grpo-tiny").glob("*"))
+    keys = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version")
+    assert [{k: m.get(k) for k in keys} for m in _metrics(run)] == [{k: m.get(k) for k in keys} for m in _metrics(demo)]
+    status = baton("status", str(run)).stdout
+    assert "generator: 1 on 1 node: local (rank 2)" in status, status
