@@ -3,7 +3,9 @@
     CKPT_SAVE  Save     → Saved            write this rank's shard into a temporary step folder
     CKPT_POLL  Step     → ShardAck | None  the ack of an async save once durable (repeatable)
     CKPT_WAIT  Step     → ShardAck         block until the async save is durable
-    CKPT_LOAD  Load     → Loaded           read this rank's slices (in its own layout)
+    CKPT_LOAD  Load     → Loaded           read this rank's slices (in its own layout); with
+                                           ``into="reference"`` only the model weights, into
+                                           the task's reference model (an RL run's)
 
 The controller commits once every rank has acked (core.checkpoint.coordinator); a rank
 only writes into the folder it is given.
@@ -11,6 +13,7 @@ only writes into the folder it is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from core.checkpoint.spec import ShardAck
 from core.wire.calls import Step
@@ -42,6 +45,7 @@ class Saved:
 @dataclass(frozen=True, kw_only=True)
 class Load:
     step_dir: str
+    into: Literal["state", "reference"] = "state"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,7 +56,7 @@ def tmp_step_dir(root: Path, step: int) -> Path:
 
 
 def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dict[str, Any], *,
-           world_size: int | None = None, keep_last: int = 2) -> Path:
+           world_size: int | None = None, keep_last: int = 2, pinned: frozenset[int] = frozenset()) -> Path:
     """Commit one save: validate the ranks' acks, write the manifest last, rename, move ``latest``.
 
     ``world_size`` is the number of writing ranks (default: ``len(acks)``); every rank
@@ -88,7 +88,7 @@ def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dic
     logger.info("committed checkpoint %s (%d files, %d tensors)", final, len(files), len(tensors))
     if aside is not None:
         shutil.rmtree(aside)
-    retain(root, keep_last)
+    retain(root, keep_last, pinned)
     remove_uncommitted(root, up_to_step=step)
     return final
 
@@ -181,8 +181,9 @@ def quarantine(step_dir: Path, why: str) -> Path:
     return aside
 
 
-def retain(root: Path, keep_last: int) -> list[Path]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted.
+def retain(root: Path, keep_last: int, pinned: frozenset[int] = frozenset()) -> list[Path]:
+    """Delete committed checkpoints beyond the newest ``keep_last`` (never a ``pinned`` step);
+    return what was deleted.
 
     Never leaves no good checkpoint: when none of the kept ones passes the quick check
     (manifest, files and sizes), the newest older one that does is kept as well. An older one
@@ -193,7 +194,7 @@ def retain(root: Path, keep_last: int) -> list[Path]:
     if keep_last < 1:
         raise ValueError(f"keep_last must be ≥ 1, got {keep_last}")
     steps = list(reversed(committed_steps(root)))
-    kept, older = steps[:keep_last], steps[keep_last:]
+    kept, older = steps[:keep_last], [s for s in steps[keep_last:] if s not in pinned]
     if older and all(verify(root / step_dir_name(s), checksums=False) for s in kept):
         for s in older:
             if not verify(root / step_dir_name(s), checksums=False):

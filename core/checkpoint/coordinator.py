@@ -54,6 +54,7 @@ class Pending:
     started: float  # perf_counter
     loss: float | None
     policy_version: int | None = None  # the trainer step a generator was last synced to
+    state: dict[str, Any] | None = None  # the program's own loop state (an RL program's KL coefficient)
 
 
 class CheckpointCoordinator:
@@ -71,6 +72,7 @@ class CheckpointCoordinator:
         self.on_commit = on_commit  # (seconds, bytes): the metrics endpoint
         self.last_save_s: float | None = None  # how long the last save took to commit
         self._pending: Pending | None = None
+        self.pinned: set[int] = set()  # steps retention keeps for the run's life (an RL run's reference)
 
     # --- resume -----------------------------------------------------------------------------
     def resume_point(self, *, from_scratch: bool = False) -> Path | None:
@@ -119,7 +121,7 @@ class CheckpointCoordinator:
 
     # --- save -------------------------------------------------------------------------------
     def save(self, step: int, *, loss: float | None, blocking: bool = False, timeout_s: float | None = None,
-             policy_version: int | None = None) -> None:
+             policy_version: int | None = None, state: dict[str, Any] | None = None) -> None:
         """Order every rank to write its shard of ``step``; commit once all have acked."""
         self.drain()
         tmp = tmp_step_dir(self.root, step)
@@ -130,10 +132,11 @@ class CheckpointCoordinator:
                                                             async_save=async_save),
                                 timeout_s=timeout_s or self.timeout_s)
         if async_save:
-            self._pending = Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version)
+            self._pending = Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version,
+                                    state=state)
             self.record.append(ev.CheckpointStarted(step=step, blocked_s=round(time.perf_counter() - t0, 3)))
             return
-        self._commit(Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version),
+        self._commit(Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version, state=state),
                      [s.ack for s in saved])
 
     def poll(self) -> None:
@@ -163,11 +166,11 @@ class CheckpointCoordinator:
             "dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
             "config_hash": self.model_hash,
             "loop": {"step": p.step, "epoch": self.group.epoch, "generation": self.group.generation,
-                     "last_loss": p.loss, "policy_version": p.policy_version},
+                     "last_loss": p.loss, "policy_version": p.policy_version, **(p.state or {})},
         }
         try:
             final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.dims.world_size,
-                           keep_last=self.keep_last)
+                           keep_last=self.keep_last, pinned=frozenset(self.pinned))
         except OSError as exc:
             if is_transient(exc):
                 raise TransientIOError(f"{p.tmp}: the commit of step {p.step} failed ({exc}); a storage fault: "

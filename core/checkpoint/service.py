@@ -5,6 +5,8 @@ A task that can be checkpointed offers two functions:
     checkpoint_state() -> (items: list[(TensorSlice, np.ndarray | LiveArray)], blobs: dict)
     restore_state(read, blobs) -> None   # read(name, offset, shape) -> np.ndarray
 
+and, optionally, ``restore_reference(read)`` (the model weights of a checkpoint into a
+frozen copy that is not part of the state: an RL run's reference policy)
 and, optionally, ``bind_checkpoint_fence(fence)``. A task that binds the fence may export
 its live state (views, ``core.checkpoint.spec.LiveArray``) and promises to call
 ``fence()`` before it next changes that state (before its optimizer step, before a
@@ -45,10 +47,12 @@ class CheckpointService:
         rank: int,
         export: Callable[[], tuple[Items, dict[str, Any]]],
         restore: Callable[[ReadFn, dict[str, Any]], None],
+        restore_reference: Callable[[ReadFn], None] | None = None,
     ) -> None:
         self.rank = rank
         self.export = export
         self.restore = restore
+        self.restore_reference = restore_reference
         self._writer: Any = None
         self._pending: Any = None  # handle of the async save in flight
         self._pending_step = -1
@@ -125,9 +129,17 @@ class CheckpointService:
         """Read the slices this rank owns (in its current layout) from a committed checkpoint."""
         from core.checkpoint.hdf5 import CheckpointReader  # h5py, as in save
 
-        self.fence()  # restoring changes the state a pending async save may still be copying
+        if req.into == "reference" and self.restore_reference is None:
+            raise BatonRuntimeError(f"rank {self.rank}: this task holds no reference model to load into")
+        if req.into == "state":
+            self.fence()  # restoring changes the state a pending async save may still be copying
         reader = CheckpointReader(Path(req.step_dir))
         try:
+            if req.into == "reference":
+                assert self.restore_reference is not None
+                self.restore_reference(reader.read)
+                log.info("loaded the reference model from %s", req.step_dir)
+                return calls.Loaded(step=int(reader.manifest.step))
             saved_ranks = {f.rank for f in reader.manifest.files}
             # Per-rank blobs (RNG streams) map to the same rank when it existed; else rank 0's.
             blobs = reader.blobs(self.rank if self.rank in saved_ranks else 0)
@@ -154,7 +166,8 @@ class CheckpointedTask:
 
     def __init__(self, task: Any, rank: int) -> None:
         self.task = task
-        self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state)
+        self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state,
+                                         getattr(task, "restore_reference", None))
         bind = getattr(task, "bind_checkpoint_fence", None)
         if bind is not None:
             bind(self.service.fence)

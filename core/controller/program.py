@@ -17,8 +17,10 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.checkpoint import manifest
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
@@ -60,6 +62,7 @@ class Program:
     _alloc_base: float | None = field(default=None, init=False)
     _step_s: float = field(default=0.0, init=False)  # a moving average of the step's wall time
     _epoch_start: int | None = field(default=None, init=False)  # the step this allocation began at
+    _resumed_from: Path | None = field(default=None, init=False)  # the checkpoint this allocation loaded
 
     def run_all(self) -> StopRequest | None:
         """The whole run; returns the stop request that ended it early, None when it finished."""
@@ -71,7 +74,9 @@ class Program:
             if self.cfg.program == "grpo":
                 from core.controller.rl_program import GRPOStep  # numpy: only RL programs need it
 
-                self.rl = GRPOStep(self.cfg, self.group, self.generator)
+                self.rl = GRPOStep(self.cfg, self.group, self.generator, self.checkpoints)
+                if self._resumed_from is not None:
+                    self.rl.restore(manifest.read_manifest(self._resumed_from).meta.get("loop") or {})
         stop = self.train()
         if stop is None:
             self.finish()
@@ -109,6 +114,7 @@ class Program:
         before = self.record.read()
         step_dir = self.checkpoints.resume_point(from_scratch=before.from_scratch)
         self.step = 0 if step_dir is None else self.checkpoints.load(step_dir)
+        self._resumed_from = step_dir
         new: list[ev.Event] = []
         if step_dir is None and before.step > 0:
             why = "--from-scratch" if before.from_scratch else "no committed checkpoint"
@@ -140,6 +146,7 @@ class Program:
             t0 = time.perf_counter()
             extra: dict[str, object] = {}
             if self.rl is not None and step >= cfg.rl.warmup_steps:
+                self.rl.load_reference(step, self.last_loss)
                 results, extra = self.rl.run(step)
             else:
                 results = self.group.call(calls.TRAIN_STEP, calls.Step(step=step), timeout_s=cfg.timeouts.step_s)
@@ -148,14 +155,15 @@ class Program:
             record = dataclasses.replace(self._record(step, results, wall), **extra)
             done = step + 1
             if self.generator is not None and self.generator.due(done):
-                record = dataclasses.replace(record, sync_logprob_maxdiff=self.generator.sync(done))
+                gap = max(self.generator.sync(done), record.sync_logprob_maxdiff or 0.0)
+                record = dataclasses.replace(record, sync_logprob_maxdiff=gap)
                 self.generator.generate(done)
             step_records.append(self.run.metrics, record)
             self._observe(record, wall)
             self.step, self.last_loss = done, record.loss
             self.checkpoints.poll()
             if interval and done % interval == 0 and done < cfg.trainer.steps:
-                self.checkpoints.save(done, loss=record.loss, policy_version=self._policy())
+                self.checkpoints.save(done, loss=record.loss, **self._loop())
             if done % cfg.trainer.log_interval_steps == 0 or done == cfg.trainer.steps:
                 log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record.loss, wall)
                 self.save_progress()
@@ -181,16 +189,18 @@ class Program:
             if stop.time_left_s is not None:  # commit within the time Slurm leaves us
                 timeout = max(1.0, min(timeout, stop.time_left_s - 2.0))
             self.checkpoints.save(step, loss=self.last_loss, blocking=True, timeout_s=timeout,
-                                  policy_version=self._policy())
+                                  **self._loop())
 
     def finish(self) -> None:
         if self.cfg.checkpoint.at_end and not self.checkpoints.committed(self.step):
-            self.checkpoints.save(self.step, loss=self.last_loss, blocking=True, policy_version=self._policy())
+            self.checkpoints.save(self.step, loss=self.last_loss, blocking=True, **self._loop())
         self.checkpoints.drain()
 
-    def _policy(self) -> int | None:
-        """The policy version a checkpoint records: the step the generator was last synced to."""
-        return None if self.generator is None else self.generator.version
+    def _loop(self) -> dict[str, Any]:
+        """What a checkpoint records of the loop: the policy version (the step the generator
+        was last synced to) and an RL program's state."""
+        return {"policy_version": None if self.generator is None else self.generator.version,
+                "state": None if self.rl is None else self.rl.state()}
 
     # --- metrics ------------------------------------------------------------------------
     def _allocated_s(self) -> float:

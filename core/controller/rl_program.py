@@ -1,66 +1,180 @@
 """One GRPO iteration as the controller runs it (``program: grpo``, core.spec.rl).
 
-    the generator holds the policy of this step (synced if not) → prompts of the step
-    (core.rl.tasks) × n → rollout on the generator group → rewards on the controller
-    (core.rl.rewards) → group-normalised advantages (core.rl.advantages) → ``ppo_epochs``
-    actor updates (POLICY_STEP, each data replica its share of the responses; the rollout's
-    log-probs are the old policy's) → the step's numbers for metrics.jsonl.
+    sync    the generator holds the policy of this step (synced if not)
+    generate  prompts of the step (core.rl.tasks) × n, continued on the generator group
+    reward  every response scored on the controller (core.rl.rewards)
+    old     the actor's log-probs of the responses before its update, and its entropy
+    ref     the reference policy's log-probs (with a KL term, rl.kl)
+    update  group-normalised advantages (core.rl.advantages), then ``ppo_epochs`` actor
+            updates (POLICY_STEP: each data replica its share of the responses)
+
+Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
+rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``).
 
 Everything a step draws is keyed by (seed, step): prompts, and the sampling of each
 response (seed, step, response index). A run resumed at step k asks and samples exactly
 what the uninterrupted run did at step k, from the restored policy (the generator is
 re-synced after every load).
+
+The reference policy is a checkpoint: the run's own at ``rl.warmup_steps`` (saved when the
+RL phase begins, and kept by retention for the run's life). Every allocation that trains
+RL steps loads it into the trainer's reference model first. The adaptive KL coefficient
+travels in each checkpoint's loop state.
 """
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
+from core.checkpoint import calls as ckpt_calls
+from core.checkpoint import manifest
+from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
+from core.errors import CheckpointError
 from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
 from core.spec.config import RunConfig
+from core.spec.plan import count_params
+
+Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advantage per response token
 
 
 class GRPOStep:
-    def __init__(self, cfg: RunConfig, group: WorkerGroup, generator: GeneratorFlow) -> None:
-        self.cfg, self.group, self.generator = cfg, group, generator
+    def __init__(self, cfg: RunConfig, group: WorkerGroup, generator: GeneratorFlow,
+                 checkpoints: CheckpointCoordinator) -> None:
+        self.cfg, self.group, self.generator, self.checkpoints = cfg, group, generator, checkpoints
         self.reward = rewards.load(cfg.rl.reward, "rl.reward")
+        kl = cfg.rl.kl
+        coef = advantages.auto_kl_coef(count_params(cfg).total) if kl.coef == "auto" else float(kl.coef)
+        self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
+        self.reference_step = cfg.rl.warmup_steps
+        self._reference_loaded = False
+        if kl.enabled:
+            checkpoints.pinned.add(self.reference_step)
 
+    # --- state a checkpoint keeps ------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"kl_coef": self.kl.value}
+
+    def restore(self, loop: dict[str, Any]) -> None:
+        if isinstance(loop.get("kl_coef"), (int, float)):
+            self.kl.value = float(loop["kl_coef"])
+
+    def load_reference(self, step: int, loss: float | None) -> None:
+        """Before the first RL step of an allocation: the reference policy from its checkpoint
+        (saved now when the RL phase begins at ``step``)."""
+        if self._reference_loaded or not self.cfg.rl.kl.enabled:
+            return
+        ref = self.reference_step
+        if step == ref and not self.checkpoints.committed(ref):
+            self.checkpoints.save(ref, loss=loss, blocking=True, policy_version=self.generator.version,
+                                  state=self.state())
+        where = self.checkpoints.root / manifest.step_dir_name(ref)
+        if not self.checkpoints.committed(ref) or manifest.verify(where, checksums=False):
+            raise CheckpointError(
+                f"{where}: the reference policy's checkpoint (the actor at rl.warmup_steps = {ref}) is missing or "
+                "damaged; restore it, or start the run again with `baton submit --resume RUN --from-scratch`")
+        self.group.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(where), into="reference"),
+                        timeout_s=self.checkpoints.timeout_s, collect=lambda res, _: res,
+                        dispatch=lambda req, _n: {r: req for r in range(self.group.dims.world_size)})
+        self._reference_loaded = True
+
+    # --- one step ----------------------------------------------------------------------------
     def run(self, step: int) -> tuple[list[gen_calls.PolicyResult], dict[str, Any]]:
         """One iteration at policy version ``step``: the last epoch's results by rank, and the
         step's RL numbers."""
         cfg, rl = self.cfg, self.cfg.rl
-        extra: dict[str, Any] = {}
-        if self.generator.version != step:
-            extra["sync_logprob_maxdiff"] = self.generator.sync(step)
-        asked = tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
-        prompts = [p for p, _ in asked for _ in range(rl.n)]
-        done = self.generator.rollout(gen_calls.Generate(
-            prompts=tuple(prompts), max_new_tokens=rl.max_response_length, temperature=rl.temperature,
-            top_k=rl.top_k, top_p=rl.top_p, seed=(cfg.seed * 7919 + step) * 1009 + 7))
-        scores = [rewards.score(self.reward, prompts[i], done[i][0], asked[i // rl.n][1], index=i // rl.n)
-                  for i in range(len(prompts))]
-        adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
-        rows = [(prompts[i] + done[i][0], (float(adv[i]),) * len(done[i][0]), done[i][1]) for i in range(len(prompts))]
-        results: list[gen_calls.PolicyResult] = []
-        for _ in range(rl.ppo_epochs):
-            answers = self.group.call(gen_calls.POLICY_STEP, None, timeout_s=cfg.timeouts.step_s,
-                                      dispatch=lambda _req, _n: {r: self._share(step, rows, r)
-                                                                 for r in range(self.group.dims.world_size)},
-                                      collect=lambda res, _: res)
-            results = [answers[r] for r in sorted(answers)]
+        phases: dict[str, float] = {}
+        with _timed(phases, "sync"):
+            if self.generator.version != step:
+                self.generator.sync(step)
+        with _timed(phases, "generate"):
+            asked = tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
+            prompts = [p for p, _ in asked for _ in range(rl.n)]
+            done = self.generator.rollout(gen_calls.Generate(
+                prompts=tuple(prompts), max_new_tokens=rl.max_response_length, temperature=rl.temperature,
+                top_k=rl.top_k, top_p=rl.top_p, seed=(cfg.seed * 7919 + step) * 1009 + 7))
+        with _timed(phases, "reward"):
+            scores = [rewards.score(self.reward, prompts[i], done[i][0], asked[i // rl.n][1], index=i // rl.n)
+                      for i in range(len(prompts))]
+        sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
+        with _timed(phases, "old"):
+            old, entropy = self._score("actor", sequences)
+        ref: list[tuple[float, ...]] = []
+        if rl.kl.enabled:
+            with _timed(phases, "ref"):
+                ref, _ = self._score("reference", sequences)
+        with _timed(phases, "update"):
+            adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
+            rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
+            first, results = self._update(step, rows, old, ref)
         owners = [results[r] for r in self.group.dims.loss_owners()]
-        extra.update(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
+        kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
+        coef = self.kl.value
+        if kl_now is not None:
+            self.kl.update(kl_now, len(rows))
+        extra = dict(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
                      response_length=statistics.fmean(len(d[0]) for d in done), policy_version=step,
-                     clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners))
+                     clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
+                     ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
+                     kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()},
+                     sync_logprob_maxdiff=max(abs(a - b) for o, d in zip(old, done, strict=True)
+                                              for a, b in zip(o, d[1], strict=True)))
         return results, extra
 
-    def _share(self, step: int, rows: list[tuple[Any, Any, Any]], rank: int) -> gen_calls.PolicyBatch:
-        """Rank ``rank``'s data replica's rows: every dp-th, from the replica's index on."""
-        dp = self.group.dims.dp
-        mine = rows[self.group.dims.coords(rank).dp::dp]
-        return gen_calls.PolicyBatch(step=step, prompt_length=self.cfg.rl.prompt_length,
-                                     sequences=tuple(tuple(r[0]) for r in mine),
-                                     advantages=tuple(r[1] for r in mine), old_logprobs=tuple(r[2] for r in mine))
+    def _update(self, step: int, rows: list[Row], old: list[tuple[float, ...]], ref: list[tuple[float, ...]]
+                ) -> tuple[list[gen_calls.PolicyResult], list[gen_calls.PolicyResult]]:
+        """``ppo_epochs`` actor updates; (the first epoch's loss owners' results, the last
+        epoch's results by rank)."""
+        dims, rl = self.group.dims, self.cfg.rl
+        coef = self.kl.value if ref else 0.0
+
+        def batch(rank: int) -> gen_calls.PolicyBatch:
+            d = dims.coords(rank).dp
+            return gen_calls.PolicyBatch(
+                step=step, prompt_length=rl.prompt_length, sequences=tuple(r[0] for r in rows[d::dims.dp]),
+                advantages=tuple(r[1] for r in rows[d::dims.dp]), old_logprobs=tuple(old[d::dims.dp]),
+                ref_logprobs=tuple(ref[d::dims.dp]), kl_coef=coef)
+
+        shares = {r: batch(r) for r in range(dims.world_size)}
+        first: list[gen_calls.PolicyResult] = []
+        results: list[gen_calls.PolicyResult] = []
+        for epoch in range(rl.ppo_epochs):
+            answers = self._each(gen_calls.POLICY_STEP, shares.__getitem__)
+            results = [answers[r] for r in sorted(answers)]
+            if epoch == 0:
+                first = [results[r] for r in dims.loss_owners()]
+        return first, results
+
+    def _score(self, model: str, sequences: list[tuple[int, ...]]) -> tuple[list[tuple[float, ...]], float]:
+        """Per response its tokens' log-probs under ``model``, in order; the actor's entropy
+        (token mean over every response)."""
+        dims = self.group.dims
+        answers = self._each(gen_calls.SCORE_ROWS, lambda r: gen_calls.ScoreRows(
+            model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
+            sequences=tuple(sequences[dims.coords(r).dp::dims.dp])))
+        out: list[tuple[float, ...]] = [()] * len(sequences)
+        entropy, tokens = 0.0, 0
+        for rank in dims.loss_owners():
+            part = answers[rank]
+            out[dims.coords(rank).dp::dims.dp] = part.logprobs
+            entropy, tokens = entropy + part.entropy_sum, tokens + part.tokens
+        return out, entropy / max(tokens, 1)
+
+    def _each(self, method: Any, request: Callable[[int], Any]) -> dict[int, Any]:
+        """``method`` on every trainer rank with its own request; the results by rank."""
+        return self.group.call(method, None, timeout_s=self.cfg.timeouts.step_s, collect=lambda res, _: res,
+                               dispatch=lambda _req, _n: {r: request(r) for r in range(self.group.dims.world_size)})
+
+
+@contextmanager
+def _timed(phases: dict[str, float], name: str) -> Any:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = time.perf_counter() - t0

@@ -7,6 +7,7 @@
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
     POLICY_STEP   PolicyBatch → PolicyResult one actor update on the clipped policy objective (RL)
+    SCORE_ROWS    ScoreRows   → RowScores    the actor's or the reference's log-probs of a rollout (RL)
 
 Split placement only (the generator on workers of its own, ranks after the trainer's):
 
@@ -18,6 +19,7 @@ A plan is made by the controller (``core.flows.reshard.plan``) from every rank's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from core.checkpoint.spec import TensorSlice
 from core.flows.reshard import Piece
@@ -105,13 +107,35 @@ class LogProbs:
 class PolicyBatch:
     """One optimizer step of the actor on this rank's data replica's share of a rollout:
     ``sequences`` prompt + response (prompts of ``prompt_length`` tokens), per response token
-    its ``advantages`` and the rollout's (old policy's) ``old_logprobs``."""
+    its ``advantages``, the old policy's ``old_logprobs`` and (with a KL term, ``kl_coef`` > 0)
+    the reference's ``ref_logprobs``."""
 
     step: int
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
     advantages: tuple[tuple[float, ...], ...]
     old_logprobs: tuple[tuple[float, ...], ...]
+    ref_logprobs: tuple[tuple[float, ...], ...] = ()
+    kl_coef: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreRows:
+    """Teacher-forced log-probs of the response tokens of rows (prompt + response, prompts
+    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``."""
+
+    model: Literal["actor", "reference"]
+    prompt_length: int
+    sequences: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowScores:
+    """On loss owners (one per data replica); empty elsewhere."""
+
+    logprobs: tuple[tuple[float, ...], ...] = ()  # per row, its response tokens'
+    entropy_sum: float = 0.0  # the actor's entropy summed over the response tokens
+    tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +150,7 @@ class PolicyResult:
     tokens: int = 0  # response tokens of this replica
     clip_frac: float | None = None
     ratio_max: float | None = None  # the largest new/old probability ratio seen
+    kl_loss: float | None = None  # the KL term's token mean before its coefficient
 
 
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
@@ -136,3 +161,4 @@ BRIDGE = Method("bridge", Bridge, None)
 PROBE_BATCH = Method("probe_batch", Probe, LogProbs)
 SCORE = Method("score", LogProbs, LogProbs)
 POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult)
+SCORE_ROWS = Method("score_rows", ScoreRows, RowScores)

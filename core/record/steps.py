@@ -48,11 +48,17 @@ class StepRecord:
     response_length: float | None = None
     clip_frac: float | None = None
     policy_version: int | None = None  # the policy that generated this step's responses
+    kl: float | None = None  # the actor's KL estimate to the reference (rl.kl.estimator), token mean
+    kl_coef: float | None = None  # the KL coefficient this step's update used
+    entropy: float | None = None  # of the actor's distribution over response tokens, token mean
+    ratio_max: float | None = None  # the largest new/old probability ratio of the last update epoch
+    phase_s: dict[str, float] | None = None  # wall seconds per phase: generate, reward, old, ref, update, sync
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb", "sync_logprob_maxdiff", "reward_mean", "reward_std",
-                     "response_length", "clip_frac", "policy_version")
+                     "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
+                     "phase_s")
 
 
 def to_data(record: StepRecord) -> dict[str, Any]:

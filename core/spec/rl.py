@@ -10,12 +10,19 @@ response on the controller (a built-in name, or the user's ``module:function``, 
 core.rl.rewards); advantages are group-normalised (``norm_adv_by_std``: divide by the
 group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
-rollout's log-probs as the old policy's; then the generator is synced to the new policy.
+actor's own log-probs before the update as the old policy's; then the generator is synced.
+
+``kl``: a KL penalty to the reference policy (the actor when RL began: the end of the warm
+start, or ``init_from``) in the actor's loss, ``coef`` × the token mean of the
+``estimator`` (k1, abs, mse, k3 ``low_var_kl``). ``coef: auto`` is a heuristic, not a law:
+max(1e-3, 0.02 ln(parameters in billions)). With ``target`` the coefficient adapts each
+step towards that KL over ``horizon`` responses (the adaptive controller). ``coef: 0`` and
+no target: no reference model at all.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import ConfigError
@@ -26,6 +33,22 @@ if TYPE_CHECKING:  # config imports this module for its section
 
 PROGRAMS = ("pretrain", "grpo")
 BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLConfig:
+    coef: float | Literal["auto"] = bounded(0.001, ge=0, le=1e3)
+    estimator: Literal["k1", "abs", "mse", "low_var_kl"] = "low_var_kl"  # core.model.gpt.rl_loss.KL_ESTIMATORS
+    target: float | None = bounded(None, gt=0, le=1e3)  # adaptive: the KL the coefficient steers towards
+    horizon: int = bounded(10000, gt=0, le=2**40)  # responses over which the adaptive coefficient moves
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "rl.kl")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run needs a reference model."""
+        return self.coef == "auto" or self.coef > 0 or self.target is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +69,7 @@ class RLConfig:
     clip_c: float = bounded(3.0, gt=1, le=1e3)
     norm_adv_by_std: bool = True
     lr: float | None = bounded(None, gt=0, le=1e3)  # the actor's in RL steps; None: the optimizer's schedule
+    kl: KLConfig = field(default_factory=KLConfig)
 
     def __post_init__(self) -> None:
         check_bounds(self, "rl")

@@ -2,14 +2,16 @@
 mid-RL resumes to the uninterrupted run's numbers.
 
 The demo: 30 supervised warm-start steps, then 100 GRPO steps (4 prompts x 8 responses,
-exact-match counting reward). The mean reward of the first 10 RL steps is at most 0.45 and
-of the last 10 at least 0.85; the greedy continuations of the held-out prompts count on
-exactly afterwards.
+exact-match counting reward, a k3 KL term to the reference: the actor at step 30). The mean
+reward of the first 10 RL steps is at most 0.45 and of the last 10 at least 0.85; the greedy
+continuations of the held-out prompts count on exactly afterwards. The reference's
+checkpoint outlives retention.
 
 The preempted run gets SIGUSR2 at its controller after RL step 50: it checkpoints at the
 step boundary, requeues, resumes, re-syncs the generator from the restored actor, and
-writes the same losses, rewards and policy versions bit for bit (prompts and sampling are
-keyed by seed and step, so no prompt repeats or is skipped). With the rollout on a worker
+writes the same losses, rewards, KL, entropy and policy versions bit for bit, and ends with
+the same actor weights (prompts and sampling are keyed by seed and step, so no prompt
+repeats or is skipped; the reference is reloaded from its checkpoint). With the rollout on a worker
 of its own (generator.placement=split) every number equals the colocated demo's too.
 """
 from __future__ import annotations
@@ -20,17 +22,32 @@ import signal
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from core.checkpoint.hdf5 import CheckpointReader
 from tests.helpers import baton
 from tests.integration.test_recovery_local import Submitted
 
 pytestmark = pytest.mark.timeout(900)
 EXPERIMENT = "experiments/grpo_tiny.yaml"
+KEYS = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl", "kl_coef",
+        "entropy", "ratio_max", "sync_logprob_maxdiff")
+PHASES = {"sync", "generate", "reward", "old", "ref", "update"}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _numbers(run_dir: Path) -> list[dict]:
+    return [{k: m.get(k) for k in KEYS} for m in _metrics(run_dir)]
+
+
+def _actor(run_dir: Path, step: int) -> dict[str, np.ndarray]:
+    """The model weights of a committed checkpoint (no optimizer state)."""
+    with CheckpointReader(run_dir / "checkpoints" / f"step_{step:08d}") as reader:
+        return {n: reader.read(n) for n in reader.manifest.tensors if not n.startswith("optim.")}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +66,11 @@ def test_the_grpo_demo_learns_to_count(demo: Path) -> None:
     first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
     assert first <= 0.45 and last >= 0.85, (first, last)
     assert all(r["response_length"] == 8 and 0 <= r["clip_frac"] <= 1 for r in rl)
+    assert all(r["kl_coef"] == 0.001 and r["kl"] >= 0 and r["entropy"] > 0 and set(r["phase_s"]) == PHASES
+               for r in rl)
+    assert rl[0]["kl"] == 0.0 and max(r["kl"] for r in rl) > 0  # the first RL step's actor is the reference
+    assert max(r["sync_logprob_maxdiff"] for r in rl) <= 1e-5  # the rollout's log-probs are the actor's
+    assert (demo / "checkpoints" / "step_00000030").is_dir()  # the reference's, kept beyond keep_last=2
     greedy = [json.loads(line) for line in (demo / "samples.jsonl").read_text().splitlines()]
     final = [s for s in greedy if s["version"] == 130 and s["kind"] == "greedy"]
     assert len(final) == 2
@@ -66,9 +88,9 @@ def test_grpo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path:
         r.cleanup()
     (pre,) = r.events("preempted")
     assert 50 <= pre["step"] < 130 and r.events("resumed")[0]["step"] == pre["step"]
-    keys = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version")
-    got = [{k: m.get(k) for k in keys} for m in _metrics(r.run_dir)]
-    assert got == [{k: m.get(k) for k in keys} for m in _metrics(demo)]
+    assert _numbers(r.run_dir) == _numbers(demo)
+    mine, theirs = _actor(r.run_dir, 130), _actor(demo, 130)
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
     log = (r.run_dir / "logs" / "controller.log").read_text()
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout
 
@@ -81,7 +103,22 @@ def test_grpo_with_the_rollout_on_workers_of_its_own_gives_the_same_numbers(demo
                 "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     run = next((tmp_path / "grpo-tiny").glob("*"))
-    keys = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version")
-    assert [{k: m.get(k) for k in keys} for m in _metrics(run)] == [{k: m.get(k) for k in keys} for m in _metrics(demo)]
+    assert _numbers(run) == _numbers(demo)
     status = baton("status", str(run)).stdout
     assert "generator: 1 on 1 node: local (rank 2)" in status, status
+
+
+def test_an_actor_in_tp2_and_a_rollout_in_tp1_dp2_agree_on_every_log_prob(tmp_path: Path) -> None:
+    """The actor's vocabulary split over two ranks, the rollout unsplit on two replicas: the
+    actor's log-probs of each step's responses stay within 1e-5 of the rollout's. With a KL
+    target the coefficient adapts every step."""
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "parallel.tp=2", "generator.tp=1",
+                "trainer.steps=40", "generator.sync_interval_steps=40", "rl.kl.target=0.01", "--backend", "local",
+                timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rl = [r for r in _metrics(next((tmp_path / "grpo-tiny").glob("*"))) if "reward_mean" in r]
+    assert [r["step"] for r in rl] == list(range(30, 40))
+    assert all(0 < r["sync_logprob_maxdiff"] <= 1e-5 for r in rl), [r["sync_logprob_maxdiff"] for r in rl]
+    coefs = [r["kl_coef"] for r in rl]
+    assert coefs[0] == 0.001 and coefs[1] < coefs[0] and len(set(coefs)) == len(coefs)  # KL below target: down
+    assert all(r["entropy"] > 0 for r in rl)

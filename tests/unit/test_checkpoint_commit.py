@@ -35,10 +35,11 @@ def _write_ranks(tmp: Path, step: int, value: float, world: int = 2, n: int = 64
     return acks
 
 
-def _save(root: Path, step: int, *, keep_last: int = 10, world: int = 2) -> Path:
+def _save(root: Path, step: int, *, keep_last: int = 10, world: int = 2, pinned: frozenset[int] = frozenset()
+          ) -> Path:
     tmp = tmp_step_dir(root, step)
     return commit(root, step, tmp, _write_ranks(tmp, step, float(step), world), {"layout": {"dp": world}},
-                           keep_last=keep_last)
+                  keep_last=keep_last, pinned=pinned)
 
 
 def _value(step_dir: Path) -> float:
@@ -152,6 +153,13 @@ def test_retention_keeps_keep_last_newest(tmp_path: Path) -> None:
         _save(tmp_path, step, keep_last=2)
         assert manifest.committed_steps(tmp_path) == list(range(max(1, step - 1), step + 1))
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["latest", "step_00000004", "step_00000005"]
+
+
+def test_retention_keeps_a_pinned_step_for_good(tmp_path: Path) -> None:
+    """An RL run's reference policy is a checkpoint: retention never deletes it."""
+    for step in range(1, 6):
+        _save(tmp_path, step, keep_last=2, pinned=frozenset({2}))
+    assert manifest.committed_steps(tmp_path) == [2, 4, 5]
 
 
 def test_retention_never_deletes_the_only_good_checkpoint(tmp_path: Path) -> None:

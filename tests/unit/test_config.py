@@ -231,6 +231,9 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     cfg = _grpo()
     assert cfg.program == "grpo" and (cfg.rl.n, cfg.rl.prompts_per_step, cfg.rl.warmup_steps) == (8, 4, 30)
     assert cfg.rl.lr == 1e-3 and config.from_data({}).program == "pretrain"
+    assert (cfg.rl.kl.coef, cfg.rl.kl.estimator, cfg.rl.kl.target, cfg.rl.kl.enabled) == (0.001, "low_var_kl", None, True)
+    assert _grpo("rl.kl.coef=auto").rl.kl.coef == "auto" and not _grpo("rl.kl.coef=0").rl.kl.enabled
+    assert _grpo("rl.kl.coef=0", "rl.kl.target=0.01").rl.kl.enabled  # adaptive from 0 needs the reference too
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -242,6 +245,10 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.warmup_steps=500"], r"^rl.warmup_steps: 500 > trainer.steps = 130"),
     (["rl.clip_low=2"], r"^rl.clip_low: "),
     (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting\) nor "),
+    (["rl.kl.coef=-1"], r"^rl.kl.coef: -1"),
+    (["rl.kl.coef=sometimes"], r"^rl.kl.coef: 'sometimes' is not "),
+    (["rl.kl.estimator=k3"], r"^rl.kl.estimator: 'k3' is not "),
+    (["rl.kl.target=0"], r"^rl.kl.target: 0"),
 ])
 def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:

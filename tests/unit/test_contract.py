@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from core.checkpoint import calls as ckpt_calls
 from core.errors import ProtocolError
+from core.flows import calls as gen_calls
 from core.model import toy
 from core.wire import calls, protocol
 from core.wire.contract import Method
@@ -21,6 +22,8 @@ METHODS: list[Method[Any, Any]] = [
     calls.SETUP, calls.TRAIN_STEP, calls.EVAL_STEP, calls.LOAD_WEIGHTS, calls.SAVE_WEIGHTS,
     ckpt_calls.CKPT_SAVE, ckpt_calls.CKPT_POLL, ckpt_calls.CKPT_WAIT, ckpt_calls.CKPT_LOAD,
     toy.NOOP, toy.ECHO, toy.FAIL, toy.SLEEP, toy.PID, toy.GET_STATE, toy.SET_STATE,
+    gen_calls.GENERATE, gen_calls.SCORE, gen_calls.POLICY_STEP, gen_calls.SCORE_ROWS,
+    gen_calls.PROBE_BATCH, gen_calls.BRIDGE, gen_calls.GEN_PROMPTS,
 ]
 _text = st.text(max_size=6)
 _float = st.floats(allow_nan=False)
@@ -33,6 +36,8 @@ def values(tp: Any) -> st.SearchStrategy[Any]:
         return st.none() | st.integers(-9, 9) | _text | st.lists(st.integers(0, 9), max_size=3)
     if origin in (Union, types.UnionType):
         return st.one_of([values(a) for a in args])
+    if origin is typing.Literal:
+        return st.sampled_from(args)
     if origin is tuple:
         return st.lists(values(args[0]), max_size=3).map(tuple)
     if origin is dict:
@@ -49,6 +54,8 @@ def sample(tp: Any) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         return sample(args[0])
+    if origin is typing.Literal:
+        return args[0]
     if origin is tuple:
         return (sample(args[0]),)
     if origin is dict:

@@ -125,3 +125,17 @@ def test_value_loss_and_entropy() -> None:
     # token 0: max((1-0)^2, (0.5-0)^2) = 1; token 1: max((0-1)^2, (0-1)^2) = 1
     assert rl_loss.value_loss(v, old, ret, torch.ones(2), clip=0.5).item() == pytest.approx(0.5)
     assert rl_loss.entropy(torch.zeros(3, 8))[0].item() == pytest.approx(math.log(8))
+
+
+def test_the_vocab_parallel_entropy_of_a_single_rank_is_the_entropy(tmp_path) -> None:
+    """One rank holds the whole vocabulary: three all-reduces over a group of one give
+    softmax's entropy (on two ranks it runs in the GRPO test with an actor in tp 2)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
+        got = rl_loss.vocab_parallel_entropy(logits.clone(), dist.group.WORLD)
+        assert torch.allclose(got, rl_loss.entropy(logits), atol=1e-6)
+    finally:
+        dist.destroy_process_group()

@@ -5,7 +5,12 @@ optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
 A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
 and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. Per
 response token the row carries its advantage and the rollout's log-prob (the old policy);
-the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_loss``.
+the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_loss``, plus
+``kl_coef`` × the token mean of the KL estimate to the reference's log-probs.
+
+``score_rows`` is the forward-only pass that gives the old policy's log-probs (the actor
+before its update, with the entropy of its distribution) and the reference's: the same
+vocab-parallel cross entropy the update computes, on the logits of the same forward.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from core.flows import calls as gen_calls
 from core.model.gpt import rl_loss
+from core.model.gpt.model import unwrap
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, is_loss_owner
 
@@ -28,13 +34,23 @@ def _arrays(batch: gen_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
     """Padded inputs, labels, mask, advantages and old log-probs, rows x seq_length."""
     rows, p = len(batch.sequences), batch.prompt_length
     out = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
-    out.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "adv", "old")})
-    for i, (row, adv, old) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, strict=True)):
-        n = len(row) - 1
-        out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
-        r = len(row) - p  # response tokens: labels p-1 .. n-1
-        out["mask"][i, p - 1:n], out["adv"][i, p - 1:n], out["old"][i, p - 1:n] = 1.0, adv[:r], old[:r]
+    out.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "adv", "old", "ref")})
+    refs = batch.ref_logprobs or ((),) * rows
+    for i, (row, adv, old, ref) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, refs,
+                                                 strict=True)):
+        n = _fill(out, i, row, p)
+        out["adv"][i, p - 1:n], out["old"][i, p - 1:n] = adv, old
+        if ref:
+            out["ref"][i, p - 1:n] = ref
     return out
+
+
+def _fill(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -> int:
+    """Row ``i``'s inputs, labels and response mask (labels ``p - 1`` .. ``n - 1``); ``n``."""
+    n = len(row) - 1
+    out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
+    out["mask"][i, p - 1:n] = 1.0
+    return n
 
 
 def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
@@ -73,7 +89,10 @@ def policy_step(ctx: StepContext, batch: gen_calls.PolicyBatch,
             loss, clip_frac = rl_loss.policy_loss(logp, mb["old"], mb["adv"], mb["mask"], clip_low=rl.clip_low,
                                                   clip_high=rl.clip_high, clip_c=rl.clip_c)
             ratio = (torch.exp(logp - mb["old"]) * mb["mask"]).max()
-            return loss, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach()}
+            kl = rl_loss.token_mean(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mb["mask"])
+            total = loss + batch.kl_coef * kl if batch.kl_coef else loss
+            return total, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach(),
+                           "kl": kl.detach()}
 
         return output, loss_func
 
@@ -88,6 +107,48 @@ def policy_step(ctx: StepContext, batch: gen_calls.PolicyBatch,
         out.update(loss=float(torch.stack([d["pg"] for d in out_mb]).mean()),
                    clip_frac=float(torch.stack([d["clip_frac"] for d in out_mb]).mean()),
                    ratio_max=float(torch.stack([d["ratio_max"] for d in out_mb]).max()),
+                   kl_loss=float(torch.stack([d["kl"] for d in out_mb]).mean()) if batch.ref_logprobs else None,
                    grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),
                    lr=float(lr), tokens=int(arrays["mask"].sum()))
     return out
+
+
+def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) -> gen_calls.RowScores:
+    """Log-probs of the response tokens of ``req``'s rows under ``chunks`` (the actor's or the
+    reference's, this rank's pipeline stage), dropout off; on loss owners."""
+    cfg = ctx.cfg
+    rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
+    arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
+    arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
+    ends = [_fill(arrays, i, row, p) for i, row in enumerate(req.sequences)]
+    micro = min(int(cfg.training.micro_batch_size), rows)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    entropy = req.model == "actor"
+
+    def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
+        mb = next(data)
+        output = model(mb["tokens"], mb["position_ids"], None)
+
+        def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]).
+            per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
+            out = {"logp": -per_token.float()}
+            if entropy:
+                out["entropy"] = (rl_loss.vocab_parallel_entropy(logits.float(), tp_group) * mb["mask"]).sum()
+            return logits.sum() * 0, out
+
+        return output, loss_func
+
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        out_mb = get_forward_backward_func()(
+            forward_step_func=forward, data_iterator=_micro(arrays, micro, ctx.device), model=chunks,
+            num_microbatches=rows // micro, seq_length=seq, micro_batch_size=micro, forward_only=True)
+    if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
+        return gen_calls.RowScores()
+    logp = torch.cat([d["logp"] for d in out_mb]).cpu().numpy()
+    return gen_calls.RowScores(
+        logprobs=tuple(tuple(float(x) for x in logp[i, p - 1:n]) for i, n in enumerate(ends)),
+        entropy_sum=float(sum(float(d["entropy"]) for d in out_mb)) if entropy else 0.0,
+        tokens=int(arrays["mask"].sum()))

@@ -9,11 +9,14 @@ The field's formulas (verl's ``core_algos``), so that the same settings train th
   advantages; returns the token-mean loss and the fraction of tokens clipped.
 - ``value_loss``: the clipped value objective, ``0.5 max((v - R)^2, (v_clip - R)^2)``.
 - ``entropy``: of the full distribution, from logits (``logsumexp - sum p logit``).
+- ``vocab_parallel_entropy``: the same from logits whose vocabulary is split over a
+  tensor-parallel group (three all-reduces; no rank gathers the vocabulary).
 - ``token_mean``: every response token of the batch weighs the same.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 KL_ESTIMATORS = ("k1", "abs", "mse", "low_var_kl")
 KL_CLAMP = 10.0
@@ -61,3 +64,17 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits) over the last dimension."""
     p = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group: object) -> torch.Tensor:
+    """Per-position entropy of softmax over a vocabulary split in order over ``group``'s
+    ranks (``logits``: this rank's ``[..., vocab / tp]`` part)."""
+    top = logits.max(dim=-1).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top.unsqueeze(-1)
+    e = shifted.exp()
+    z = e.sum(dim=-1)
+    dist.all_reduce(z, group=group)
+    weighted = (e * shifted).sum(dim=-1)
+    dist.all_reduce(weighted, group=group)
+    return z.log() - weighted / z

@@ -7,6 +7,7 @@ parallel state, model, optimizer, data), then TRAIN_STEP / EVAL_STEP with the st
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -43,6 +44,8 @@ class GPTTask:
         self._fence: Callable[[], None] = lambda: None  # core.checkpoint.service's, once bound
         self._rollout: Any = None  # core.model.gpt.rollout.Rollout: a colocated generator
         self._link: Any = None  # core.model.gpt.rollout.WeightLink: this rank's end of weight syncs
+        self._reference: list[Any] = []  # program grpo with rl.kl: the frozen reference policy's chunks
+        self._reference_loaded = False
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         table: dict[Method[Any, Any], Callable[[Any], Any]] = {
@@ -56,6 +59,7 @@ class GPTTask:
             table.update(self._generator_handlers())
         if self.cfg.program == "grpo":
             table[gen_calls.POLICY_STEP] = self.policy_step
+            table[gen_calls.SCORE_ROWS] = self.score_rows
         return table
 
     def _generator_handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
@@ -102,6 +106,8 @@ class GPTTask:
             timeout_s=cfg.timeouts.setup_s,
         )
         gpt, chunks, optimizer = self._build(on_cuda)
+        if cfg.program == "grpo" and cfg.rl.kl.enabled:
+            self._reference = [self._build_reference(on_cuda)]
         coords = dims.coords(self.ctx.rank)
         # The model is built from the run's seed on every rank; training draws from streams of
         # this rank's coordinates (core.parallel.rng), re-derived or restored on a resume.
@@ -177,6 +183,26 @@ class GPTTask:
         if tconfig.fp16:
             tconfig.grad_scale_func = optimizer.scale_loss
         return gpt, [ddp], optimizer
+
+    def _build_reference(self, on_cuda: bool) -> Any:
+        """The reference policy: the actor's model in the actor's layout, frozen, no optimizer
+        (its weights come from a checkpoint: ``load_reference``)."""
+        from core.model.gpt import model as model_mod  # torch and megatron: this module loads without them
+
+        cfg = self.cfg
+        tconfig = copy.copy(model_mod.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda))
+        ref = model_mod.build_model(tconfig, cfg.model, on_cuda=on_cuda)
+        ref.requires_grad_(False)
+        return ref.eval()
+
+    def score_rows(self, req: gen_calls.ScoreRows) -> gen_calls.RowScores:
+        """The actor's or the reference's log-probs of this replica's rows (core.model.gpt.policy)."""
+        from core.model.gpt.policy import score_rows  # torch and megatron: this module loads without them
+
+        ctx = self._ready()
+        if req.model == "reference" and not self._reference_loaded:
+            raise RuntimeError(f"rank {self.ctx.rank}: the reference policy was asked for before it was loaded")
+        return score_rows(ctx, req, ctx.model_chunks if req.model == "actor" else self._reference)
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
         """One optimizer step on the global batch of ``req.step``."""
@@ -265,6 +291,17 @@ class GPTTask:
         ctx = self._ready()  # CheckpointService.load has passed the fence already
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
                                        coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
+
+    def restore_reference(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
+        """The reference policy from a checkpoint's model weights (any layout; CKPT_LOAD with
+        ``into="reference"``); its optimizer state is not read."""
+        from core.model.gpt.state import load_model_slices  # torch and megatron: this module loads without them
+
+        self._ready()
+        if not self._reference:
+            raise RuntimeError(f"rank {self.ctx.rank}: this run has no reference policy (rl.kl is off)")
+        load_model_slices(self._reference, read)
+        self._reference_loaded = True
 
     # --- helpers -----------------------------------------------------------------------------
     def _ready(self) -> Any:
