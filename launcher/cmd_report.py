@@ -2,7 +2,9 @@
 
 A run folder gets ``report/loss.png``, ``report/tokens_per_s.png`` and
 ``report/rank_step_time.png`` (one line per rank), plus ``report/memory.png`` when the
-records carry memory. A sweep folder (one with a ledger, ``sweep.json``, or any folder
+records carry memory. An RL run adds ``reward.png`` (mean and ± std), ``kl.png`` (KL to
+the reference and the entropy), ``response_length.png`` and ``phases.png`` (seconds per
+phase of each RL step). A sweep folder (one with a ledger, ``sweep.json``, or any folder
 holding several run folders) gets ``report/sweep_loss.png``: every point's loss curve.
 
 matplotlib is an optional extra (``pip install 'baton[plots]'``), imported only when a
@@ -181,6 +183,34 @@ def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
             written.append(_plot(figure, out / "memory.png", f"{'CUDA peak' if key == 'cuda_peak_mb' else 'RSS'} "
                                  f"per rank: {name}", "MiB", [(f"rank {r}", xs, ys) for r, (xs, ys) in sorted(mem.items())]))
             break
+    return written + _rl_plots(figure, out, name, records)
+
+
+def _rl_plots(figure: Any, out: Path, name: str, records: Sequence[StepRecord]) -> list[Path]:
+    """The RL steps' plots: nothing when no step carries a reward."""
+    xs, mean = _series(records, "reward_mean")
+    if not xs:
+        return []
+    _, std = _series(records, "reward_std")
+    band = std if len(std) == len(mean) else [0.0] * len(mean)
+    written = [_plot(figure, out / "reward.png", f"reward: {name}", "reward", [
+        ("mean", xs, mean), ("mean + std", xs, [m + d for m, d in zip(mean, band, strict=True)]),
+        ("mean - std", xs, [m - d for m, d in zip(mean, band, strict=True)])])]
+    kl = [(k, *_series(records, k)) for k in ("kl", "entropy")]
+    if any(line[1] for line in kl):
+        written.append(_plot(figure, out / "kl.png", f"KL to the reference and entropy: {name}", "nats",
+                             [line for line in kl if line[1]]))
+    written.append(_plot(figure, out / "response_length.png", f"response length: {name}", "tokens",
+                         [("mean", *_series(records, "response_length"))]))
+    phases: dict[str, tuple[list[int], list[float]]] = {}
+    for rec in records:
+        for phase, seconds in (rec.phase_s or {}).items():
+            px, py = phases.setdefault(phase, ([], []))
+            px.append(rec.step)
+            py.append(float(seconds))
+    if phases:
+        written.append(_plot(figure, out / "phases.png", f"time per RL phase: {name}", "seconds",
+                             [(k, *v) for k, v in phases.items()], log_y=True))
     return written
 
 

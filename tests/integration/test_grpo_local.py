@@ -71,6 +71,11 @@ def test_the_grpo_demo_learns_to_count(demo: Path) -> None:
     assert rl[0]["kl"] == 0.0 and max(r["kl"] for r in rl) > 0  # the first RL step's actor is the reference
     assert max(r["sync_logprob_maxdiff"] for r in rl) <= 1e-5  # the rollout's log-probs are the actor's
     assert (demo / "checkpoints" / "step_00000030").is_dir()  # the reference's, kept beyond keep_last=2
+    res = baton("report", str(demo))
+    assert res.returncode == 0, res.stderr
+    drawn = {Path(line).name for line in res.stdout.split()}
+    assert {"reward.png", "kl.png", "response_length.png", "phases.png", "loss.png"} <= drawn, drawn
+    assert all((demo / "report" / n).stat().st_size > 1000 for n in drawn)
     greedy = [json.loads(line) for line in (demo / "samples.jsonl").read_text().splitlines()]
     final = [s for s in greedy if s["version"] == 130 and s["kind"] == "greedy"]
     assert len(final) == 2
