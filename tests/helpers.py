@@ -94,8 +94,8 @@ def history(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
 def baton(*args: str, cwd: Path | None = None, timeout: float = 600,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would (``env``: variables added to this process's)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-               **(env or {}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=timeout)
 

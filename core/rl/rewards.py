@@ -61,12 +61,12 @@ def load(spec: str, key: str = "reward") -> RewardFn:
 def score(fn: RewardFn, prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any],
           *, index: int) -> float:
     """``fn`` on one response; anything but a finite number is a user error naming the prompt."""
-    name = getattr(fn, "__qualname__", repr(fn))
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     try:
         value = fn(tuple(prompt), tuple(response), metadata)
     except Exception as exc:  # noqa: BLE001 - the user's code: any failure is theirs, reported as such
-        raise UserError(f"reward {name} raised {type(exc).__name__}: {exc} on prompt {index} "
+        raise UserError(f"rl.reward: {name} raised {type(exc).__name__}: {exc} on prompt {index} "
                         f"({list(prompt)[:16]}); fix the reward function") from None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise UserError(f"reward {name} returned {value!r} on prompt {index}: a reward must be a finite number")
+        raise UserError(f"rl.reward: {name} returned {value!r} on prompt {index}: a reward must be a finite number")
     return float(value)

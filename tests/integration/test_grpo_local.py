@@ -127,3 +127,17 @@ def test_an_actor_in_tp2_and_a_rollout_in_tp1_dp2_agree_on_every_log_prob(tmp_pa
     coefs = [r["kl_coef"] for r in rl]
     assert coefs[0] == 0.001 and coefs[1] < coefs[0] and len(set(coefs)) == len(coefs)  # KL below target: down
     assert all(r["entropy"] > 0 for r in rl)
+
+
+def test_a_reward_that_raises_fails_the_run_at_once_as_a_user_error_naming_the_prompt(tmp_path: Path) -> None:
+    (tmp_path / "my_rewards.py").write_text(
+        "def exploding(prompt, response, meta):\n    raise ValueError('no score for this one')\n")
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path / 'runs'}", "rl.reward=my_rewards:exploding",
+                "trainer.steps=32", "--backend", "local", timeout=800,
+                env={"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parents[2]), str(tmp_path)))})
+    assert res.returncode == 2, res.stdout + res.stderr
+    run = next((tmp_path / "runs" / "grpo-tiny").glob("*"))
+    status = baton("status", str(run)).stdout
+    assert "user error" in status and "no score for this one" in status and "prompt 0" in status, status
+    assert "my_rewards:exploding" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not baton("status", str(run)).stdout.count("retry"), status  # not retried
