@@ -18,6 +18,7 @@ from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, write_atomic
 from core.record.state import RunRecord, RunState, Status
 from core.spec import config as config_mod
+from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.runplan import plan_run
 
@@ -34,7 +35,9 @@ def generate_keys(keys_dir: Path) -> None:
 
 def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> RunFolder:
     """Create the run folder of a validated config: config, plan, keys, the first state. A
-    relative ``data.path`` is stored resolved, so a later resume from another folder reads the same file."""
+    relative ``data.path`` is stored resolved, so a later resume from another folder reads the same file;
+    ``init_from`` too, with the step of the checkpoint it names (``resolve_init``)."""
+    cfg = resolve_init(cfg)
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
@@ -45,6 +48,20 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     RunRecord(run).create(RunState(status=Status.CREATED, backend=backend, total_steps=cfg.trainer.steps,
                                    created=now, updated=now), ev.Created(backend=backend))
     return run
+
+
+def resolve_init(cfg: RunConfig) -> RunConfig:
+    """``init_from`` checked (a committed checkpoint of the same model) and pinned: absolute,
+    with its step, so a later allocation never starts from a newer checkpoint of that run."""
+    if cfg.init_from is None:
+        return cfg
+    run_dir, step = rl_spec.init_from(cfg.init_from)
+    step_dir = manifest.init_checkpoint(run_dir, step)
+    saved = manifest.read_manifest(step_dir)
+    if saved.config_hash not in (None, config_mod.model_hash(cfg)):
+        raise UserError(f"init_from: {step_dir} was saved with another model (config hash {saved.config_hash}, this "
+                        f"config {config_mod.model_hash(cfg)}); give the model section that run had")
+    return replace(cfg, init_from=f"{step_dir.parent.parent.resolve()}:{saved.step}")
 
 
 @dataclass(frozen=True)

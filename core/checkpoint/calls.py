@@ -4,8 +4,9 @@
     CKPT_POLL  Step     → ShardAck | None  the ack of an async save once durable (repeatable)
     CKPT_WAIT  Step     → ShardAck         block until the async save is durable
     CKPT_LOAD  Load     → Loaded           read this rank's slices (in its own layout); with
-                                           ``into="reference"`` only the model weights, into
-                                           the task's reference model (an RL run's)
+                                           ``into="weights"`` only the model weights (a run's
+                                           ``init_from``), ``into="reference"`` those into the
+                                           task's reference model (an RL run's)
 
 The controller commits once every rank has acked (core.checkpoint.coordinator); a rank
 only writes into the folder it is given.
@@ -45,7 +46,7 @@ class Saved:
 @dataclass(frozen=True, kw_only=True)
 class Load:
     step_dir: str
-    into: Literal["state", "reference"] = "state"
+    into: Literal["state", "weights", "reference"] = "state"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 import xxhash
 
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +251,27 @@ def latest_valid(root: Path, *, verify: bool = True, log: logging.Logger | None 
 
 
 _verify = verify  # latest_valid's keyword shadows the function
+
+
+def init_checkpoint(run_dir: str, step: int | None) -> Path:
+    """``init_from``'s checkpoint: ``run_dir``'s committed one of ``step`` (its newest that
+    passes the quick check without one); a one-line ConfigError naming what is missing."""
+    root = Path(run_dir).expanduser() / "checkpoints"
+    if not root.is_dir():
+        raise ConfigError(f"init_from: {run_dir} is not a run folder with checkpoints (no {root}); give the folder "
+                          "of a Baton run, RUN_DIR or RUN_DIR:STEP")
+    if step is None:
+        found = latest_valid(root, verify=False)
+        if found is None:
+            raise ConfigError(f"init_from: {root} holds no committed checkpoint that passes its check; "
+                              "give a run that has saved one")
+        return found
+    step_dir = root / step_dir_name(step)
+    problems = _verify(step_dir, checksums=False) if step in committed_steps(root) else ["not committed"]
+    if problems:
+        have = ", ".join(str(s) for s in committed_steps(root)) or "none"
+        raise ConfigError(f"init_from: {step_dir}: {'; '.join(problems)}; committed steps: {have}")
+    return step_dir
 
 
 # ---------------------------------------------------------------- the CLI's views

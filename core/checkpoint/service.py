@@ -5,7 +5,8 @@ A task that can be checkpointed offers two functions:
     checkpoint_state() -> (items: list[(TensorSlice, np.ndarray | LiveArray)], blobs: dict)
     restore_state(read, blobs) -> None   # read(name, offset, shape) -> np.ndarray
 
-and, optionally, ``restore_reference(read)`` (the model weights of a checkpoint into a
+and, optionally, ``restore_weights(read)`` (only the model weights of a checkpoint, the
+optimizer fresh: ``init_from``) and ``restore_reference(read)`` (the model weights into a
 frozen copy that is not part of the state: an RL run's reference policy)
 and, optionally, ``bind_checkpoint_fence(fence)``. A task that binds the fence may export
 its live state (views, ``core.checkpoint.spec.LiveArray``) and promises to call
@@ -47,12 +48,12 @@ class CheckpointService:
         rank: int,
         export: Callable[[], tuple[Items, dict[str, Any]]],
         restore: Callable[[ReadFn, dict[str, Any]], None],
-        restore_reference: Callable[[ReadFn], None] | None = None,
+        partial: dict[str, Callable[[ReadFn], None] | None] | None = None,
     ) -> None:
         self.rank = rank
         self.export = export
         self.restore = restore
-        self.restore_reference = restore_reference
+        self.partial = partial or {}  # Load.into ("weights", "reference") → the task's restore_*
         self._writer: Any = None
         self._pending: Any = None  # handle of the async save in flight
         self._pending_step = -1
@@ -129,16 +130,16 @@ class CheckpointService:
         """Read the slices this rank owns (in its current layout) from a committed checkpoint."""
         from core.checkpoint.hdf5 import CheckpointReader  # h5py, as in save
 
-        if req.into == "reference" and self.restore_reference is None:
-            raise BatonRuntimeError(f"rank {self.rank}: this task holds no reference model to load into")
-        if req.into == "state":
+        partial = self.partial.get(req.into) if req.into != "state" else None
+        if req.into != "state" and partial is None:
+            raise BatonRuntimeError(f"rank {self.rank}: this task cannot load a checkpoint into {req.into!r}")
+        if req.into != "reference":
             self.fence()  # restoring changes the state a pending async save may still be copying
         reader = CheckpointReader(Path(req.step_dir))
         try:
-            if req.into == "reference":
-                assert self.restore_reference is not None
-                self.restore_reference(reader.read)
-                log.info("loaded the reference model from %s", req.step_dir)
+            if partial is not None:
+                partial(reader.read)
+                log.info("loaded the model weights of %s (into %s)", req.step_dir, req.into)
                 return calls.Loaded(step=int(reader.manifest.step))
             saved_ranks = {f.rank for f in reader.manifest.files}
             # Per-rank blobs (RNG streams) map to the same rank when it existed; else rank 0's.
@@ -166,8 +167,8 @@ class CheckpointedTask:
 
     def __init__(self, task: Any, rank: int) -> None:
         self.task = task
-        self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state,
-                                         getattr(task, "restore_reference", None))
+        self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state, {
+            "weights": getattr(task, "restore_weights", None), "reference": getattr(task, "restore_reference", None)})
         bind = getattr(task, "bind_checkpoint_fence", None)
         if bind is not None:
             bind(self.service.fence)

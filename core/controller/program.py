@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.generation import GeneratorFlow
@@ -32,6 +33,7 @@ from core.record.runfolder import RunFolder
 from core.record.state import Goodput, RankInfo, RunRecord
 from core.record.steps import StepRecord
 from core.spec import config as config_mod
+from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.runplan import RunPlan
 from core.wire import calls
@@ -116,6 +118,8 @@ class Program:
         self.step = 0 if step_dir is None else self.checkpoints.load(step_dir)
         self._resumed_from = step_dir
         new: list[ev.Event] = []
+        if step_dir is None and self.cfg.init_from is not None:
+            new.append(self._initialise())
         if step_dir is None and before.step > 0:
             why = "--from-scratch" if before.from_scratch else "no committed checkpoint"
             log.warning("%s in %s: starting again from step 0", why, self.run.checkpoints)
@@ -129,6 +133,15 @@ class Program:
         kept = step_records.keep_before(self.run.metrics, self.step)
         self._useful_s = sum(r.step_time_s for r in kept)
         self.last_loss = kept[-1].loss if kept else None
+
+    def _initialise(self) -> ev.Event:
+        """``init_from``: the trainer's model weights from another run's checkpoint."""
+        init = manifest.init_checkpoint(*rl_spec.init_from(str(self.cfg.init_from)))
+        self.group.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(init), into="weights"),
+                        timeout_s=self.cfg.timeouts.checkpoint_s, collect=lambda res, _: res,
+                        dispatch=lambda req, _n: {r: req for r in range(self.plan.world_size)})
+        log.info("model weights initialised from %s", init)
+        return ev.InitialisedFrom(checkpoint=str(init), step=manifest.read_manifest(init).step)
 
     def train(self) -> StopRequest | None:
         cfg = self.cfg

@@ -16,8 +16,9 @@ response (seed, step, response index). A run resumed at step k asks and samples 
 what the uninterrupted run did at step k, from the restored policy (the generator is
 re-synced after every load).
 
-The reference policy is a checkpoint: the run's own at ``rl.warmup_steps`` (saved when the
-RL phase begins, and kept by retention for the run's life). Every allocation that trains
+The reference policy is a checkpoint: ``init_from``'s, else the run's own at
+``rl.warmup_steps`` (saved when the RL phase begins, and kept by retention for the run's
+life). Every allocation that trains
 RL steps loads it into the trainer's reference model first. The adaptive KL coefficient
 travels in each checkpoint's loop state.
 """
@@ -27,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from core.checkpoint import calls as ckpt_calls
@@ -37,6 +39,7 @@ from core.controller.group import WorkerGroup
 from core.errors import CheckpointError
 from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
+from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.plan import count_params
 
@@ -53,7 +56,7 @@ class GRPOStep:
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
-        if kl.enabled:
+        if kl.enabled and cfg.init_from is None:
             checkpoints.pinned.add(self.reference_step)
 
     # --- state a checkpoint keeps ------------------------------------------------------------
@@ -69,6 +72,9 @@ class GRPOStep:
         (saved now when the RL phase begins at ``step``)."""
         if self._reference_loaded or not self.cfg.rl.kl.enabled:
             return
+        if self.cfg.init_from is not None:
+            self._load_reference(manifest.init_checkpoint(*rl_spec.init_from(self.cfg.init_from)))
+            return
         ref = self.reference_step
         if step == ref and not self.checkpoints.committed(ref):
             self.checkpoints.save(ref, loss=loss, blocking=True, policy_version=self.generator.version,
@@ -78,7 +84,10 @@ class GRPOStep:
             raise CheckpointError(
                 f"{where}: the reference policy's checkpoint (the actor at rl.warmup_steps = {ref}) is missing or "
                 "damaged; restore it, or start the run again with `baton submit --resume RUN --from-scratch`")
-        self.group.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(where), into="reference"),
+        self._load_reference(where)
+
+    def _load_reference(self, step_dir: Path) -> None:
+        self.group.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(step_dir), into="reference"),
                         timeout_s=self.checkpoints.timeout_s, collect=lambda res, _: res,
                         dispatch=lambda req, _n: {r: req for r in range(self.group.dims.world_size)})
         self._reference_loaded = True

@@ -103,6 +103,15 @@ class CheckpointDamaged(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class InitialisedFrom(Event):
+    """``init_from``: a new run's model weights came from another run's checkpoint."""
+
+    KIND: ClassVar[str] = "initialised_from"
+    checkpoint: str
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class RestartFromScratch(Event):
     KIND: ClassVar[str] = "restart_from_scratch"
     reason: str
@@ -242,7 +251,7 @@ class OtherEvent(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
-    CheckpointDamaged, RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
+    CheckpointDamaged, InitialisedFrom, RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
     NodeFailed, RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
 )}
 

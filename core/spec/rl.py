@@ -18,6 +18,12 @@ start, or ``init_from``) in the actor's loss, ``coef`` × the token mean of the
 max(1e-3, 0.02 ln(parameters in billions)). With ``target`` the coefficient adapts each
 step towards that KL over ``horizon`` responses (the adaptive controller). ``coef: 0`` and
 no target: no reference model at all.
+
+``init_from: RUN_DIR[:STEP]`` (any program): the run starts from the model weights of a
+committed checkpoint of another run (its newest without STEP; any layout), with a fresh
+optimizer; under ``grpo`` that checkpoint is also the reference policy. ``baton submit``
+checks it and stores it resolved (absolute, with its step), so every allocation of the run
+starts from, and compares against, the same weights.
 """
 from __future__ import annotations
 
@@ -75,8 +81,18 @@ class RLConfig:
         check_bounds(self, "rl")
 
 
+def init_from(value: str) -> tuple[str, int | None]:
+    """``init_from: RUN_DIR[:STEP]``: (RUN_DIR, STEP or None: its newest checkpoint)."""
+    head, sep, tail = value.rpartition(":")
+    if sep and tail.isdigit():
+        return head, int(tail)
+    return value, None
+
+
 def validate(cfg: RunConfig) -> None:
     """What a GRPO run needs from the rest of the config, refused at submit."""
+    if cfg.init_from is not None and not init_from(cfg.init_from)[0]:
+        raise ConfigError(f"init_from: {cfg.init_from!r} names no run folder; give RUN_DIR or RUN_DIR:STEP")
     if cfg.program not in PROGRAMS:
         raise ConfigError(f"program: {cfg.program!r} is not one of {', '.join(PROGRAMS)}")
     if cfg.program == "pretrain":

@@ -141,3 +141,26 @@ def test_a_reward_that_raises_fails_the_run_at_once_as_a_user_error_naming_the_p
     assert "user error" in status and "no score for this one" in status and "prompt 0" in status, status
     assert "my_rewards:exploding" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not baton("status", str(run)).stdout.count("retry"), status  # not retried
+
+
+def test_grpo_from_a_supervised_run_by_init_from_starts_at_its_weights_and_learns(tmp_path: Path) -> None:
+    """The same YAML as a plain supervised run of 30 steps, then GRPO with
+    ``init_from: SFT_RUN`` and no warm start: the new run starts from (and keeps as its
+    reference) that run's last checkpoint, pinned at submit; the reward rises as in the demo."""
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "name=sft", "program=pretrain", "trainer.steps=30",
+                "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    sft = next((tmp_path / "sft").glob("*"))
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", f"init_from={sft}", "rl.warmup_steps=0",
+                "trainer.steps=100", "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = next((tmp_path / "grpo-tiny").glob("*"))
+    assert f"init_from: {sft}:30" in (run / "config.yaml").read_text()
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["checkpoint"], e["step"]) for e in events if e["event"] == "initialised_from"] == [
+        (str(sft / "checkpoints" / "step_00000030"), 30)]
+    rl = _metrics(run)
+    assert [r["step"] for r in rl] == list(range(100)) and rl[0]["kl"] == 0.0
+    first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
+    assert first <= 0.45 and last >= 0.85, (first, last)
+    assert not (run / "checkpoints" / "step_00000000").exists()  # the reference is the other run's checkpoint

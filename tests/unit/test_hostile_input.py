@@ -369,3 +369,15 @@ SUBMIT = [
 @pytest.mark.parametrize(("overrides", "key"), SUBMIT)
 def test_submit_refuses_bad_values_before_anything_starts(tmp_path: Path, overrides: list[str], key: str) -> None:
     refused(tmp_path, _submit(*overrides), f"{key}:")
+
+
+def test_init_from_is_checked_on_the_login_node(tmp_path: Path) -> None:
+    """``init_from`` must name a committed checkpoint of a run with the same model; nothing is
+    written when it does not."""
+    (tmp_path / "toy.yaml").write_text(TOY_BASE)
+    res = baton("submit", "toy.yaml", "--backend", "local", "runs_root=src", cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    src = next((tmp_path / "src" / "hostile").glob("*"))
+    refused(tmp_path, _submit(f"init_from={tmp_path / 'nowhere'}"), ["init_from:", "nowhere", "RUN_DIR:STEP"])
+    refused(tmp_path, _submit(f"init_from={src}:7"), ["init_from:", "step_00000007", "committed steps: 2"])
+    refused(tmp_path, _submit(f"init_from={src}", "model.hidden_size=128"), ["init_from:", "another model"])

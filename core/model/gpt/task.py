@@ -292,6 +292,14 @@ class GPTTask:
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
                                        coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
 
+    def restore_weights(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
+        """Only the model weights of a checkpoint (any layout), the optimizer's from them:
+        ``init_from``."""
+        from core.model.gpt.state import load_model_slices  # torch and megatron: this module loads without them
+
+        load_model_slices(self._ready().model_chunks, read)
+        self._resync_main_params()
+
     def restore_reference(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
         """The reference policy from a checkpoint's model weights (any layout; CKPT_LOAD with
         ``into="reference"``); its optimizer state is not read."""
