@@ -72,6 +72,12 @@ def _per_rank(value: Any) -> list[float | None]:
     return [_num(v) for v in value]
 
 
+RL_GAUGES = (("reward_mean", "Mean reward"), ("reward_std", "Reward standard deviation"),
+             ("response_length", "Mean response length in tokens"), ("kl", "KL estimate to the reference policy"),
+             ("kl_coef", "KL coefficient"), ("entropy", "Token-mean entropy of the actor"),
+             ("clip_frac", "Fraction of clipped tokens"),
+             ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"))
+
 class Metrics:
     """Prometheus series for one controller process; ``start`` to serve, ``close`` to stop."""
 
@@ -113,6 +119,10 @@ class Metrics:
                             registry=reg)
         self.allocated = Gauge("baton_goodput_allocated_seconds", "Time the run held its allocation, across requeues",
                                registry=reg)
+        # program: grpo, on RL steps (core.controller.rl_program)
+        self.rl = {key: Gauge(f"baton_rl_{key}", f"{what} of the last RL step", registry=reg) for key, what in RL_GAUGES}
+        self.rl_phase = Gauge("baton_rl_phase_seconds", "Wall time of one phase of the last RL step", ["phase"],
+                              registry=reg)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -171,6 +181,17 @@ class Metrics:
         if wall is not None and wall >= 0:
             self.step_time.observe(wall)
         self._observe_ranks(record)
+        self._observe_rl(record)
+
+    def _observe_rl(self, record: StepRecord) -> None:
+        for key, _ in RL_GAUGES:
+            num = _num(getattr(record, key))
+            if num is not None:
+                self.rl[key].set(num)
+        for phase, seconds in (record.phase_s or {}).items():
+            num = _num(seconds)
+            if num is not None:
+                self.rl_phase.labels(phase=phase).set(num)
 
     def _observe_ranks(self, record: StepRecord) -> None:
         times = _per_rank(record.rank_step_time_s)

@@ -50,6 +50,16 @@ def test_start_on_port_zero_publishes_a_reachable_address(served) -> None:
     assert scrape(address) is not None  # reachable before any step
 
 
+def test_an_rl_step_record_becomes_rl_gauges_and_phase_times(served) -> None:
+    m, _, address = served
+    m.observe_step(replace(_record(0), reward_mean=0.75, kl=0.02, entropy=1.5, policy_version=31,
+                                       phase_s={"generate": 0.5, "update": 0.25}))
+    got = scrape(address)
+    assert got["baton_rl_reward_mean"][0].value == 0.75 and got["baton_rl_kl"][0].value == 0.02
+    assert got["baton_rl_entropy"][0].value == 1.5 and got["baton_rl_policy_version"][0].value == 31
+    assert {s.labels["phase"]: s.value for s in got["baton_rl_phase_seconds"]} == {"generate": 0.5, "update": 0.25}
+
+
 def test_step_record_becomes_gauges_with_the_values_fed(served) -> None:
     m, _, address = served
     for step in range(3):
