@@ -79,6 +79,18 @@ GENERATOR_RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkp
 
 
 @pytest.fixture(scope="session")
+def grpo_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """experiments/grpo_tiny.yaml as a newcomer runs it, on the local backend (once per
+    session: the local GRPO tests and the Slurm one compare against it)."""
+    from tests.helpers import baton
+
+    root = tmp_path_factory.mktemp("grpo")
+    res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={root}", "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next((root / "grpo-tiny").glob("*"))
+
+
+@pytest.fixture(scope="session")
 def generator_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run folder of that reference run (once per session: both generator tests use it)."""
     from tests.helpers import baton

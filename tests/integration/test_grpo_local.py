@@ -50,12 +50,9 @@ def _actor(run_dir: Path, step: int) -> dict[str, np.ndarray]:
         return {n: reader.read(n) for n in reader.manifest.tensors if not n.startswith("optim.")}
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("grpo")
-    res = baton("submit", EXPERIMENT, f"runs_root={root}", "--backend", "local", timeout=800)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return next((root / "grpo-tiny").glob("*"))
+@pytest.fixture
+def demo(grpo_demo: Path) -> Path:
+    return grpo_demo
 
 
 def test_the_grpo_demo_learns_to_count(demo: Path) -> None:
