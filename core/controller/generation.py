@@ -71,16 +71,18 @@ class GeneratorFlow:
         _keep_until(self.run, step)
         return self.sync(step)
 
-    def sync(self, step: int) -> float:
-        """Trainer → generator at policy version ``step``; the probe's largest log-prob gap."""
+    def sync(self, step: int, *, probe: bool = True) -> float:
+        """Trainer → generator at policy version ``step``; the probe's largest log-prob gap
+        (0 without the probe: an RL step measures the gap on its own responses instead)."""
         assert self._plan is not None
         pieces = self._plan
         synced = self._call(gen_calls.SYNC_WEIGHTS, self.sync_ranks, each=lambda r: gen_calls.SyncWeights(
             pieces=tuple(reshard.for_rank(pieces, r)), version=step), timeout_s=self.cfg.timeouts.checkpoint_s)
-        gap = self._probe(step)
+        gap = self._probe(step) if probe else 0.0
         self.version = step
-        log.info("generator synced to version %d: %.1f MB in %.3f s, probe log-prob gap %.2e", step,
-                 sum(s.bytes_received for s in synced.values()) / 2**20, max(s.seconds for s in synced.values()), gap)
+        log.log(logging.INFO if probe else logging.DEBUG, "generator synced to version %d: %.1f MB in %.3f s, probe "
+                "log-prob gap %.2e", step, sum(s.bytes_received for s in synced.values()) / 2**20,
+                max(s.seconds for s in synced.values()), gap)
         tol = self.cfg.generator.logprob_tolerance
         if gap > tol:
             raise UserError(f"generator.logprob_tolerance: after the weight sync at step {step} the generator's "

@@ -1,6 +1,7 @@
 """One GRPO iteration as the controller runs it (``program: grpo``, core.spec.rl).
 
-    sync    the generator holds the policy of this step (synced if not)
+    sync    the generator holds the policy of this step (synced if not; no probe: the
+            step's own responses measure the gap)
     generate  prompts of the step (core.rl.tasks) × n, continued on the generator group
     reward  every response scored on the controller (core.rl.rewards)
     old     the actor's log-probs of the responses before its update, and its entropy
@@ -99,8 +100,8 @@ class GRPOStep:
         cfg, rl = self.cfg, self.cfg.rl
         phases: dict[str, float] = {}
         with _timed(phases, "sync"):
-            if self.generator.version != step:
-                self.generator.sync(step)
+            if self.generator.version != step:  # checked by the gap on this step's responses, not a probe
+                self.generator.sync(step, probe=False)
         with _timed(phases, "generate"):
             asked = tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
             prompts = [p for p, _ in asked for _ in range(rl.n)]
