@@ -21,7 +21,7 @@ demo: venv
 	$(PY) -m launcher.cli submit --resume "$$(ls -d runs/tiny-gpt/* | tail -n 1)" trainer.steps=30 --backend local
 
 test: venv
-	$(PYTEST) -q tests
+	$(PYTEST) -q --durations=25 tests
 
 test-unit: venv
 	$(PYTEST) -q tests/unit
@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/checkpoint.py --quick
 	$(PY) benchmarks/recovery.py --quick
 	$(PY) benchmarks/weight_sync.py --quick
+	$(PY) benchmarks/rl_step.py --quick
 
 lint: venv
 	$(VENV)/bin/ruff check core launcher tests benchmarks
