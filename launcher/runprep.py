@@ -38,6 +38,10 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     relative ``data.path`` is stored resolved, so a later resume from another folder reads the same file;
     ``init_from`` too, with the step of the checkpoint it names (``resolve_init``)."""
     cfg = resolve_init(cfg)
+    if cfg.rl.prompts and not Path(cfg.rl.prompts).is_absolute():
+        cfg = replace(cfg, rl=replace(cfg.rl, prompts=str(Path(cfg.rl.prompts).resolve())))
+    if cfg.rl.tokenizer not in rl_spec.TOKENIZER_VOCAB and not Path(cfg.rl.tokenizer).is_absolute():
+        cfg = replace(cfg, rl=replace(cfg.rl, tokenizer=str(Path(cfg.rl.tokenizer).resolve())))
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)

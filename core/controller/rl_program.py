@@ -52,6 +52,15 @@ class GRPOStep:
                  checkpoints: CheckpointCoordinator) -> None:
         self.cfg, self.group, self.generator, self.checkpoints = cfg, group, generator, checkpoints
         self.reward = rewards.load(cfg.rl.reward, "rl.reward")
+        self.tokenizer: Any = None  # task file: its tokenizer (response_text, end of text)
+        self.prompts: list[Any] = []
+        if cfg.rl.task == "file":
+            from core.data import prompts as prompt_file  # a tokenizer: only file tasks need one
+            from core.data.tokenizer import load_tokenizer  # as above
+
+            self.tokenizer = load_tokenizer(cfg.rl.tokenizer)
+            self.prompts = prompt_file.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
+                                                    tokenizer=self.tokenizer, length=cfg.rl.prompt_length)
         kl = cfg.rl.kl
         coef = advantages.auto_kl_coef(count_params(cfg).total) if kl.coef == "auto" else float(kl.coef)
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
@@ -103,14 +112,15 @@ class GRPOStep:
             if self.generator.version != step:  # checked by the gap on this step's responses, not a probe
                 self.generator.sync(step, probe=False)
         with _timed(phases, "generate"):
-            asked = tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
+            asked = self._ask(step)
             prompts = [p for p, _ in asked for _ in range(rl.n)]
-            done = self.generator.rollout(gen_calls.Generate(
+            eos = None if self.tokenizer is None else self.tokenizer.eos_id
+            done = [_until(d, eos) for d in self.generator.rollout(gen_calls.Generate(
                 prompts=tuple(prompts), max_new_tokens=rl.max_response_length, temperature=rl.temperature,
-                top_k=rl.top_k, top_p=rl.top_p, seed=(cfg.seed * 7919 + step) * 1009 + 7))
+                top_k=rl.top_k, top_p=rl.top_p, eos=eos, seed=(cfg.seed * 7919 + step) * 1009 + 7))]
         with _timed(phases, "reward"):
-            scores = [rewards.score(self.reward, prompts[i], done[i][0], asked[i // rl.n][1], index=i // rl.n)
-                      for i in range(len(prompts))]
+            scores = [rewards.score(self.reward, prompts[i], done[i][0], self._meta(asked[i // rl.n][1], done[i][0]),
+                                    index=i // rl.n) for i in range(len(prompts))]
         sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
         with _timed(phases, "old"):
             old, entropy = self._score("actor", sequences)
@@ -135,6 +145,23 @@ class GRPOStep:
                      sync_logprob_maxdiff=max(abs(a - b) for o, d in zip(old, done, strict=True)
                                               for a, b in zip(o, d[1], strict=True)))
         return results, extra
+
+    def _ask(self, step: int) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+        cfg, rl = self.cfg, self.cfg.rl
+        if self.prompts:
+            return tasks.from_file(self.prompts, cfg.seed, step, rl.prompts_per_step)
+        return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
+
+    def _meta(self, meta: dict[str, Any], response: tuple[int, ...]) -> dict[str, Any]:
+        """A prompt's metadata for the reward; a file task's with the response's text."""
+        if self.tokenizer is None:
+            return meta
+        ids = [t for t in response if t != self.tokenizer.eos_id]
+        try:
+            text = self.tokenizer.decode(ids)
+        except UnicodeDecodeError:  # a model may emit bytes that are no UTF-8: U+FFFD for those
+            text = self.tokenizer.decode(ids, errors="replace")
+        return {**meta, "response_text": text}
 
     def _update(self, step: int, rows: list[Row], old: list[tuple[float, ...]], ref: list[tuple[float, ...]]
                 ) -> tuple[list[gen_calls.PolicyResult], list[gen_calls.PolicyResult]]:
@@ -179,6 +206,16 @@ class GRPOStep:
         """``method`` on every trainer rank with its own request; the results by rank."""
         return self.group.call(method, None, timeout_s=self.cfg.timeouts.step_s, collect=lambda res, _: res,
                                dispatch=lambda _req, _n: {r: request(r) for r in range(self.group.dims.world_size)})
+
+
+def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], eos: int | None
+           ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A response up to and including its first ``eos`` (what follows it is padding)."""
+    tokens, logps = generated
+    if eos is None or eos not in tokens:
+        return tokens, logps
+    end = tokens.index(eos) + 1
+    return tokens[:end], logps[:end]
 
 
 @contextmanager

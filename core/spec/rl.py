@@ -1,6 +1,9 @@
 """RL post-training settings: ``program: grpo`` and the ``rl`` section.
 
 ``program``: ``pretrain`` (the default: next-token training on ``data``) or ``grpo``.
+``task: file`` asks the prompts of the ``prompts`` file (JSONL or Parquet, text in
+``prompt_key``, tokenized with ``tokenizer`` and left-padded to ``prompt_length``); its
+responses end at the tokenizer's end-of-text token.
 Under ``grpo`` the first ``rl.warmup_steps`` steps are supervised steps on ``data`` (a warm
 start: a policy that never succeeds gets no signal), then every step is one GRPO iteration:
 ``prompts_per_step`` prompts of ``prompt_length`` tokens from ``rl.task``, each answered
@@ -29,10 +32,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import ConfigError
-from core.spec.schema import bounded, check_bounds
+from core.spec.schema import bounded, check_bounds, check_file
 
 if TYPE_CHECKING:  # config imports this module for its section
     from core.spec.config import RunConfig
@@ -60,7 +64,10 @@ class KLConfig:
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
     warmup_steps: int = bounded(0, ge=0, le=10**12)
-    task: Literal["counting"] = "counting"
+    task: Literal["counting", "file"] = "counting"
+    prompts: str | None = None  # task file: a .jsonl or .parquet of prompts (core.data.prompts)
+    prompt_key: str = "prompt"
+    tokenizer: str = "byte"  # task file: byte, qwen3 or a local tokenizer's path
     reward: str = "counting"
     prompts_per_step: int = bounded(4, gt=0, le=2**20)
     n: int = bounded(8, gt=0, le=2**16)
@@ -113,5 +120,28 @@ def validate(cfg: RunConfig) -> None:
     if rl.reward not in BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")
+    _check_task(cfg)
     if rl.warmup_steps > cfg.trainer.steps:
         raise ConfigError(f"rl.warmup_steps: {rl.warmup_steps} > trainer.steps = {cfg.trainer.steps}")
+
+
+TOKENIZER_VOCAB = {"byte": 257, "qwen3": 151669}  # core.data.tokenizer's built-ins
+
+
+def _check_task(cfg: RunConfig) -> None:
+    rl = cfg.rl
+    if rl.task != "file":
+        if rl.prompts is not None:
+            raise ConfigError(f"rl.prompts: {rl.prompts!r} is read only with rl.task: file (now {rl.task!r}); "
+                              "set rl.task=file or drop rl.prompts")
+        return
+    if rl.prompts is None:
+        raise ConfigError("rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts")
+    check_file("rl.prompts", rl.prompts, "give a .jsonl or .parquet file of prompts")
+    vocab = TOKENIZER_VOCAB.get(rl.tokenizer)
+    if vocab is None and not Path(rl.tokenizer).exists():
+        raise ConfigError(f"rl.tokenizer: {rl.tokenizer!r} is neither byte, qwen3 nor an existing local tokenizer "
+                          "path (nothing is downloaded)")
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        raise ConfigError(f"rl.tokenizer: {rl.tokenizer} has {vocab} tokens > model.vocab_size = "
+                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {vocab}")

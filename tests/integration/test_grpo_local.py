@@ -161,3 +161,40 @@ def test_grpo_from_a_supervised_run_by_init_from_starts_at_its_weights_and_learn
     first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
     assert first <= 0.45 and last >= 0.85, (first, last)
     assert not (run / "checkpoints" / "step_00000000").exists()  # the reference is the other run's checkpoint
+
+
+REWARD_FROM_TEXT = '''
+import json, os
+
+
+def first_char(prompt, response, meta):
+    with open(os.environ["PROMPT_LOG"], "a") as f:
+        f.write(json.dumps({"prompt": meta["prompt_text"], "epoch": meta["epoch"], "answer": meta["answer"],
+                            "response": meta["response_text"], "tokens": len(response)}) + "\\n")
+    return 1.0 if meta["response_text"][:1] == meta["answer"] else 0.0
+'''
+
+
+def test_grpo_on_prompts_from_a_jsonl_file_asks_each_once_per_epoch_with_text_for_the_reward(tmp_path: Path) -> None:
+    """rl.task=file: six text prompts (byte tokenizer, left-padded), three per step for four
+    steps: two epochs, each prompt asked once per epoch (n responses each); the reward reads
+    the row's own fields and the response's text; responses end at end-of-text."""
+    rows = [{"prompt": f"q{i}=", "answer": str(i)} for i in range(6)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "text_rewards.py").write_text(REWARD_FROM_TEXT)
+    log = tmp_path / "asked.jsonl"
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path / 'runs'}", "rl.task=file",
+                f"rl.prompts={tmp_path / 'prompts.jsonl'}", "rl.tokenizer=byte", "rl.reward=text_rewards:first_char",
+                "model.vocab_size=257", "rl.prompt_length=6", "rl.warmup_steps=0", "trainer.steps=4",
+                "rl.prompts_per_step=3", "training.micro_batch_size=4", "--backend", "local", timeout=800,
+                env={"PROMPT_LOG": str(log),
+                     "PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parents[2]), str(tmp_path)))})
+    assert res.returncode == 0, res.stdout + res.stderr
+    asked = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(asked) == 4 * 3 * 8
+    for epoch in (0, 1):
+        mine = [a for a in asked if a["epoch"] == epoch]
+        assert sorted({a["prompt"] for a in mine}) == [r["prompt"] for r in rows] and len(mine) == 6 * 8
+    assert all(a["answer"] == a["prompt"][1] and 1 <= a["tokens"] <= 8 and len(a["response"]) <= 8 for a in asked)
+    rl = _metrics(next((tmp_path / "runs" / "grpo-tiny").glob("*")))
+    assert [r["step"] for r in rl] == [0, 1, 2, 3] and all(r["kl"] >= 0 and r["response_length"] <= 8 for r in rl)

@@ -249,6 +249,13 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.kl.coef=sometimes"], r"^rl.kl.coef: 'sometimes' is not "),
     (["rl.kl.estimator=k3"], r"^rl.kl.estimator: 'k3' is not "),
     (["rl.kl.target=0"], r"^rl.kl.target: 0"),
+    (["rl.task=file"], r"^rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts$"),
+    (["rl.prompts=p.jsonl"], r"^rl.prompts: 'p.jsonl' is read only with rl.task: file"),
+    (["rl.task=file", "rl.prompts=/nonexistent.jsonl"], r"^rl.prompts: '/nonexistent.jsonl' does not exist; give "),
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.tokenizer=qwen3"],
+     r"^rl.tokenizer: qwen3 has 151669 tokens > model.vocab_size = 32; raise model.vocab_size to at least 151669$"),
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.tokenizer=gpt9"],
+     r"^rl.tokenizer: 'gpt9' is neither byte, qwen3 nor an existing local tokenizer path"),
 ])
 def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:

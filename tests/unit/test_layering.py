@@ -25,7 +25,7 @@ RULES: dict[str, set[str]] = {
     "checkpoint": {"errors", "spec", "record", "wire"},
     "supervisor": {"errors", "spec", "record", "job", "checkpoint"},
     "flows": {"errors", "spec", "wire", "checkpoint"},
-    "controller": {"errors", "spec", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl"},
+    "controller": {"errors", "spec", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl", "data"},
     "worker": {"errors", "spec", "record", "wire", "job"},
     "model": {"errors", "spec", "wire", "job", "checkpoint", "parallel", "data", "worker", "flows"},
     "entrypoint": {"errors", "spec", "record", "wire", "job", "checkpoint", "supervisor", "controller", "worker",

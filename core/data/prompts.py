@@ -1,0 +1,93 @@
+"""RL prompts from a file: ``rl.task: file`` reads ``rl.prompts`` (JSONL or Parquet) once, on
+the controller.
+
+Every record is one prompt: its ``rl.prompt_key`` field is the text, tokenized with
+``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a local tokenizer) and **left-padded** with
+the tokenizer's end-of-text id to ``rl.prompt_length`` (the response follows the prompt's
+last token). A prompt longer than that is refused naming its record: a silently cut prompt
+asks a different question. Every other field of the record is the prompt's metadata, handed
+to the reward with ``prompt_text`` (and, per response, ``response_text``).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.data.tokenizer import Tokenizer
+from core.errors import UserError
+
+
+class PromptFileError(UserError):
+    """A prompts file that cannot be read as the config says."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: tuple[int, ...]  # left-padded to the prompt length
+    meta: dict[str, Any]
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise PromptFileError(f"rl.prompts: {path}:{lineno}: not a UTF-8 JSON object ({exc}); "
+                                      "each line must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise PromptFileError(f"rl.prompts: {path}:{lineno}: expected a JSON object, "
+                                      f"got {type(record).__name__}")
+            yield f"{path}:{lineno}", record
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq  # optional: only .parquet prompts need it
+    except ImportError:
+        raise PromptFileError(f"rl.prompts: {path}: reading .parquet needs pyarrow; pip install pyarrow") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid (an Exception) for non-parquet files
+        raise PromptFileError(f"rl.prompts: {path}: not a readable parquet file ({exc})") from None
+    for i, record in enumerate(table.to_pylist()):
+        yield f"{path} row {i}", record
+
+
+def records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of every prompt record of ``path``, in order."""
+    if path.suffix == ".jsonl":
+        return _jsonl(path)
+    if path.suffix == ".parquet":
+        return _parquet(path)
+    raise PromptFileError(f"rl.prompts: {path}: unknown extension {path.suffix!r}; give a .jsonl or .parquet file")
+
+
+def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int) -> list[Prompt]:
+    """Every prompt of the file, tokenized and left-padded to ``length``."""
+    path = Path(path)
+    out = []
+    try:
+        for where, record in records(path):
+            text = record.get(key)
+            if not isinstance(text, str):
+                fields = ", ".join(sorted(map(str, record))[:8]) or "none"
+                raise PromptFileError(f"rl.prompts: {where}: no text field {key!r} (fields: {fields}); set "
+                                      "rl.prompt_key to the field that holds the prompt")
+            ids = tokenizer.encode(text)
+            if len(ids) > length:
+                raise PromptFileError(f"rl.prompts: {where}: the prompt is {len(ids)} tokens > rl.prompt_length = "
+                                      f"{length}; raise rl.prompt_length (and model.seq_length) or shorten it")
+            meta = {k: v for k, v in record.items() if k != key}
+            meta["prompt_text"] = text
+            out.append(Prompt(tokens=(tokenizer.eos_id,) * (length - len(ids)) + tuple(ids), meta=meta))
+    except OSError as exc:
+        raise PromptFileError(f"rl.prompts: {path}: cannot read ({exc.strerror or exc})") from None
+    if not out:
+        raise PromptFileError(f"rl.prompts: {path}: holds no prompt; give a file with at least one record")
+    return out

@@ -1,0 +1,54 @@
+"""Prompts from a file (core.data.prompts) and the epoch cursor over them (core.rl.tasks)."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from core.data.prompts import PromptFileError, read_prompts
+from core.data.tokenizer import ByteTokenizer, load_tokenizer
+from core.rl import tasks
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompts_are_tokenized_left_padded_with_end_of_text_and_keep_their_metadata(tmp_path: Path) -> None:
+    f = _jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "10+5=", "answer": "15"}])
+    got = read_prompts(f, key="prompt", tokenizer=ByteTokenizer(), length=6)
+    assert [p.tokens for p in got] == [(256, 256, 49, 43, 49, 61), (256, 49, 48, 43, 53, 61)]
+    assert got[1].meta == {"answer": "15", "prompt_text": "10+5="}
+
+
+def test_qwen3_prompts_are_padded_with_qwen3s_end_of_text(tmp_path: Path) -> None:
+    f = _jsonl(tmp_path / "p.jsonl", [{"q": "Hello, world!"}])
+    (p,) = read_prompts(f, key="q", tokenizer=load_tokenizer("qwen3"), length=6)
+    assert p.tokens == (151643, 151643, 9707, 11, 1879, 0)
+
+
+@pytest.mark.parametrize(("rows", "length", "message"), [
+    ([{"prompt": "a much longer prompt"}], 4, r"p.jsonl:1: the prompt is 20 tokens > rl.prompt_length = 4; raise "),
+    ([{"prompt": "ok"}, {"text": "x"}], 4, r"p.jsonl:2: no text field 'prompt' \(fields: text\); set rl.prompt_key"),
+    ([], 4, r"p.jsonl: holds no prompt"),
+])
+def test_bad_prompt_files_are_one_line_naming_the_record(tmp_path: Path, rows: list, length: int, message: str) -> None:
+    with pytest.raises(PromptFileError, match=message) as err:
+        read_prompts(_jsonl(tmp_path / "p.jsonl", rows), key="prompt", tokenizer=ByteTokenizer(), length=length)
+    assert str(err.value).startswith("rl.prompts: ") and "\n" not in str(err.value)
+    with pytest.raises(PromptFileError, match=r"unknown extension '.csv'"):
+        read_prompts(tmp_path / "p.csv", key="prompt", tokenizer=ByteTokenizer(), length=4)
+
+
+def test_the_cursor_asks_every_prompt_once_per_epoch_and_is_a_function_of_the_step(tmp_path: Path) -> None:
+    rows = [{"prompt": f"p{i}"} for i in range(6)]
+    prompts = read_prompts(_jsonl(tmp_path / "p.jsonl", rows), key="prompt", tokenizer=ByteTokenizer(), length=4)
+    asked = [m for step in range(4) for _, m in tasks.from_file(prompts, 1234, step, 3)]
+    assert [m["epoch"] for m in asked] == [0] * 6 + [1] * 6
+    for epoch in (0, 1):
+        assert Counter(m["prompt_text"] for m in asked if m["epoch"] == epoch) == Counter(r["prompt"] for r in rows)
+    assert [m["prompt_text"] for m in asked[:6]] != [m["prompt_text"] for m in asked[6:]]  # each epoch its own order
+    assert tasks.from_file(prompts, 1234, 3, 3) == tasks.from_file(prompts, 1234, 3, 3)  # a resume asks the same
