@@ -17,9 +17,9 @@ response (seed, step, response index). A run resumed at step k asks and samples 
 what the uninterrupted run did at step k, from the restored policy (the generator is
 re-synced after every load).
 
-The reference policy is a checkpoint: ``init_from``'s, else the run's own at
-``rl.warmup_steps`` (saved when the RL phase begins, and kept by retention for the run's
-life). Every allocation that trains
+The reference policy is a checkpoint: the run's own at ``rl.warmup_steps`` (the actor
+when the RL phase begins, ``init_from``'s weights without a warm start; saved then, and
+kept by retention for the run's life). Every allocation that trains
 RL steps loads it into the trainer's reference model first. The adaptive KL coefficient
 travels in each checkpoint's loop state.
 """
@@ -37,10 +37,9 @@ from core.checkpoint import manifest
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
-from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.plan import count_params
 
@@ -59,6 +58,10 @@ class GRPOStep:
             from core.data.tokenizer import load_tokenizer  # as above
 
             self.tokenizer = load_tokenizer(cfg.rl.tokenizer)
+            if self.tokenizer.vocab_size > cfg.model.vocab_size:
+                raise ConfigError(f"rl.tokenizer: {cfg.rl.tokenizer} has {self.tokenizer.vocab_size} tokens > "
+                                  f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least "
+                                  f"{self.tokenizer.vocab_size}")
             self.prompts = prompt_file.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
                                                     tokenizer=self.tokenizer, length=cfg.rl.prompt_length)
         kl = cfg.rl.kl
@@ -66,7 +69,7 @@ class GRPOStep:
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
-        if kl.enabled and cfg.init_from is None:
+        if kl.enabled:
             checkpoints.pinned.add(self.reference_step)
 
     # --- state a checkpoint keeps ------------------------------------------------------------
@@ -74,7 +77,8 @@ class GRPOStep:
         return {"kl_coef": self.kl.value}
 
     def restore(self, loop: dict[str, Any]) -> None:
-        if isinstance(loop.get("kl_coef"), (int, float)):
+        """The adaptive coefficient where the checkpoint left it (a fixed one is the config's)."""
+        if self.kl.target is not None and isinstance(loop.get("kl_coef"), (int, float)):
             self.kl.value = float(loop["kl_coef"])
 
     def load_reference(self, step: int, loss: float | None) -> None:
@@ -82,18 +86,18 @@ class GRPOStep:
         (saved now when the RL phase begins at ``step``)."""
         if self._reference_loaded or not self.cfg.rl.kl.enabled:
             return
-        if self.cfg.init_from is not None:
-            self._load_reference(manifest.init_checkpoint(*rl_spec.init_from(self.cfg.init_from)))
-            return
         ref = self.reference_step
+        self.checkpoints.drain()  # an async save of this very step may be in flight
         if step == ref and not self.checkpoints.committed(ref):
             self.checkpoints.save(ref, loss=loss, blocking=True, policy_version=self.generator.version,
                                   state=self.state())
         where = self.checkpoints.root / manifest.step_dir_name(ref)
         if not self.checkpoints.committed(ref) or manifest.verify(where, checksums=False):
+            later = [s for s in manifest.committed_steps(self.checkpoints.root) if s > ref]
             raise CheckpointError(
                 f"{where}: the reference policy's checkpoint (the actor at rl.warmup_steps = {ref}) is missing or "
-                "damaged; restore it, or start the run again with `baton submit --resume RUN --from-scratch`")
+                f"damaged; restore it, or move aside the checkpoints after it ({', '.join(map(str, later)) or 'none'}) "
+                "so that the run resumes before its RL phase and saves it again")
         self._load_reference(where)
 
     def _load_reference(self, step_dir: Path) -> None:
@@ -109,7 +113,7 @@ class GRPOStep:
         cfg, rl = self.cfg, self.cfg.rl
         phases: dict[str, float] = {}
         with _timed(phases, "sync"):
-            if self.generator.version != step:  # checked by the gap on this step's responses, not a probe
+            if self.generator.version != step:  # no probe: the gap on this step's responses is recorded
                 self.generator.sync(step, probe=False)
         with _timed(phases, "generate"):
             asked = self._ask(step)
@@ -149,7 +153,7 @@ class GRPOStep:
     def _ask(self, step: int) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
         cfg, rl = self.cfg, self.cfg.rl
         if self.prompts:
-            return tasks.from_file(self.prompts, cfg.seed, step, rl.prompts_per_step)
+            return tasks.from_file(self.prompts, cfg.seed, step - rl.warmup_steps, rl.prompts_per_step)
         return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
 
     def _meta(self, meta: dict[str, Any], response: tuple[int, ...]) -> dict[str, Any]:

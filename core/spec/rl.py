@@ -24,7 +24,7 @@ no target: no reference model at all.
 
 ``init_from: RUN_DIR[:STEP]`` (any program): the run starts from the model weights of a
 committed checkpoint of another run (its newest without STEP; any layout), with a fresh
-optimizer; under ``grpo`` that checkpoint is also the reference policy. ``baton submit``
+optimizer; under ``grpo`` with no warm start, its weights are the reference policy. ``baton submit``
 checks it and stores it resolved (absolute, with its step), so every allocation of the run
 starts from, and compares against, the same weights.
 """
@@ -100,6 +100,9 @@ def validate(cfg: RunConfig) -> None:
     """What a GRPO run needs from the rest of the config, refused at submit."""
     if cfg.init_from is not None and not init_from(cfg.init_from)[0]:
         raise ConfigError(f"init_from: {cfg.init_from!r} names no run folder; give RUN_DIR or RUN_DIR:STEP")
+    if cfg.init_from is not None and cfg.model.kind != "gpt":
+        raise ConfigError(f"init_from: model.kind {cfg.model.kind!r} has no weights to start from; init_from needs "
+                          "model.kind: gpt")
     if cfg.program not in PROGRAMS:
         raise ConfigError(f"program: {cfg.program!r} is not one of {', '.join(PROGRAMS)}")
     if cfg.program == "pretrain":
@@ -121,6 +124,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")
     _check_task(cfg)
+    if rl.kl.target is not None and rl.kl.coef == 0:
+        raise ConfigError(f"rl.kl.coef: 0 with rl.kl.target: {rl.kl.target:g} stays 0 (the adaptive coefficient "
+                          "scales what it has); give rl.kl.coef a positive start")
     if rl.warmup_steps > cfg.trainer.steps:
         raise ConfigError(f"rl.warmup_steps: {rl.warmup_steps} > trainer.steps = {cfg.trainer.steps}")
 

@@ -143,8 +143,9 @@ def test_a_reward_that_raises_fails_the_run_at_once_as_a_user_error_naming_the_p
 
 def test_grpo_from_a_supervised_run_by_init_from_starts_at_its_weights_and_learns(tmp_path: Path) -> None:
     """The same YAML as a plain supervised run of 30 steps, then GRPO with
-    ``init_from: SFT_RUN`` and no warm start: the new run starts from (and keeps as its
-    reference) that run's last checkpoint, pinned at submit; the reward rises as in the demo."""
+    ``init_from: SFT_RUN`` and no warm start: the new run starts from that run's last
+    checkpoint (pinned at submit) and keeps those weights as its reference in a checkpoint of
+    its own; the reward rises as in the demo."""
     res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "name=sft", "program=pretrain", "trainer.steps=30",
                 "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -161,7 +162,9 @@ def test_grpo_from_a_supervised_run_by_init_from_starts_at_its_weights_and_learn
     assert [r["step"] for r in rl] == list(range(100)) and rl[0]["kl"] == 0.0
     first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
     assert first <= 0.45 and last >= 0.85, (first, last)
-    assert not (run / "checkpoints" / "step_00000000").exists()  # the reference is the other run's checkpoint
+    # The reference: the run's own pinned checkpoint of step 0, which holds the supervised run's weights.
+    mine, theirs = _actor(run, 0), _actor(sft, 30)
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
 REWARD_FROM_TEXT = '''

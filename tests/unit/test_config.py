@@ -233,7 +233,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     assert cfg.rl.lr == 1e-3 and config.from_data({}).program == "pretrain"
     assert (cfg.rl.kl.coef, cfg.rl.kl.estimator, cfg.rl.kl.target, cfg.rl.kl.enabled) == (0.001, "low_var_kl", None, True)
     assert _grpo("rl.kl.coef=auto").rl.kl.coef == "auto" and not _grpo("rl.kl.coef=0").rl.kl.enabled
-    assert _grpo("rl.kl.coef=0", "rl.kl.target=0.01").rl.kl.enabled  # adaptive from 0 needs the reference too
+    assert _grpo("rl.kl.coef=0.01", "rl.kl.target=0.01").rl.kl.target == 0.01
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -249,6 +249,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.kl.coef=sometimes"], r"^rl.kl.coef: 'sometimes' is not "),
     (["rl.kl.estimator=k3"], r"^rl.kl.estimator: 'k3' is not "),
     (["rl.kl.target=0"], r"^rl.kl.target: 0"),
+    (["rl.kl.coef=0", "rl.kl.target=0.01"], r"^rl.kl.coef: 0 with rl.kl.target: 0.01 stays 0 "),
     (["rl.task=file"], r"^rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts$"),
     (["rl.prompts=p.jsonl"], r"^rl.prompts: 'p.jsonl' is read only with rl.task: file"),
     (["rl.task=file", "rl.prompts=/nonexistent.jsonl"], r"^rl.prompts: '/nonexistent.jsonl' does not exist; give "),

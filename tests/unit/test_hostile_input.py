@@ -378,6 +378,8 @@ def test_init_from_is_checked_on_the_login_node(tmp_path: Path) -> None:
     res = baton("submit", "toy.yaml", "--backend", "local", "runs_root=src", cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr
     src = next((tmp_path / "src" / "hostile").glob("*"))
-    refused(tmp_path, _submit(f"init_from={tmp_path / 'nowhere'}"), ["init_from:", "nowhere", "RUN_DIR:STEP"])
-    refused(tmp_path, _submit(f"init_from={src}:7"), ["init_from:", "step_00000007", "committed steps: 2"])
-    refused(tmp_path, _submit(f"init_from={src}", "model.hidden_size=128"), ["init_from:", "another model"])
+    gpt = ["submit", "exp.yaml", "--backend", "local", "runs_root=runs"]
+    refused(tmp_path, [*gpt, f"init_from={tmp_path / 'nowhere'}"], ["init_from:", "nowhere", "RUN_DIR:STEP"])
+    refused(tmp_path, [*gpt, f"init_from={src}:7"], ["init_from:", "step_00000007", "committed steps: 2"])
+    refused(tmp_path, [*gpt, f"init_from={src}"], ["init_from:", "another model"])  # a toy's checkpoint
+    refused(tmp_path, _submit(f"init_from={src}"), ["init_from:", "model.kind 'toy'", "model.kind: gpt"])
