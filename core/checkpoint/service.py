@@ -7,8 +7,9 @@ A task that can be checkpointed offers two functions:
 
 and, optionally, ``restore_weights(read)`` (only the model weights of a checkpoint, the
 optimizer fresh: ``init_from``) and ``restore_reference(read)`` (the model weights into a
-frozen copy that is not part of the state: an RL run's reference policy)
-and, optionally, ``bind_checkpoint_fence(fence)``. A task that binds the fence may export
+frozen copy that is not part of the state: an RL run's reference policy); both are
+``CKPT_LOAD`` with ``into="weights"`` / ``"reference"``. Also optionally,
+``bind_checkpoint_fence(fence)``. A task that binds the fence may export
 its live state (views, ``core.checkpoint.spec.LiveArray``) and promises to call
 ``fence()`` before it next changes that state (before its optimizer step, before a
 load): an async save then takes its snapshot on the writer thread while the next step's

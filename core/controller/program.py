@@ -156,10 +156,12 @@ class Program:
                         "longer time limit (--time, slurm.workers.time) or a smaller recovery.walltime_margin_s")
                 self._stop_at_boundary(step, stop)
                 return stop
+            rl_step = self.rl is not None and step >= cfg.rl.warmup_steps
+            if rl_step:  # once per allocation, outside the step's time: save and load the reference
+                self.rl.load_reference(step, self.last_loss)
             t0 = time.perf_counter()
             extra: dict[str, object] = {}
-            if self.rl is not None and step >= cfg.rl.warmup_steps:
-                self.rl.load_reference(step, self.last_loss)
+            if rl_step:
                 results, extra = self.rl.run(step)
             else:
                 results = self.group.call(calls.TRAIN_STEP, calls.Step(step=step), timeout_s=cfg.timeouts.step_s)
