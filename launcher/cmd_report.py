@@ -4,7 +4,7 @@ A run folder gets ``report/loss.png``, ``report/tokens_per_s.png`` and
 ``report/rank_step_time.png`` (one line per rank), plus ``report/memory.png`` when the
 records carry memory. An RL run adds ``reward.png`` (mean and ± std), ``kl.png`` (KL to
 the reference and the entropy), ``response_length.png`` and ``phases.png`` (seconds per
-phase of each RL step). A sweep folder (one with a ledger, ``sweep.json``, or any folder
+phase of each RL step); PPO's ``value.png`` (the critic's value loss and mean value). A sweep folder (one with a ledger, ``sweep.json``, or any folder
 holding several run folders) gets ``report/sweep_loss.png``: every point's loss curve.
 
 matplotlib is an optional extra (``pip install 'baton[plots]'``), imported only when a
@@ -202,6 +202,9 @@ def _rl_plots(figure: Any, out: Path, name: str, records: Sequence[StepRecord]) 
                              [line for line in kl if line[1]]))
     written.append(_plot(figure, out / "response_length.png", f"response length: {name}", "tokens",
                          [("mean", *_series(records, "response_length"))]))
+    value = [(k, *_series(records, k)) for k in ("value_loss", "values_mean")]
+    if value[0][1]:
+        written.append(_plot(figure, out / "value.png", f"critic: {name}", "value", value))
     phases: dict[str, tuple[list[int], list[float]]] = {}
     for rec in records:
         for phase, seconds in (rec.phase_s or {}).items():

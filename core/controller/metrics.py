@@ -76,7 +76,8 @@ RL_GAUGES = (("reward_mean", "Mean reward"), ("reward_std", "Reward standard dev
              ("response_length", "Mean response length in tokens"), ("kl", "KL estimate to the reference policy"),
              ("kl_coef", "KL coefficient"), ("entropy", "Token-mean entropy of the actor"),
              ("clip_frac", "Fraction of clipped tokens"),
-             ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"))
+             ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"),
+             ("value_loss", "The critic's value loss (ppo)"), ("values_mean", "Mean value of the response tokens (ppo)"))
 
 class Metrics:
     """Prometheus series for one controller process; ``start`` to serve, ``close`` to stop."""
@@ -119,7 +120,7 @@ class Metrics:
                             registry=reg)
         self.allocated = Gauge("baton_goodput_allocated_seconds", "Time the run held its allocation, across requeues",
                                registry=reg)
-        # program: grpo, on RL steps (core.controller.rl_program)
+        # program: grpo or ppo, on RL steps (core.controller.rl_program)
         self.rl = {key: Gauge(f"baton_rl_{key}", f"{what} of the last RL step", registry=reg) for key, what in RL_GAUGES}
         self.rl_phase = Gauge("baton_rl_phase_seconds", "Wall time of one phase of the last RL step", ["phase"],
                               registry=reg)

@@ -40,7 +40,7 @@ from core.wire import calls
 
 if TYPE_CHECKING:
     from core.controller.metrics import Metrics
-    from core.controller.rl_program import GRPOStep
+    from core.controller.rl_program import RLStep
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Program:
     stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
     metrics: Metrics | None = None  # the Prometheus endpoint; None when metrics.enabled is false
     generator: GeneratorFlow | None = field(default=None, init=False)  # with generator.enabled, once set up
-    rl: GRPOStep | None = field(default=None, init=False)  # program: grpo, once set up
+    rl: RLStep | None = field(default=None, init=False)  # program: grpo or ppo, once set up
     step: int = field(default=0, init=False)  # steps done
     last_loss: float | None = field(default=None, init=False)
     _started: float = field(default_factory=time.monotonic, init=False)
@@ -73,10 +73,10 @@ class Program:
         if self.cfg.generator.enabled:  # the second compute flow, synced from the restored trainer
             self.generator = GeneratorFlow(self.cfg, self.run, self.group)
             self.generator.start(self.step)
-            if self.cfg.program == "grpo":
-                from core.controller.rl_program import GRPOStep  # numpy: only RL programs need it
+            if self.cfg.program in rl_spec.RL_PROGRAMS:
+                from core.controller.rl_program import RLStep  # numpy: only RL programs need it
 
-                self.rl = GRPOStep(self.cfg, self.group, self.generator, self.checkpoints)
+                self.rl = RLStep(self.cfg, self.group, self.generator, self.checkpoints)
                 if self._resumed_from is not None:
                     self.rl.restore(manifest.read_manifest(self._resumed_from).meta.get("loop") or {})
         stop = self.train()

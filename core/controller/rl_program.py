@@ -1,4 +1,4 @@
-"""One GRPO iteration as the controller runs it (``program: grpo``, core.spec.rl).
+"""One GRPO or PPO iteration as the controller runs it (``program: grpo|ppo``, core.spec.rl).
 
     sync    the generator holds the policy of this step (synced if not; no probe: the
             step's own responses measure the gap)
@@ -6,7 +6,11 @@
     reward  every response scored on the controller (core.rl.rewards)
     old     the actor's log-probs of the responses before its update, and its entropy
     ref     the reference policy's log-probs (with a KL term, rl.kl)
-    update  group-normalised advantages (core.rl.advantages), then ``ppo_epochs`` actor
+    values  ppo: the critic's value of every response token (and, at the first RL step, the
+            critic's transformer copied from the actor first)
+    critic  ppo: GAE advantages and returns (core.rl.advantages), then ``ppo_epochs`` critic
+            updates (CRITIC_STEP)
+    update  grpo: group-normalised advantages (core.rl.advantages); then ``ppo_epochs`` actor
             updates (POLICY_STEP: each data replica its share of the responses)
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
@@ -32,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
 from core.checkpoint.coordinator import CheckpointCoordinator
@@ -42,11 +48,12 @@ from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
 from core.spec.config import RunConfig
 from core.spec.plan import count_params
+from core.wire.contract import NoArgs
 
 Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advantage per response token
 
 
-class GRPOStep:
+class RLStep:
     def __init__(self, cfg: RunConfig, group: WorkerGroup, generator: GeneratorFlow,
                  checkpoints: CheckpointCoordinator) -> None:
         self.cfg, self.group, self.generator, self.checkpoints = cfg, group, generator, checkpoints
@@ -132,9 +139,13 @@ class GRPOStep:
         if rl.kl.enabled:
             with _timed(phases, "ref"):
                 ref, _ = self._score("reference", sequences)
-        with _timed(phases, "update"):
+        critic: dict[str, Any] = {}
+        if cfg.program == "ppo":  # values, GAE and the critic's update
+            rows, critic = self._critic(step, sequences, [len(d[0]) for d in done], scores, phases)
+        else:
             adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
             rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
+        with _timed(phases, "update"):
             first, results = self._update(step, rows, old, ref)
         owners = [results[r] for r in self.group.dims.loss_owners()]
         kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
@@ -145,10 +156,43 @@ class GRPOStep:
                      response_length=statistics.fmean(len(d[0]) for d in done), policy_version=step,
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
-                     kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()},
+                     kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
                      sync_logprob_maxdiff=max(abs(a - b) for o, d in zip(old, done, strict=True)
                                               for a, b in zip(o, d[1], strict=True)))
         return results, extra
+
+    def _critic(self, step: int, sequences: list[tuple[int, ...]], lengths: list[int], scores: list[float],
+                phases: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
+        """PPO: the critic's values, GAE advantages and returns (the score on a response's last
+        token), ``ppo_epochs`` critic updates; the actor's rows and the step's critic numbers."""
+        rl, dims = self.cfg.rl, self.group.dims
+        if step == rl.warmup_steps:  # the RL phase begins: the critic starts as the actor
+            self._each(gen_calls.CRITIC_INIT, lambda _r: NoArgs())
+        with _timed(phases, "values"):
+            values, _ = self._score("critic", sequences)
+        mask = np.zeros((len(lengths), max(lengths)))
+        reward, old = np.zeros_like(mask), np.zeros_like(mask)
+        for i, n in enumerate(lengths):
+            mask[i, :n], reward[i, n - 1], old[i, :n] = 1.0, scores[i], values[i]
+        adv, returns = advantages.gae(reward, old, mask, gamma=rl.gamma, lam=rl.lam)
+
+        def batch(rank: int) -> gen_calls.CriticBatch:
+            d = dims.coords(rank).dp
+            return gen_calls.CriticBatch(
+                step=step, prompt_length=rl.prompt_length, sequences=tuple(sequences[d::dims.dp]),
+                returns=tuple(tuple(float(x) for x in returns[i, :lengths[i]]) for i in range(d, len(lengths), dims.dp)),
+                old_values=tuple(values[d::dims.dp]))
+
+        shares = {r: batch(r) for r in range(dims.world_size)}
+        first: list[gen_calls.CriticResult] = []
+        with _timed(phases, "critic"):
+            for epoch in range(rl.ppo_epochs):
+                answers = self._each(gen_calls.CRITIC_STEP, shares.__getitem__)
+                if epoch == 0:
+                    first = [answers[r] for r in dims.loss_owners()]
+        rows = [(sequences[i], tuple(float(x) for x in adv[i, :n])) for i, n in enumerate(lengths)]
+        return rows, dict(value_loss=statistics.fmean(o.value_loss or 0.0 for o in first),
+                          values_mean=float(old[mask > 0].mean()))
 
     def _ask(self, step: int) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
         cfg, rl = self.cfg, self.cfg.rl
@@ -192,8 +236,8 @@ class GRPOStep:
         return first, results
 
     def _score(self, model: str, sequences: list[tuple[int, ...]]) -> tuple[list[tuple[float, ...]], float]:
-        """Per response its tokens' log-probs under ``model``, in order; the actor's entropy
-        (token mean over every response)."""
+        """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
+        the actor's entropy (token mean over every response)."""
         dims = self.group.dims
         answers = self._each(gen_calls.SCORE_ROWS, lambda r: gen_calls.ScoreRows(
             model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
@@ -202,7 +246,7 @@ class GRPOStep:
         entropy, tokens = 0.0, 0
         for rank in dims.loss_owners():
             part = answers[rank]
-            out[dims.coords(rank).dp::dims.dp] = part.logprobs
+            out[dims.coords(rank).dp::dims.dp] = part.values if model == "critic" else part.logprobs
             entropy, tokens = entropy + part.entropy_sum, tokens + part.tokens
         return out, entropy / max(tokens, 1)
 

@@ -7,7 +7,10 @@
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
     POLICY_STEP   PolicyBatch → PolicyResult one actor update on the clipped policy objective (RL)
-    SCORE_ROWS    ScoreRows   → RowScores    the actor's or the reference's log-probs of a rollout (RL)
+    SCORE_ROWS    ScoreRows   → RowScores    the actor's or the reference's log-probs of a rollout, or the
+                                             critic's values (RL)
+    CRITIC_STEP   CriticBatch → CriticResult one critic update on the clipped value loss (PPO)
+    CRITIC_INIT   NoArgs      → None         the critic's transformer becomes the actor's (PPO's first RL step)
 
 Split placement only (the generator on workers of its own, ranks after the trainer's):
 
@@ -122,9 +125,10 @@ class PolicyBatch:
 @dataclass(frozen=True, kw_only=True)
 class ScoreRows:
     """Teacher-forced log-probs of the response tokens of rows (prompt + response, prompts
-    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``."""
+    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``; the
+    ``critic``'s values (the value before each response token is drawn)."""
 
-    model: Literal["actor", "reference"]
+    model: Literal["actor", "reference", "critic"]
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
 
@@ -134,6 +138,7 @@ class RowScores:
     """On loss owners (one per data replica); empty elsewhere."""
 
     logprobs: tuple[tuple[float, ...], ...] = ()  # per row, its response tokens'
+    values: tuple[tuple[float, ...], ...] = ()  # the critic's, per row, per response token
     entropy_sum: float = 0.0  # the actor's entropy summed over the response tokens
     tokens: int = 0
 
@@ -153,6 +158,31 @@ class PolicyResult:
     kl_loss: float | None = None  # the KL term's token mean before its coefficient
 
 
+@dataclass(frozen=True, kw_only=True)
+class CriticBatch:
+    """One optimizer step of the critic on this rank's data replica's share of a rollout:
+    per response token its GAE ``returns`` (the targets) and the ``old_values`` the clip is
+    measured from."""
+
+    step: int
+    prompt_length: int
+    sequences: tuple[tuple[int, ...], ...]
+    returns: tuple[tuple[float, ...], ...]
+    old_values: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticResult:
+    """Every rank its time; loss owners the replica's numbers."""
+
+    step_time_s: float
+    rss_mb: float = 0.0
+    value_loss: float | None = None  # the clipped value loss (token mean)
+    value_clip_frac: float | None = None  # fraction of tokens where the clipped term was taken
+    grad_norm: float | None = None
+    lr: float | None = None
+
+
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
@@ -162,3 +192,5 @@ PROBE_BATCH = Method("probe_batch", Probe, LogProbs)
 SCORE = Method("score", LogProbs, LogProbs)
 POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult)
 SCORE_ROWS = Method("score_rows", ScoreRows, RowScores)
+CRITIC_STEP = Method("critic_step", CriticBatch, CriticResult)
+CRITIC_INIT = Method("critic_init", NoArgs, None)  # the critic's transformer := the actor's

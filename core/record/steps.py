@@ -42,7 +42,7 @@ class StepRecord:
     grad_sync_s: tuple[float, ...] | None = None
     cuda_peak_mb: tuple[float, ...] | None = None
     sync_logprob_maxdiff: float | None = None  # after a generator's weight sync at this step
-    # program: grpo (core.controller.rl_program), on its RL steps
+    # program: grpo or ppo (core.controller.rl_program), on its RL steps
     reward_mean: float | None = None
     reward_std: float | None = None
     response_length: float | None = None
@@ -52,13 +52,17 @@ class StepRecord:
     kl_coef: float | None = None  # the KL coefficient this step's update used
     entropy: float | None = None  # of the actor's distribution over response tokens, token mean
     ratio_max: float | None = None  # the largest new/old probability ratio of the last update epoch
-    phase_s: dict[str, float] | None = None  # wall seconds per phase: generate, reward, old, ref, update, sync
+    phase_s: dict[str, float] | None = None  # wall seconds per phase: sync, generate, reward, old, ref, values,
+    # critic, update
+    # program: ppo, on its RL steps
+    value_loss: float | None = None  # the critic's clipped value loss in its first epoch (token mean)
+    values_mean: float | None = None  # the critic's values of the step's response tokens before its update
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb", "sync_logprob_maxdiff", "reward_mean", "reward_std",
                      "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
-                     "phase_s")
+                     "phase_s", "value_loss", "values_mean")
 
 
 def to_data(record: StepRecord) -> dict[str, Any]:

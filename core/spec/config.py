@@ -278,7 +278,7 @@ class RunConfig:
     """
 
     name: str = "run"
-    program: str = "pretrain"  # or grpo (core.spec.rl)
+    program: str = "pretrain"  # or grpo, ppo (core.spec.rl)
     init_from: str | None = None  # RUN_DIR[:STEP]: start from another run's model weights (core.spec.rl)
     seed: int = bounded(1234, ge=0, le=2**63 - 1, why=" (seeds are 64-bit)")
     runs_root: str = "runs"

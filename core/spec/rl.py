@@ -1,6 +1,6 @@
-"""RL post-training settings: ``program: grpo`` and the ``rl`` section.
+"""RL post-training settings: ``program: grpo`` or ``ppo`` and the ``rl`` section.
 
-``program``: ``pretrain`` (the default: next-token training on ``data``) or ``grpo``.
+``program``: ``pretrain`` (the default: next-token training on ``data``), ``grpo`` or ``ppo``.
 ``task: file`` asks the prompts of the ``prompts`` file (JSONL or Parquet, text in
 ``prompt_key``, tokenized with ``tokenizer`` and left-padded to ``prompt_length``); its
 responses end at the tokenizer's end-of-text token.
@@ -14,6 +14,14 @@ core.rl.rewards); advantages are group-normalised (``norm_adv_by_std``: divide b
 group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
 actor's own log-probs before the update as the old policy's; then the generator is synced.
+
+``program: ppo`` is the same iteration with a critic instead of group baselines: a value
+model (the actor's transformer with a one-output value head, not split over tensor
+parallelism; its own optimizer; copied from the actor when the RL phase begins) scores
+every response token, the reward (the response's score on its last token) and the values
+give GAE advantages (``gamma``, ``lam``; whitened over the step's response tokens) and
+returns, and the critic takes ``ppo_epochs`` steps on the clipped value loss
+(``critic.value_clip``) at ``critic.lr`` before the actor's update.
 
 ``kl``: a KL penalty to the reference policy (the actor when RL began: the end of the warm
 start, or ``init_from``) in the actor's loss, ``coef`` × the token mean of the
@@ -41,7 +49,8 @@ from core.spec.schema import bounded, check_bounds, check_file
 if TYPE_CHECKING:  # config imports this module for its section
     from core.spec.config import RunConfig
 
-PROGRAMS = ("pretrain", "grpo")
+PROGRAMS = ("pretrain", "grpo", "ppo")
+RL_PROGRAMS = ("grpo", "ppo")
 BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
 
 
@@ -59,6 +68,17 @@ class KLConfig:
     def enabled(self) -> bool:
         """Whether the run needs a reference model."""
         return self.coef == "auto" or self.coef > 0 or self.target is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig:
+    """``program: ppo``'s value model."""
+
+    lr: float | None = bounded(None, gt=0, le=1e3)  # None: the actor's (rl.lr, else the optimizer's schedule)
+    value_clip: float = bounded(0.5, gt=0, le=1e6)  # new values stay within this of the old in the loss
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "rl.critic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +103,9 @@ class RLConfig:
     norm_adv_by_std: bool = True
     lr: float | None = bounded(None, gt=0, le=1e3)  # the actor's in RL steps; None: the optimizer's schedule
     kl: KLConfig = field(default_factory=KLConfig)
+    gamma: float = bounded(1.0, ge=0, le=1)  # ppo: GAE's discount
+    lam: float = bounded(1.0, ge=0, le=1)  # ppo: GAE's lambda
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def __post_init__(self) -> None:
         check_bounds(self, "rl")
@@ -124,6 +147,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")
     _check_task(cfg)
+    ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
+                                        ("rl.critic", rl.critic, CriticConfig())) if v != default]
+    if cfg.program != "ppo" and ppo_only:
+        raise ConfigError(f"{ppo_only[0]}: read only with program: ppo (now {cfg.program}): GRPO has no critic; "
+                          "set program=ppo or drop it")
     if rl.kl.target is not None and rl.kl.coef == 0:
         raise ConfigError(f"rl.kl.coef: 0 with rl.kl.target: {rl.kl.target:g} stays 0 (the adaptive coefficient "
                           "scales what it has); give rl.kl.coef a positive start")

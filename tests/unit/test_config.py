@@ -237,7 +237,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["program=ppo2"], r"^program: 'ppo2' is not one of pretrain, grpo$"),
+    (["program=ppo2"], r"^program: 'ppo2' is not one of pretrain, grpo, ppo$"),
     (["generator.enabled=false"], r"^program: grpo needs model.kind: gpt and generator.enabled: true"),
     (["rl.max_response_length=14"], r"^rl.max_response_length: prompt_length \+ max_response_length - 1 = 17 > "
                                     r"model.seq_length = 16; "),
@@ -246,6 +246,10 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.clip_low=2"], r"^rl.clip_low: "),
     (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting\) nor "),
     (["rl.kl.coef=-1"], r"^rl.kl.coef: -1"),
+    (["rl.lam=0.9"], r"^rl.lam: read only with program: ppo \(now grpo\): GRPO has no critic; set program=ppo "),
+    (["rl.critic.lr=0.01"], r"^rl.critic: read only with program: ppo \(now grpo\)"),
+    (["program=ppo", "rl.gamma=1.5"], r"^rl.gamma: 1.5"),
+    (["program=ppo", "rl.critic.value_clip=0"], r"^rl.critic.value_clip: 0"),
     (["rl.kl.coef=sometimes"], r"^rl.kl.coef: 'sometimes' is not "),
     (["rl.kl.estimator=k3"], r"^rl.kl.estimator: 'k3' is not "),
     (["rl.kl.target=0"], r"^rl.kl.target: 0"),

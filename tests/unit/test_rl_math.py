@@ -123,7 +123,12 @@ def test_the_policy_loss_clips_low_and_high_and_dual_clips_negative_advantages()
 def test_value_loss_and_entropy() -> None:
     v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0])
     # token 0: max((1-0)^2, (0.5-0)^2) = 1; token 1: max((0-1)^2, (0-1)^2) = 1
-    assert rl_loss.value_loss(v, old, ret, torch.ones(2), clip=0.5).item() == pytest.approx(0.5)
+    loss, clip_frac = rl_loss.value_loss(v, old, ret, torch.ones(2), clip=0.5)
+    assert loss.item() == pytest.approx(0.5) and clip_frac.item() == 0.0
+    # a value that overshoots the target past the clip: the clipped term (further off) is taken
+    loss, clip_frac = rl_loss.value_loss(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([3.0]),
+                                         torch.ones(1), clip=0.5)
+    assert loss.item() == pytest.approx(0.5 * 2.5 ** 2) and clip_frac.item() == 1.0
     assert rl_loss.entropy(torch.zeros(3, 8))[0].item() == pytest.approx(math.log(8))
 
 

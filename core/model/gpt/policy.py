@@ -38,14 +38,14 @@ def _arrays(batch: gen_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
     refs = batch.ref_logprobs or ((),) * rows
     for i, (row, adv, old, ref) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, refs,
                                                  strict=True)):
-        n = _fill(out, i, row, p)
+        n = fill_row(out, i, row, p)
         out["adv"][i, p - 1:n], out["old"][i, p - 1:n] = adv, old
         if ref:
             out["ref"][i, p - 1:n] = ref
     return out
 
 
-def _fill(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -> int:
+def fill_row(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -> int:
     """Row ``i``'s inputs, labels and response mask (labels ``p - 1`` .. ``n - 1``); ``n``."""
     n = len(row) - 1
     out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
@@ -65,36 +65,56 @@ def policy_step(ctx: StepContext, batch: gen_calls.PolicyBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
     """One optimizer step of the actor; this rank's metrics (loss owners: the replica's).
     ``before_update``: as for a training step (an async checkpoint's fence)."""
+    rl = ctx.cfg.rl
+    arrays = _arrays(batch, ctx.cfg.model.seq_length)
+
+    def loss_of(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp = -output.float()  # the model's per-token loss of the labels
+        loss, clip_frac = rl_loss.policy_loss(logp, mb["old"], mb["adv"], mb["mask"], clip_low=rl.clip_low,
+                                              clip_high=rl.clip_high, clip_c=rl.clip_c)
+        ratio = (torch.exp(logp - mb["old"]) * mb["mask"]).max()
+        kl = rl_loss.token_mean(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mb["mask"])
+        total = loss + batch.kl_coef * kl if batch.kl_coef else loss
+        return total, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach(),
+                       "kl": kl.detach()}
+
+    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, labels=True, before_update=before_update)
+    if out_mb is not None:
+        out.update(loss=float(torch.stack([d["pg"] for d in out_mb]).mean()),
+                   clip_frac=float(torch.stack([d["clip_frac"] for d in out_mb]).mean()),
+                   ratio_max=float(torch.stack([d["ratio_max"] for d in out_mb]).max()),
+                   kl_loss=float(torch.stack([d["kl"] for d in out_mb]).mean()) if batch.ref_logprobs else None)
+    return out
+
+
+LossOf = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, lr: float | None, loss_of: LossOf, *,
+                   labels: bool, before_update: Callable[[], None] | None) -> tuple[dict[str, Any], list[Any] | None]:
+    """One optimizer step of ``ctx``'s model on ``arrays`` (rows x seq_length) through the
+    pipeline schedule: ``loss_of(output, micro-batch)`` gives a micro-batch's loss (the
+    output: per-token loss of the labels with ``labels``, else the model's output). At
+    ``lr`` (None: the schedule's); (this rank's metrics, the micro-batches' numbers on loss
+    owners, else None)."""
     t0 = time.perf_counter()
-    cfg, rl = ctx.cfg, ctx.cfg.rl
-    lr = set_lr(ctx.optimizer, batch.step, cfg)
-    if rl.lr is not None:  # the RL phase's own rate, with Megatron's per-group multipliers
+    cfg = ctx.cfg
+    rate = set_lr(ctx.optimizer, step, cfg)
+    if lr is not None:  # the RL phase's own rate, with Megatron's per-group multipliers
         for group in ctx.optimizer.param_groups:
-            group["lr"] = rl.lr * group.get("lr_mult", 1.0)
-        lr = rl.lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        rate = lr
     for chunk in ctx.model_chunks:
         chunk.zero_grad_buffer()
         chunk.train()
     ctx.optimizer.zero_grad()
-    arrays = _arrays(batch, cfg.model.seq_length)
-    rows = len(batch.sequences)
+    rows = arrays["tokens"].shape[0]
     micro = min(int(cfg.training.micro_batch_size), rows)
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
-        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
-
-        def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logp = -per_token_loss.float()
-            loss, clip_frac = rl_loss.policy_loss(logp, mb["old"], mb["adv"], mb["mask"], clip_low=rl.clip_low,
-                                                  clip_high=rl.clip_high, clip_c=rl.clip_c)
-            ratio = (torch.exp(logp - mb["old"]) * mb["mask"]).max()
-            kl = rl_loss.token_mean(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mb["mask"])
-            total = loss + batch.kl_coef * kl if batch.kl_coef else loss
-            return total, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach(),
-                           "kl": kl.detach()}
-
-        return output, loss_func
+        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"] if labels else None)
+        return output, lambda out: loss_of(out, mb)
 
     out_mb = get_forward_backward_func()(
         forward_step_func=forward, data_iterator=_micro(arrays, micro, ctx.device), model=ctx.model_chunks,
@@ -103,14 +123,11 @@ def policy_step(ctx: StepContext, batch: gen_calls.PolicyBatch,
         before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
     out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0}
-    if is_loss_owner() and parallel_state.is_pipeline_last_stage():
-        out.update(loss=float(torch.stack([d["pg"] for d in out_mb]).mean()),
-                   clip_frac=float(torch.stack([d["clip_frac"] for d in out_mb]).mean()),
-                   ratio_max=float(torch.stack([d["ratio_max"] for d in out_mb]).max()),
-                   kl_loss=float(torch.stack([d["kl"] for d in out_mb]).mean()) if batch.ref_logprobs else None,
-                   grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),
-                   lr=float(lr), tokens=int(arrays["mask"].sum()))
-    return out
+    if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
+        return out, None
+    out.update(grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),
+               lr=float(rate), tokens=int(arrays["mask"].sum()))
+    return out, out_mb
 
 
 def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) -> gen_calls.RowScores:
@@ -120,7 +137,7 @@ def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) ->
     rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
-    ends = [_fill(arrays, i, row, p) for i, row in enumerate(req.sequences)]
+    ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
     micro = min(int(cfg.training.micro_batch_size), rows)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     entropy = req.model == "actor"
@@ -130,6 +147,8 @@ def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) ->
         output = model(mb["tokens"], mb["position_ids"], None)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            if req.model == "critic":  # the value head's one output: [b, s, 1]
+                return logits.sum() * 0, {"logp": logits[..., 0].float()}
             # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]).
             per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
             out = {"logp": -per_token.float()}
@@ -148,7 +167,10 @@ def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) ->
     if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
         return gen_calls.RowScores()
     logp = torch.cat([d["logp"] for d in out_mb]).cpu().numpy()
+    per_row = tuple(tuple(float(x) for x in logp[i, p - 1:n]) for i, n in enumerate(ends))
+    if req.model == "critic":
+        return gen_calls.RowScores(values=per_row, tokens=int(arrays["mask"].sum()))
     return gen_calls.RowScores(
-        logprobs=tuple(tuple(float(x) for x in logp[i, p - 1:n]) for i, n in enumerate(ends)),
+        logprobs=per_row,
         entropy_sum=float(sum(float(d["entropy"]) for d in out_mb)) if entropy else 0.0,
         tokens=int(arrays["mask"].sum()))

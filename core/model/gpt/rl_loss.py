@@ -55,9 +55,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
-               clip: float) -> torch.Tensor:
+               clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token-mean clipped value loss, fraction of tokens where the clipped term was larger)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    return 0.5 * token_mean(torch.maximum((values - returns).square(), (clipped - returns).square()), mask)
+    plain, other = (values - returns).square(), (clipped - returns).square()
+    clip_frac = token_mean(torch.gt(other, plain).to(values.dtype), mask)
+    return 0.5 * token_mean(torch.maximum(plain, other), mask), clip_frac
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

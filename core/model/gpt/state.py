@@ -43,12 +43,13 @@ READS = (1, 2)
 
 
 # --- model tensors -------------------------------------------------------------------
-def sharded_params(model_chunks: list[Any]) -> Iterator[tuple[ShardedTensor, torch.nn.Parameter]]:
-    """Each local parameter with its ShardedTensor (global name, shape, offset), in order."""
+def sharded_params(model_chunks: list[Any], prefix: str = "") -> Iterator[tuple[ShardedTensor, torch.nn.Parameter]]:
+    """Each local parameter with its ShardedTensor (global name, shape, offset), in order;
+    ``prefix`` before every name (a second model of the run: ``critic.``)."""
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         by_id = {id(p): p for p in gpt.parameters()}
-        for sh in gpt.sharded_state_dict().values():
+        for sh in gpt.sharded_state_dict(prefix=prefix).values():
             if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
                 continue
             param = by_id.get(id(sh.data))
@@ -154,8 +155,21 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int, coords: Coo
     optimizer step or load (core.checkpoint.service's fence). The blobs are taken now.
     No collective: each rank writes what it holds (a distributed optimizer's own ranges).
     """
+    items, opt = export_items(model_chunks, optimizer)
+    blobs = {
+        "format": FORMAT,
+        "step": int(step),
+        "optimizer": optimizer_blob(opt),
+        "rng": {"coords": [coords.tp, coords.pp, coords.dp], "dims": [dims.tp, dims.pp, dims.dp], **rng.capture()},
+        "data": {"next_step": int(step)},
+    }
+    return items, blobs
+
+
+def export_items(model_chunks: list[Any], optimizer: Any, prefix: str = "") -> tuple[Items, OptimizerState]:
+    """The model's and its optimizer's slices this rank writes (names after ``prefix``)."""
     opt = OptimizerState(optimizer)
-    params = list(sharded_params(model_chunks))
+    params = list(sharded_params(model_chunks, prefix))
     ready = None  # on a GPU: the point of the training stream the snapshot copies must follow
     if params and params[0][1].is_cuda:
         ready = torch.cuda.Event()
@@ -167,15 +181,26 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int, coords: Coo
         if writer:  # the array carries the slice's shape: stacked layers add a leading axis of 1
             items.append((s, LiveTensor(param, s.shape, ready)))
         items += [(piece, LiveTensor(t, piece.shape, ready)) for piece, t in opt.pieces(sh, param, writer)]
-    blobs = {
-        "format": FORMAT,
-        "step": int(step),
-        "optimizer": {"steps": opt.step_counters(), "loss_scaler": opt.loss_scaler(),
-                      "main_params": opt.separate_main},
-        "rng": {"coords": [coords.tp, coords.pp, coords.dp], "dims": [dims.tp, dims.pp, dims.dp], **rng.capture()},
-        "data": {"next_step": int(step)},
-    }
-    return items, blobs
+    return items, opt
+
+
+def optimizer_blob(opt: OptimizerState) -> dict[str, Any]:
+    return {"steps": opt.step_counters(), "loss_scaler": opt.loss_scaler(), "main_params": opt.separate_main}
+
+
+def import_items(model_chunks: list[Any], optimizer: Any, read: ReadFn, saved_opt: dict[str, Any],
+                 prefix: str = "") -> None:
+    """Read this rank's slices of the model and its optimizer (names after ``prefix``)."""
+    opt = OptimizerState(optimizer)
+    has_main = bool(saved_opt["main_params"])
+    with torch.no_grad():
+        for sh, param in sharded_params(model_chunks, prefix):
+            s = slice_of(sh)
+            source = f"optim.main_param.{sh.key}" if has_main else sh.key  # the fp32 truth
+            param.copy_(_as_tensor(read(source, s.offset, s.shape), s, param))
+            opt.load(sh, param, read, has_main=has_main)
+    opt.set_step_counters(saved_opt["steps"])
+    opt.set_loss_scaler(saved_opt["loss_scaler"])
 
 
 def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: dict[str, Any], *, seed: int,
@@ -189,18 +214,9 @@ def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: d
     version = blobs.get("format")
     if version not in READS:
         raise CheckpointError(f"training state format {version!r}, this Baton reads {', '.join(map(str, READS))}")
-    opt = OptimizerState(optimizer)
     saved_opt = blobs["optimizer"] if version == 2 else {
         "steps": [[[None, float(blobs["optimizer_step"])]]], "loss_scaler": None, "main_params": blobs["main_params"]}
-    has_main = bool(saved_opt["main_params"])
-    with torch.no_grad():
-        for sh, param in sharded_params(model_chunks):
-            s = slice_of(sh)
-            source = f"optim.main_param.{sh.key}" if has_main else sh.key  # the fp32 truth
-            param.copy_(_as_tensor(read(source, s.offset, s.shape), s, param))
-            opt.load(sh, param, read, has_main=has_main)
-    opt.set_step_counters(saved_opt["steps"])
-    opt.set_loss_scaler(saved_opt["loss_scaler"])
+    import_items(model_chunks, optimizer, read, saved_opt)
     step = int(blobs["step"])
     saved = blobs.get("rng", {})
     if version == 2 and saved.get("coords") == [coords.tp, coords.pp, coords.dp] \

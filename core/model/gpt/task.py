@@ -18,10 +18,11 @@ import numpy as np
 import psutil
 
 from core.checkpoint.spec import TensorSlice
-from core.errors import ConfigError, LayoutError
+from core.errors import CheckpointError, ConfigError, LayoutError
 from core.flows import calls as gen_calls
 from core.job.process import rss_mb
 from core.spec import config as config_mod
+from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.dims import Coords
 from core.spec.generator import generator_dims, own_workers
@@ -44,8 +45,9 @@ class GPTTask:
         self._fence: Callable[[], None] = lambda: None  # core.checkpoint.service's, once bound
         self._rollout: Any = None  # core.model.gpt.rollout.Rollout: a colocated generator
         self._link: Any = None  # core.model.gpt.rollout.WeightLink: this rank's end of weight syncs
-        self._reference: list[Any] = []  # program grpo with rl.kl: the frozen reference policy's chunks
+        self._reference: list[Any] = []  # an RL program with rl.kl: the frozen reference policy's chunks
         self._reference_loaded = False
+        self._critic: Any = None  # program ppo: the value model's StepContext (core.model.gpt.critic)
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         table: dict[Method[Any, Any], Callable[[Any], Any]] = {
@@ -57,9 +59,12 @@ class GPTTask:
         }
         if self.cfg.generator.enabled:
             table.update(self._generator_handlers())
-        if self.cfg.program == "grpo":
+        if self.cfg.program in rl_spec.RL_PROGRAMS:
             table[gen_calls.POLICY_STEP] = self.policy_step
             table[gen_calls.SCORE_ROWS] = self.score_rows
+        if self.cfg.program == "ppo":
+            table[gen_calls.CRITIC_STEP] = self.critic_step
+            table[gen_calls.CRITIC_INIT] = self.critic_init
         return table
 
     def _generator_handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
@@ -106,8 +111,9 @@ class GPTTask:
             timeout_s=cfg.timeouts.setup_s,
         )
         gpt, chunks, optimizer = self._build(on_cuda)
-        if cfg.program == "grpo" and cfg.rl.kl.enabled:
+        if cfg.program in rl_spec.RL_PROGRAMS and cfg.rl.kl.enabled:
             self._reference = [self._build_reference(on_cuda)]
+        critic = self._build(on_cuda, critic=True)[1:] if cfg.program == "ppo" else None
         coords = dims.coords(self.ctx.rank)
         # The model is built from the run's seed on every rank; training draws from streams of
         # this rank's coordinates (core.parallel.rng), re-derived or restored on a resume.
@@ -125,6 +131,8 @@ class GPTTask:
         self._step_ctx = StepContext(cfg=cfg, model_chunks=chunks, optimizer=optimizer, source=source, device=device,
                                      coords=Coords(rank=self.ctx.rank, tp=coords.tp, pp=coords.pp, dp=coords.dp),
                                      dims=dims)
+        if critic is not None:
+            self._critic = dataclasses.replace(self._step_ctx, model_chunks=critic[0], optimizer=critic[1])
         info = calls.SetupInfo(
             coords=self._step_ctx.coords, layers=tuple(model_mod.global_layer_indices(gpt)),
             num_params=model_mod.num_local_params(gpt), device="cuda" if on_cuda else "cpu",
@@ -160,8 +168,9 @@ class GPTTask:
                               f"{self.ctx.world_size}")
         return cfg.trainer.device != "cpu" and torch.cuda.is_available()
 
-    def _build(self, on_cuda: bool) -> tuple[Any, list[Any], Any]:
-        """Model, DDP wrapper and optimizer in the configured precision (logged)."""
+    def _build(self, on_cuda: bool, *, critic: bool = False) -> tuple[Any, list[Any], Any]:
+        """Model, DDP wrapper and optimizer in the configured precision (logged); ``critic``:
+        the value model (core.model.gpt.critic)."""
         import torch  # torch and megatron: this module loads without them
         from megatron.core.distributed import finalize_model_grads  # torch and megatron: this module loads without them
 
@@ -171,6 +180,10 @@ class GPTTask:
         cfg = self.cfg
         tconfig = model_mod.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda)
         gpt = model_mod.build_model(tconfig, cfg.model, on_cuda=on_cuda)
+        if critic:
+            from core.model.gpt.critic import attach_head  # torch and megatron: this module loads without them
+
+            attach_head(gpt, seed=cfg.seed)
         precision = model_mod.resolve_precision(cfg.training, on_cuda=on_cuda)
         log.info("rank %d computes in %s%s, reduces gradients in %s, dropout hidden %g attention %g", self.ctx.rank,
                  precision.param_dtype, " over fp32 master weights" if precision.param_dtype != torch.float32 else "",
@@ -202,7 +215,23 @@ class GPTTask:
         ctx = self._ready()
         if req.model == "reference" and not self._reference_loaded:
             raise RuntimeError(f"rank {self.ctx.rank}: the reference policy was asked for before it was loaded")
-        return score_rows(ctx, req, ctx.model_chunks if req.model == "actor" else self._reference)
+        chunks = {"actor": ctx.model_chunks, "reference": self._reference,
+                  "critic": self._critic.model_chunks if self._critic else []}[req.model]
+        return score_rows(ctx, req, chunks)
+
+    def critic_step(self, req: gen_calls.CriticBatch) -> gen_calls.CriticResult:
+        """One critic update on this replica's share of a rollout (core.model.gpt.critic)."""
+        from core.model.gpt.critic import critic_step  # torch and megatron: this module loads without them
+
+        self._ready()
+        return gen_calls.CriticResult(rss_mb=rss_mb(), **critic_step(self._critic, req, before_update=self._fence))
+
+    def critic_init(self, _req: Any) -> None:
+        """The critic's transformer := the actor's (the first RL step)."""
+        from core.model.gpt.critic import copy_from_actor  # torch and megatron: this module loads without them
+
+        self._fence()
+        copy_from_actor(self._ready().model_chunks, self._critic.model_chunks, self._critic.optimizer)
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
         """One optimizer step on the global batch of ``req.step``."""
@@ -281,7 +310,13 @@ class GPTTask:
         from core.model.gpt.state import export_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()
-        return export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims)
+        items, blobs = export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims)
+        if self._critic is not None:
+            from core.model.gpt import critic  # torch and megatron: this module loads without them
+
+            more, blobs["critic"] = critic.export(self._critic.model_chunks, self._critic.optimizer)
+            items += more
+        return items, blobs
 
     def restore_state(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray],
                       blobs: dict[str, Any]) -> None:
@@ -291,6 +326,13 @@ class GPTTask:
         ctx = self._ready()  # CheckpointService.load has passed the fence already
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
                                        coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
+        if self._critic is not None:
+            from core.model.gpt import critic  # torch and megatron: this module loads without them
+
+            if "critic" not in blobs:
+                raise CheckpointError("the checkpoint holds no critic (it was not saved by a program: ppo run); "
+                                      "start the PPO run from it with init_from instead")
+            critic.restore(self._critic.model_chunks, self._critic.optimizer, read, blobs["critic"])
 
     def restore_weights(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
         """Only the model weights of a checkpoint (any layout), the optimizer's from them:

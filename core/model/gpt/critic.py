@@ -1,0 +1,106 @@
+"""PPO's critic on the trainer's ranks: the actor's transformer under a value head.
+
+The value model is a Megatron-core GPTModel in the actor's layout (same tp, pp, dp and
+precision) whose output layer is ``ValueHead``, one output per position, not split over
+tensor parallelism: the final hidden states are whole on every tensor-parallel rank, so
+each computes the same values and the same head gradient (Megatron counts the replicated
+head once in the gradient norm). It has its own DDP wrapper and optimizer. Its state is in
+every checkpoint under ``critic.`` names (``critic.decoder...``, its optimizer's
+``optim.exp_avg.critic...``; step counters and loss scaler in the ``critic`` blob), so it
+loads into another layout as the actor does; a load of the actor's weights alone
+(``init_from``, the reference) never reads them.
+
+``copy_from_actor`` (CRITIC_INIT, when the RL phase begins) gives the critic the actor's
+transformer; the head keeps its initialisation (normal(0, init_method_std) from the run's
+seed, bias 0). ``critic_step`` is one optimizer step on the clipped value loss through
+the same pipeline schedule as the actor's update.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+
+from core.flows import calls as gen_calls
+from core.model.gpt import rl_loss
+from core.model.gpt.model import unwrap
+from core.model.gpt.policy import fill_row, optimizer_step
+from core.model.gpt.state import ReadFn, export_items, import_items, optimizer_blob, sharded_params
+from core.model.gpt.step import StepContext
+
+PREFIX = "critic."
+HEAD = "output_layer."
+
+
+class ValueHead(torch.nn.Linear):
+    """hidden → 1, called as Megatron calls its output layer (``(output, bias)``)."""
+
+    def __init__(self, hidden: int, *, std: float, dtype: torch.dtype, seed: int) -> None:
+        super().__init__(hidden, 1, bias=True, dtype=dtype)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=gen) * std)
+            self.bias.zero_()
+        self.sequence_parallel = False  # read by GPTModel's inference paths
+
+    def forward(self, input_: torch.Tensor, weight: Any = None,  # type: ignore[override]
+                runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:
+        return super().forward(input_), None
+
+
+def attach_head(gpt: torch.nn.Module, *, seed: int) -> None:
+    """Replace the last stage's vocabulary output layer of ``gpt`` by a value head."""
+    if not parallel_state.is_pipeline_last_stage():
+        return
+    model = unwrap(gpt)
+    old = model.output_layer
+    head = ValueHead(model.config.hidden_size, std=model.config.init_method_std, dtype=old.weight.dtype, seed=seed)
+    model.output_layer = head.to(old.weight.device)
+
+
+def copy_from_actor(actor: list[Any], critic: list[Any], optimizer: Any) -> None:
+    """The critic's transformer and embeddings := the actor's (same layout: local slices)."""
+    mine = {sh.key: p for sh, p in sharded_params(actor)}
+    with torch.no_grad():
+        for sh, param in sharded_params(critic):
+            if not sh.key.startswith(HEAD):
+                param.copy_(mine[sh.key])
+    optimizer.reload_model_params()
+
+
+def critic_step(ctx: StepContext, batch: gen_calls.CriticBatch,
+                before_update: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One optimizer step of the critic (``ctx``: its model and optimizer); this rank's metrics."""
+    rows, p, seq = len(batch.sequences), batch.prompt_length, ctx.cfg.model.seq_length
+    arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
+    arrays.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "ret", "oldv")})
+    for i, (row, ret, old) in enumerate(zip(batch.sequences, batch.returns, batch.old_values, strict=True)):
+        n = fill_row(arrays, i, row, p)
+        arrays["ret"][i, p - 1:n], arrays["oldv"][i, p - 1:n] = ret, old
+    clip = ctx.cfg.rl.critic.value_clip
+
+    def loss_of(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, clip_frac = rl_loss.value_loss(output[..., 0].float(), mb["oldv"], mb["ret"], mb["mask"], clip=clip)
+        return loss, {"vf": loss.detach().clone(), "clip": clip_frac.detach()}
+
+    rl = ctx.cfg.rl
+    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.critic.lr or rl.lr, loss_of, labels=False,
+                                 before_update=before_update)
+    if out_mb is not None:
+        out.update(value_loss=float(torch.stack([d["vf"] for d in out_mb]).mean()),
+                   value_clip_frac=float(torch.stack([d["clip"] for d in out_mb]).mean()))
+    out.pop("tokens", None)
+    return out
+
+
+def export(chunks: list[Any], optimizer: Any) -> tuple[list[Any], dict[str, Any]]:
+    """The critic's checkpoint slices and its blob."""
+    items, opt = export_items(chunks, optimizer, PREFIX)
+    return items, optimizer_blob(opt)
+
+
+def restore(chunks: list[Any], optimizer: Any, read: ReadFn, blob: dict[str, Any]) -> None:
+    import_items(chunks, optimizer, read, blob, PREFIX)
