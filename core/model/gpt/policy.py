@@ -53,6 +53,13 @@ def fill_row(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -
     return n
 
 
+def micro_size(micro_batch_size: int, rows: int) -> int:
+    """The largest micro-batch of at most ``micro_batch_size`` rows that splits ``rows`` into
+    whole micro-batches (``micro_batch_size: auto`` may resolve to one that does not: no row
+    is ever left out of a step)."""
+    return next(m for m in range(min(micro_batch_size, rows), 0, -1) if rows % m == 0)
+
+
 def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     rows, seq = arrays["tokens"].shape
     for start in range(0, rows, micro):
@@ -109,7 +116,7 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
         chunk.train()
     ctx.optimizer.zero_grad()
     rows = arrays["tokens"].shape[0]
-    micro = min(int(cfg.training.micro_batch_size), rows)
+    micro = micro_size(int(cfg.training.micro_batch_size), rows)
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
@@ -138,7 +145,7 @@ def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) ->
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
     ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
-    micro = min(int(cfg.training.micro_batch_size), rows)
+    micro = micro_size(int(cfg.training.micro_batch_size), rows)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     entropy = req.model == "actor"
 
