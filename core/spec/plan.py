@@ -205,16 +205,20 @@ def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, r
 
 
 def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes for ``params`` parameters on one rank."""
+    """(weights, gradients, optimizer) bytes for ``params`` parameters on one rank; an RL
+    program's other models on the trainer's ranks too: a critic like the actor (ppo), the
+    reference's weights (rl.kl)."""
     param_dtype, reduce_dtype = cfg.training.mixed_precision.resolved(on_cuda=True)  # a GPU plan
     shard = dp if distributed_optimizer else 1
-    if DTYPE_BYTES[param_dtype] < 4:
-        low = DTYPE_BYTES[param_dtype]
+    models = 2 if cfg.program == "ppo" else 1
+    low = DTYPE_BYTES[param_dtype]
+    if low < 4:
         weights = low * params + ceil_div(4 * params, shard)
         grads = (4 if reduce_dtype == "fp32" else low) * params  # as core.model.gpt.model's grad_reduce_in_fp32
     else:
         weights = grads = 4 * params
-    return weights, grads, ceil_div(8 * params, shard)
+    reference = low * params if cfg.program != "pretrain" and cfg.rl.kl.enabled else 0
+    return models * weights + reference, models * grads, models * ceil_div(8 * params, shard)
 
 
 def _estimate(cfg: RunConfig, dims: ParallelDims, ranks: tuple[RankPlan, ...], *, micro_batch: int,

@@ -129,3 +129,14 @@ def test_a_critic_trained_in_tp2_resumes_in_tp1(tmp_path: Path) -> None:
     # the critic at step 34 went on from that checkpoint: its head moved on from the tp2 one, by a little
     after = _weights(run, 36)["critic.output_layer.weight"]
     assert after.shape == head.shape == (1, 64) and 0 < np.abs(after - head).max() < 0.1
+
+
+def test_ppo_with_the_rollout_on_a_worker_of_its_own_gives_the_same_numbers(demo: Path, tmp_path: Path) -> None:
+    """generator.placement=split: the critic stays with the actor on the trainer's ranks; the
+    rollout on a worker of its own gives the colocated demo's numbers bit for bit."""
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "generator.placement=split", "generator.workers=1",
+                "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = next((tmp_path / "ppo-tiny").glob("*"))
+    mine, theirs = ([{k: m.get(k) for k in KEYS} for m in _metrics(r)] for r in (run, demo))
+    assert mine == theirs

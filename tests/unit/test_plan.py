@@ -280,3 +280,15 @@ def test_the_generator_plan_counts_its_weights_kv_cache_and_logits_per_rank() ->
                           "generator.num_prompts=100000", "--gpu-mem-gb", "0.2"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 1 and "generator: tp1pp1dp4, colocated" in out.stdout and "DOES NOT FIT" in out.stdout
+
+
+def test_an_rl_program_plans_memory_for_its_reference_and_its_critic() -> None:
+    """grpo with a KL term holds the reference's weights beside the actor; ppo a critic with
+    its gradients and optimizer state, as large as the actor's."""
+    base = REPO / "experiments" / "grpo_tiny.yaml"
+    grpo, ppo = (config.load(base, [f"program={p}"]) for p in ("grpo", "ppo"))
+    pretrain, no_kl = config.load(base, ["program=pretrain"]), config.load(base, ["rl.kl.coef=0"])
+    actor = static_bytes(pretrain)
+    assert static_bytes(no_kl) == actor
+    reference = static_bytes(grpo) - actor
+    assert reference > 0 and static_bytes(ppo) == 2 * actor + reference
