@@ -18,12 +18,13 @@ from typing import Any, Literal
 import yaml
 
 from core.errors import ConfigError, LayoutError
+from core.spec import modelcfg, schema
 from core.spec import rl as rl_spec
-from core.spec import schema
 from core.spec.dims import ParallelDims
 from core.spec.generator import GeneratorConfig
 from core.spec.generator import validate as validate_generator
 from core.spec.jobspec import SlurmConfig
+from core.spec.modelcfg import ModelConfig
 from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
 
 __all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "config_hash"]
@@ -55,32 +56,6 @@ class TrainerConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.n_gpus_per_node
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """A GPT (Megatron-core), or ``toy``: a deterministic numpy model for control-plane tests."""
-
-    kind: Literal["gpt", "toy"] = "gpt"
-    num_layers: int = bounded(4, gt=0, le=10**5)
-    hidden_size: int = bounded(64, gt=0, le=2**20)
-    num_attention_heads: int = bounded(4, gt=0, le=2**16)
-    ffn_hidden_size: int | None = bounded(None, gt=0, le=2**22)  # default (null) 4 * hidden_size
-    vocab_size: int = bounded(128, gt=0, le=2**26)
-    seq_length: int = bounded(32, gt=0, le=2**24)
-    init_method_std: float = bounded(0.02, ge=0, le=1e3, why=" (the weights would overflow)")
-    hidden_dropout: float = bounded(0.0, ge=0, lt=1)  # Megatron's names; masks reproducible in every layout
-    attention_dropout: float = bounded(0.0, ge=0, lt=1)
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "model")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
-                              f"model.num_attention_heads = {self.num_attention_heads}")
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +300,9 @@ def validate_layout(cfg: RunConfig) -> None:
     if m.num_attention_heads % p.tp:
         raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
                           f"{m.num_attention_heads}; pick a tp that divides it")
+    if m.query_groups % p.tp:
+        raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_query_groups = {m.query_groups} "
+                          "(each tensor-parallel rank holds whole key/value groups); pick a tp that divides it")
     if m.num_layers % p.pp:
         raise LayoutError(f"parallel.pp: {p.pp} does not divide model.num_layers = {m.num_layers}; "
                           "pick a pp that divides it")
@@ -442,7 +420,7 @@ def _digest(data: Any) -> str:
 
 def model_hash(cfg: RunConfig) -> str:
     """What a checkpoint must agree with to be loadable: the model's shape, not its layout."""
-    return _digest(to_dict(cfg)["model"])
+    return _digest(modelcfg.hashed(to_dict(cfg)["model"]))
 
 
 def config_hash(cfg: RunConfig) -> str:

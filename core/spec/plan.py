@@ -124,13 +124,23 @@ def ceil_div(a: int, b: int) -> int:
 def _layer_params(cfg: RunConfig, tp: int) -> int:
     """One transformer layer's parameters on one tensor-parallel rank.
 
-    Column-parallel weights and biases (QKV, fc1) and row-parallel weights (proj, fc2)
-    are split over tp; row-parallel biases and the two LayerNorms are replicated.
+    Column-parallel weights and biases (QKV, fc1: gate and up under SwiGLU) and row-parallel
+    weights (proj, fc2) are split over tp; row-parallel biases and the two norms are
+    replicated. Grouped-query attention has ``kv_channels``-wide keys and values.
     """
-    h, f = cfg.model.hidden_size, cfg.model.ffn
-    sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    replicated = h + 4 * h + h  # proj bias, 2 LayerNorms (weight + bias), fc2 bias
+    m = cfg.model
+    h, f, kv, bias = m.hidden_size, m.ffn * (2 if m.activation == "swiglu" else 1), m.kv_channels, int(m.bias)
+    sharded = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + h * f + bias * f + m.ffn * h
+    replicated = 2 * bias * h + 2 * _norm(cfg)  # proj and fc2 biases, 2 norms
     return ceil_div(sharded, tp) + replicated
+
+
+def _norm(cfg: RunConfig) -> int:  # a norm's parameters: LayerNorm's weight and bias, RMSNorm's weight
+    return cfg.model.hidden_size * (1 if cfg.model.normalization == "rmsnorm" else 2)
+
+
+def _positions(cfg: RunConfig) -> int:  # the learned position-embedding table (none under rope)
+    return 0 if cfg.model.position_embedding == "rope" else cfg.model.seq_length * cfg.model.hidden_size
 
 
 def _tied(cfg: RunConfig) -> bool:
@@ -141,9 +151,9 @@ def _tied(cfg: RunConfig) -> bool:
 def count_params(cfg: RunConfig) -> ParamCount:
     """Parameters of the unsharded model (``tp = 1``)."""
     m, tied = cfg.model, _tied(cfg)
-    embeddings = m.vocab_size * m.hidden_size + m.seq_length * m.hidden_size
+    embeddings = m.vocab_size * m.hidden_size + _positions(cfg)
     per_layer = _layer_params(cfg, 1)
-    final_norm = 2 * m.hidden_size
+    final_norm = _norm(cfg)
     output_layer = 0 if tied else m.vocab_size * m.hidden_size
     return ParamCount(
         total=embeddings + m.num_layers * per_layer + final_norm + output_layer, embeddings=embeddings,
@@ -157,9 +167,9 @@ def rank_params(cfg: RunConfig, *, tp: int, first: bool, last: bool, n_layers: i
     params = n_layers * _layer_params(cfg, tp)
     vocab_shard = ceil_div(m.vocab_size, tp) * m.hidden_size
     if first:
-        params += vocab_shard + m.seq_length * m.hidden_size  # position embeddings are replicated
+        params += vocab_shard + _positions(cfg)  # position embeddings are replicated
     if last:
-        params += 2 * m.hidden_size  # final LayerNorm
+        params += _norm(cfg)  # the final norm
         if not (_tied(cfg) and first):
             params += vocab_shard  # untied output layer, or the tied copy on a later stage
     return params

@@ -267,3 +267,26 @@ def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], me
         _grpo(*overrides)
     assert "\n" not in str(err.value)
     assert _grpo("rl.reward=my_pkg.scores:exact").rl.reward == "my_pkg.scores:exact"  # imported on the controller
+
+
+def test_model_shape_options_keep_the_hash_of_a_model_saved_before_they_existed() -> None:
+    """At their defaults the shape options are left out of the model hash: a run folder
+    made before they existed still resumes (9af21b16... is grpo_tiny's hash from then)."""
+    from core.spec.config import load, model_hash
+
+    assert model_hash(load(REPO / "experiments" / "grpo_tiny.yaml", [])) == "9af21b16ef7174c8"
+    assert model_hash(load(REPO / "experiments" / "grpo_tiny.yaml", ["model.rope_base=10000"])) == "9af21b16ef7174c8"
+    assert model_hash(load(REPO / "experiments" / "grpo_tiny.yaml", ["model.normalization=rmsnorm"])) != \
+        "9af21b16ef7174c8"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.num_query_groups=3"], r"^model.num_query_groups: 3 does not divide model.num_attention_heads = 4; "),
+    (["model.num_query_groups=1", "parallel.tp=2", "trainer.n_gpus_per_node=2"],
+     r"^parallel.tp: 2 does not divide model.num_query_groups = 1 \(each tensor-parallel rank holds whole "),
+    (["model.activation=relu"], r"^model.activation: 'relu' is not "),
+    (["model.rope_base=0"], r"^model.rope_base: 0"),
+])
+def test_impossible_model_shapes_are_refused_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config.from_data(config.apply_overrides({}, overrides))

@@ -292,3 +292,45 @@ def test_an_rl_program_plans_memory_for_its_reference_and_its_critic() -> None:
     assert static_bytes(no_kl) == actor
     reference = static_bytes(grpo) - actor
     assert reference > 0 and static_bytes(ppo) == 2 * actor + reference
+
+
+MODERN = ("model.normalization=rmsnorm", "model.activation=swiglu", "model.position_embedding=rope",
+          "model.num_query_groups=2", "model.bias=false")
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
+def test_param_counts_of_modern_shapes_match_the_models_baton_builds() -> None:
+    """rmsnorm, swiglu, rope, grouped-query attention and bias-free linears, each alone and
+    together: the plan's count equals the parameters of the GPT core.model.gpt.model builds."""
+    variants = [MODERN, *((o,) for o in MODERN)]
+    code = textwrap.dedent("""
+        import json, os, sys, warnings
+        warnings.filterwarnings("ignore")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+        import torch, torch.distributed as dist
+        from core.parallel.imports import import_megatron
+        import_megatron()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from core.model.gpt import model as M
+        from core.parallel import cpu_shim
+        from core.spec import config as C
+        cpu_shim.activate_if_needed()
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(1)
+        out = []
+        for overrides in json.loads(sys.argv[1]):
+            cfg = C.from_data(C.apply_overrides({}, overrides))
+            gpt = M.build_model(M.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=False),
+                                cfg.model, on_cuda=False)
+            out.append(sum(p.numel() for p in gpt.parameters()))
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([list(v) for v in variants])], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert real == [count_params(_cfg(*v)).total for v in variants]

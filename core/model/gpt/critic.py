@@ -63,11 +63,11 @@ def attach_head(gpt: torch.nn.Module, *, seed: int) -> None:
 
 def copy_from_actor(actor: list[Any], critic: list[Any], optimizer: Any) -> None:
     """The critic's transformer and embeddings := the actor's (same layout: local slices)."""
-    mine = {sh.key: p for sh, p in sharded_params(actor)}
+    mine = {(sh.key, sh.global_offset): p for sh, p in sharded_params(actor)}
     with torch.no_grad():
         for sh, param in sharded_params(critic):
             if not sh.key.startswith(HEAD):
-                param.copy_(mine[sh.key])
+                param.copy_(mine[sh.key, sh.global_offset])
     optimizer.reload_model_params()
 
 

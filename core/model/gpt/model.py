@@ -82,11 +82,29 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         sequence_parallel=False,
+        **_shape_options(model),  # type: ignore[arg-type]
         **_recompute_options(training.recompute),  # type: ignore[arg-type]
     )
 
 
-def layer_spec(*, on_cuda: bool) -> ModuleSpec:
+def _shape_options(model: ModelConfig) -> dict[str, object]:
+    """core.spec.modelcfg's shape options as Megatron's TransformerConfig fields."""
+    out: dict[str, object] = {"normalization": "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
+                              "add_bias_linear": model.bias, "num_query_groups": model.query_groups}
+    if model.activation == "swiglu":
+        out.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                   bias_activation_fusion=False)
+    return out
+
+
+def position_options(model: ModelConfig) -> dict[str, object]:
+    """GPTModel's position arguments for ``model.position_embedding``."""
+    if model.position_embedding == "rope":
+        return {"position_embedding_type": "rope", "rotary_base": model.rope_base}
+    return {"position_embedding_type": "learned_absolute"}
+
+
+def layer_spec(config: TransformerConfig, *, on_cuda: bool) -> ModuleSpec:
     """TransformerEngine layers on GPU when TE is installed; Megatron's local ones otherwise."""
     if on_cuda and importlib.util.find_spec("transformer_engine") is not None:
         from megatron.core.models.gpt.gpt_layer_specs import (  # only with Transformer Engine installed
@@ -94,14 +112,14 @@ def layer_spec(*, on_cuda: bool) -> ModuleSpec:
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(normalization=config.normalization)
 
 
 def build_model(config: TransformerConfig, model: ModelConfig, *, on_cuda: bool) -> torch.nn.Module:
     """This rank's stage of the GPT: embedding on the first stage, loss head on the last."""
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(on_cuda=on_cuda),
+        transformer_layer_spec=layer_spec(config, on_cuda=on_cuda),
         vocab_size=model.vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -110,7 +128,7 @@ def build_model(config: TransformerConfig, model: ModelConfig, *, on_cuda: bool)
         # makes the output layer a second copy of one global tensor in checkpoints.
         share_embeddings_and_output_weights=False,
         parallel_output=True,
-        position_embedding_type="learned_absolute",
+        **position_options(model),
     )
     if on_cuda:
         gpt.cuda(torch.cuda.current_device())

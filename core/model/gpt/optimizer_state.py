@@ -78,6 +78,21 @@ def _slice(sh: ShardedTensor, name: str, offset: tuple[int, ...] = (), shape: tu
                        shape=shape or full, dtype="float32")
 
 
+def _boxes(sh: ShardedTensor, r: Any, start: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(offset in the box, shape, index in the held state tensor's flat view) of each
+    rectangular piece of the box ``sh`` (``start``: its flat offset in the parameter) this
+    rank holds state for: all of it, or what a distributed optimizer's range ``r`` (flat, in
+    the parameter) covers of it, cut into boxes."""
+    full = _slice(sh, "").shape
+    numel = int(np.prod(full))
+    if r is None:
+        return [((0,) * len(full), full, start)]
+    lo, hi = max(r.start, start), min(r.end, start + numel)
+    if lo >= hi:
+        return []
+    return [(offset, shape, flat + start - r.start) for offset, shape, flat in flat_range_boxes(full, lo - start, hi - start)]
+
+
 class OptimizerState:
     """This rank's main weights, moments, step counters and loss scaler, in checkpoint terms."""
 
@@ -111,46 +126,39 @@ class OptimizerState:
         state = _ensure_state(leaf.optimizer, main)
         return {"main_param": main, **{m: state[m] for m in MOMENTS}}, None
 
-    def pieces(self, sh: ShardedTensor, param: torch.nn.Parameter, writer: bool) -> list[Piece]:
-        """The optimizer slices this rank writes for ``param`` (``writer``: it writes the
-        parameter's own slice in a non-distributed run)."""
+    def pieces(self, sh: ShardedTensor, param: torch.nn.Parameter, writer: bool, start: int = 0) -> list[Piece]:
+        """The optimizer slices this rank writes for the box ``sh`` of ``param`` (at flat
+        offset ``start`` in it; ``writer``: it writes the box itself in a non-distributed run)."""
         held = self._tensors(param)
         if held is None or not (_optimizer_writer(sh) if self.distributed else writer):
             return []
         tensors, r = held
         out: list[Piece] = []
-        full = _slice(sh, "").shape
         for kind in self.kinds:
             name, t = f"optim.{kind}.{sh.key}", tensors[kind]
-            if r is None:
-                out.append((_slice(sh, name), t))
-                continue
-            for offset, shape, flat in flat_range_boxes(full, r.start, r.end):
+            for offset, shape, at in _boxes(sh, r, start):
                 n = int(np.prod(shape))
-                out.append((_slice(sh, name, offset, shape), t.view(-1)[flat - r.start:flat - r.start + n]))
+                out.append((_slice(sh, name, offset, shape), t.view(-1)[at:at + n].view(shape)))
         return out
 
-    def load(self, sh: ShardedTensor, param: torch.nn.Parameter, read: ReadFn, *, has_main: bool) -> None:
-        """Read this rank's part of ``param``'s state, as fp32, into the optimizer."""
+    def load(self, sh: ShardedTensor, param: torch.nn.Parameter, read: ReadFn, *, has_main: bool,
+             start: int = 0) -> None:
+        """Read this rank's part of the box ``sh`` of ``param``'s state, as fp32, into the optimizer."""
         held = self._tensors(param)
         if held is None:
             return  # no part of this param lives in this DP rank's shard
         tensors, r = held
         kinds = (*MOMENTS, "main_param") if self.separate_main else MOMENTS
-        full = _slice(sh, "").shape
         for kind in kinds:
             name = f"optim.{kind}.{sh.key}" if kind != "main_param" or has_main else sh.key
             dst = tensors[kind]
-            boxes = [((0,) * len(full), full, 0)] if r is None else flat_range_boxes(full, r.start, r.end)
-            start = 0 if r is None else r.start
-            for offset, shape, flat in boxes:
+            for offset, shape, at in _boxes(sh, r, start):
                 s = _slice(sh, name, offset, shape)
                 data = read(name, s.offset, s.shape)
                 if tuple(data.shape) != s.shape:
                     raise CheckpointError(f"{name}: read shape {tuple(data.shape)} at {s.offset}, expected {s.shape}")
                 n = int(np.prod(shape))
-                src = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(-1)
-                dst.view(-1)[flat - start:flat - start + n].copy_(src)
+                dst.view(-1)[at:at + n].copy_(torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(-1))
 
     # --- scalars ----------------------------------------------------------------------------
     def step_counters(self) -> list[list[list[float | None]]]:

@@ -99,10 +99,10 @@ class Rollout:
         parallel = dataclasses.replace(cfg.parallel, tp=g.tp, pp=1)
         config = model_mod.transformer_config(cfg.model, parallel, cfg.training, on_cuda=on_cuda)
         self.model = GPTModel(
-            config=config, transformer_layer_spec=model_mod.layer_spec(on_cuda=on_cuda),
+            config=config, transformer_layer_spec=model_mod.layer_spec(config, on_cuda=on_cuda),
             vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length, pre_process=True,
             post_process=True, share_embeddings_and_output_weights=False, parallel_output=True,
-            position_embedding_type="learned_absolute", pg_collection=process_groups(dims, rank))
+            pg_collection=process_groups(dims, rank), **model_mod.position_options(cfg.model))
         if on_cuda:
             self.model.cuda(torch.cuda.current_device())
         self.model.eval()

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError
@@ -43,21 +43,47 @@ READS = (1, 2)
 
 
 # --- model tensors -------------------------------------------------------------------
-def sharded_params(model_chunks: list[Any], prefix: str = "") -> Iterator[tuple[ShardedTensor, torch.nn.Parameter]]:
-    """Each local parameter with its ShardedTensor (global name, shape, offset), in order;
-    ``prefix`` before every name (a second model of the run: ``critic.``)."""
+class Part(NamedTuple):
+    """One rectangular box of a global tensor held by one parameter: the parameter itself,
+    or a piece of it (``start``: the piece's flat offset in it)."""
+
+    sh: ShardedTensor
+    tensor: torch.Tensor
+    param: torch.nn.Parameter
+    start: int
+
+
+def param_parts(model_chunks: list[Any], prefix: str = "") -> Iterator[Part]:
+    """Each local parameter's boxes of global tensors, in order; ``prefix`` before every name
+    (a second model of the run: ``critic.``). A parameter is one box, except where Megatron
+    describes it by a factory: SwiGLU's fc1 holds this rank's gate rows then its up rows,
+    two boxes of a global ``[gates; ups]`` tensor (layout-independent)."""
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         by_id = {id(p): p for p in gpt.parameters()}
         for sh in gpt.sharded_state_dict(prefix=prefix).values():
-            if not isinstance(sh, ShardedTensor) or sh.key.endswith("_extra_state"):
+            if sh.key.endswith("_extra_state") or not isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
                 continue
             param = by_id.get(id(sh.data))
             if param is None:
                 raise AssertionError(f"{sh.key}: sharded tensor is not a parameter of the model")
             if sh.flattened_range is not None:
                 raise AssertionError(f"{sh.key}: flattened sharded tensors are not expected in a model")
-            yield sh, param
+            if isinstance(sh, ShardedTensor):
+                yield Part(sh, param, param, 0)
+                continue
+            for sub in sh.build():
+                start = (sub.data.data_ptr() - param.data_ptr()) // param.element_size()
+                if not sub.data.is_contiguous() or not 0 <= start <= param.numel() - sub.data.numel():
+                    raise AssertionError(f"{sh.key}: a factory's piece is not a contiguous part of its parameter")
+                yield Part(sub, sub.data, param, start)
+
+
+def sharded_params(model_chunks: list[Any], prefix: str = "") -> Iterator[tuple[ShardedTensor, torch.Tensor]]:
+    """Each box of a global tensor this rank's parameters hold, with its tensor (a parameter
+    or a view of part of one: ``param_parts``)."""
+    for part in param_parts(model_chunks, prefix):
+        yield part.sh, part.tensor
 
 
 def slice_of(sh: ShardedTensor, name: str | None = None, dtype: str = "float32") -> TensorSlice:
@@ -169,18 +195,18 @@ def export_state(model_chunks: list[Any], optimizer: Any, step: int, coords: Coo
 def export_items(model_chunks: list[Any], optimizer: Any, prefix: str = "") -> tuple[Items, OptimizerState]:
     """The model's and its optimizer's slices this rank writes (names after ``prefix``)."""
     opt = OptimizerState(optimizer)
-    params = list(sharded_params(model_chunks, prefix))
+    parts = list(param_parts(model_chunks, prefix))
     ready = None  # on a GPU: the point of the training stream the snapshot copies must follow
-    if params and params[0][1].is_cuda:
+    if parts and parts[0].param.is_cuda:
         ready = torch.cuda.Event()
         ready.record()
     items: Items = []
-    for sh, param in params:
+    for sh, tensor, param, start in parts:
         writer = is_writer(sh)
         s = slice_of(sh)
         if writer:  # the array carries the slice's shape: stacked layers add a leading axis of 1
-            items.append((s, LiveTensor(param, s.shape, ready)))
-        items += [(piece, LiveTensor(t, piece.shape, ready)) for piece, t in opt.pieces(sh, param, writer)]
+            items.append((s, LiveTensor(tensor, s.shape, ready)))
+        items += [(piece, LiveTensor(t, piece.shape, ready)) for piece, t in opt.pieces(sh, param, writer, start)]
     return items, opt
 
 
@@ -194,11 +220,11 @@ def import_items(model_chunks: list[Any], optimizer: Any, read: ReadFn, saved_op
     opt = OptimizerState(optimizer)
     has_main = bool(saved_opt["main_params"])
     with torch.no_grad():
-        for sh, param in sharded_params(model_chunks, prefix):
+        for sh, tensor, param, start in param_parts(model_chunks, prefix):
             s = slice_of(sh)
             source = f"optim.main_param.{sh.key}" if has_main else sh.key  # the fp32 truth
-            param.copy_(_as_tensor(read(source, s.offset, s.shape), s, param))
-            opt.load(sh, param, read, has_main=has_main)
+            tensor.copy_(_as_tensor(read(source, s.offset, s.shape), s, tensor))
+            opt.load(sh, param, read, has_main=has_main, start=start)
     opt.set_step_counters(saved_opt["steps"])
     opt.set_loss_scaler(saved_opt["loss_scaler"])
 
