@@ -65,6 +65,8 @@ class ParallelConfig:
     tp: int = bounded(1, gt=0, le=MAX_WORLD)
     pp: int = bounded(1, gt=0, le=MAX_WORLD)
     distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False  # Megatron's bucketed all-reduce of gradients during backward
+    bucket_size: int | None = bounded(None, gt=0, le=2**40)  # elements per gradient bucket; null: Megatron's
 
     def __post_init__(self) -> None:
         check_bounds(self, "parallel")
@@ -300,6 +302,9 @@ def validate_layout(cfg: RunConfig) -> None:
     if m.num_attention_heads % p.tp:
         raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
                           f"{m.num_attention_heads}; pick a tp that divides it")
+    if p.bucket_size is not None and not p.overlap_grad_reduce:
+        raise ConfigError(f"parallel.bucket_size: {p.bucket_size} is used only with parallel.overlap_grad_reduce: true "
+                          "(without it the gradients are reduced in one piece); set both or drop bucket_size")
     if m.query_groups % p.tp:
         raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_query_groups = {m.query_groups} "
                           "(each tensor-parallel rank holds whole key/value groups); pick a tp that divides it")

@@ -286,6 +286,7 @@ def test_model_shape_options_keep_the_hash_of_a_model_saved_before_they_existed(
      r"^parallel.tp: 2 does not divide model.num_query_groups = 1 \(each tensor-parallel rank holds whole "),
     (["model.activation=relu"], r"^model.activation: 'relu' is not "),
     (["model.rope_base=0"], r"^model.rope_base: 0"),
+    (["parallel.bucket_size=1000"], r"^parallel.bucket_size: 1000 is used only with parallel.overlap_grad_reduce: "),
 ])
 def test_impossible_model_shapes_are_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

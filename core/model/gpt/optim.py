@@ -37,7 +37,9 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 
 
 def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, *, grad_reduce_in_fp32: bool) -> Any:
-    """Megatron's DistributedDataParallel: grads reduced (averaged) over DP in finalize."""
+    """Megatron's DistributedDataParallel: grads reduced (averaged) over DP in finalize, or
+    bucket by bucket while backward runs (``parallel.overlap_grad_reduce``: the same sums in
+    the same order, so the same gradients bit for bit)."""
     from megatron.core.distributed import (  # lr_at loads without torch
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -45,7 +47,8 @@ def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, *, grad_reduce_in_fp32: boo
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        bucket_size=cfg.parallel.bucket_size,
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
