@@ -127,6 +127,7 @@ class TrainingConfig:
     global_batch_size: int = bounded(16, gt=0, le=2**31)
     micro_batch_size: int | Auto = bounded(4, gt=0, le=2**31)
     recompute: Literal["none", "full", "selective"] = "none"
+    activation_storage: Literal["plain", "int8"] = "plain"  # int8: saved for backward as int8 (model.gpt.activations)
     grad_clip: float = bounded(1.0, ge=0)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
 

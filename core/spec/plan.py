@@ -207,7 +207,8 @@ def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, r
                             micro_batch: int, in_flight: int) -> tuple[int, int]:
     """(activations, logits) bytes of one rank on ``stage``."""
     per_stage = cfg.model.num_layers // dims.pp
-    acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight
+    int8 = cfg.training.activation_storage == "int8"  # 1 byte for the formula's 2 (bf16), scales aside
+    acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight // (2 if int8 else 1)
     logits = 0
     if stage == dims.pp - 1:
         logits = cfg.model.seq_length * micro_batch * ceil_div(cfg.model.vocab_size, dims.tp) * 4

@@ -334,3 +334,11 @@ def test_param_counts_of_modern_shapes_match_the_models_baton_builds() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     real = json.loads(proc.stdout.strip().splitlines()[-1])
     assert real == [count_params(_cfg(*v)).total for v in variants]
+
+
+def test_int8_activation_storage_halves_the_planned_activations() -> None:
+    """The plan's activation formula counts 16-bit activations; int8 storage keeps one byte."""
+    plain, int8 = (make_plan(_cfg(*BIG, "trainer.n_gpus_per_node=4", f"training.activation_storage={s}"),
+                             gpu_mem_gb=80).memory for s in ("plain", "int8"))
+    assert plain.activations_bytes > 0 and int8.activations_bytes * 2 == plain.activations_bytes
+    assert int8.weights_bytes == plain.weights_bytes and int8.logits_bytes == plain.logits_bytes

@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from core.flows import calls as gen_calls
-from core.model.gpt import rl_loss
+from core.model.gpt import activations, rl_loss
 from core.model.gpt.model import unwrap
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, is_loss_owner
@@ -120,7 +120,8 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
-        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"] if labels else None)
+        with activations.storing(cfg.training.activation_storage):
+            output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"] if labels else None)
         return output, lambda out: loss_of(out, mb)
 
     out_mb = get_forward_backward_func()(

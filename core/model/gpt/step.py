@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from core.model.gpt import activations
 from core.model.gpt.data import BatchSource, MicroBatch
 from core.model.gpt.optim import set_lr
 from core.spec.config import RunConfig
@@ -63,18 +64,22 @@ def _loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, to
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
-    batch = next(data_iterator)
-    # attention_mask None: the local and TE specs build the causal mask themselves.
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, _loss_func
+def _forward_step(storage: str) -> Any:
+    def forward(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
+        batch = next(data_iterator)
+        with activations.storing(storage):  # the model's forward only (core.model.gpt.activations)
+            # attention_mask None: the local and TE specs build the causal mask themselves.
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, _loss_func
+
+    return forward
 
 
 def _run_schedule(ctx: StepContext, batches: list[MicroBatch], *, forward_only: bool) -> float | None:
     """Run all micro-batches; the DP-averaged mean loss on last-stage ranks, else None."""
     micro = batches[0].tokens.shape[0]
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=_forward_step(ctx.cfg.training.activation_storage),
         data_iterator=_to_torch(batches, ctx.device),
         model=ctx.model_chunks,
         num_microbatches=len(batches),
