@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,3 +49,50 @@ def test_overlapped_gradient_reduction_gives_the_same_gradients_bit_for_bit(
         assert sorted(a.files) == sorted(b.files)
         for name in a.files:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def record_reductions_on_rank(task: Any) -> None:
+    """Wrap the collectives Megatron's DDP reduces gradients with: note each big one's dtype."""
+    import torch
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    seen = task.__dict__.setdefault("_reduced", [])
+    all_reduce, reduce_scatter = torch.distributed.all_reduce, buffers.dist_reduce_scatter_func
+
+    def note(t: Any) -> None:
+        if t.numel() >= 1000:  # a gradient bucket (the loss, norms and inf checks are scalars)
+            seen.append(str(t.dtype).removeprefix("torch."))
+
+    def ar(tensor: Any, *a: Any, **k: Any) -> Any:
+        note(tensor)
+        return all_reduce(tensor, *a, **k)
+
+    def rs(output: Any, tensor: Any, *a: Any, **k: Any) -> Any:
+        note(tensor)
+        return reduce_scatter(output, tensor, *a, **k)
+
+    torch.distributed.all_reduce, buffers.dist_reduce_scatter_func = ar, rs
+
+
+def reductions_on_rank(task: Any) -> list[str]:
+    return list(task.__dict__.get("_reduced", []))
+
+
+NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@pytest.mark.parametrize(("param_dtype", "reduce_dtype"), [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"),
+                                                           ("fp16", "fp32"), ("fp16", "fp16")])
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_gradients_cross_the_data_parallel_group_in_the_configured_reduce_dtype(
+        tmp_path: Path, param_dtype: str, reduce_dtype: str, distributed_optimizer: bool) -> None:
+    """Every accepted (param_dtype, reduce_dtype) pair: what each data-parallel gradient
+    collective actually sends (all-reduce, or the distributed optimizer's reduce-scatter)."""
+    cfg = gpt_config(world_size=2, parallel={"tp": 1, "pp": 1, "distributed_optimizer": distributed_optimizer},
+                     training={"mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}})
+    with RankGroup(cfg, world_size=2, run_dir=tmp_path) as g:
+        g.setup()
+        g.apply(record_reductions_on_rank)
+        g.train(range(2))
+        seen = g.apply(reductions_on_rank)
+    assert all(s and set(s) == {NAMES[reduce_dtype]} for s in seen), seen
