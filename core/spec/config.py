@@ -24,6 +24,7 @@ from core.spec.dims import ParallelDims
 from core.spec.generator import GeneratorConfig
 from core.spec.generator import validate as validate_generator
 from core.spec.jobspec import SlurmConfig
+from core.spec.layout import validate_layout
 from core.spec.modelcfg import ModelConfig
 from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
 
@@ -60,16 +61,26 @@ class TrainerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Tensor and pipeline parallel sizes; data parallel is derived from the worker count."""
+    """Tensor and pipeline parallel sizes; data parallel is derived from the worker count.
+    ``sharding`` over data parallelism: ``optimizer`` (ZeRO-1, Megatron's distributed
+    optimizer; the same as ``distributed_optimizer: true``) or ``params`` (ZeRO-3, torch
+    FSDP2: core.model.gpt.fsdp)."""
 
     tp: int = bounded(1, gt=0, le=MAX_WORLD)
     pp: int = bounded(1, gt=0, le=MAX_WORLD)
+    sharding: Literal["none", "optimizer", "params"] = "none"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False  # Megatron's bucketed all-reduce of gradients during backward
     bucket_size: int | None = bounded(None, gt=0, le=2**40)  # elements per gradient bucket; null: Megatron's
 
     def __post_init__(self) -> None:
         check_bounds(self, "parallel")
+        if self.distributed_optimizer and self.sharding == "params":
+            raise ConfigError("parallel.distributed_optimizer: true with parallel.sharding: params; ZeRO-3 shards the "
+                              "optimizer state already: drop distributed_optimizer")
+        if self.distributed_optimizer or self.sharding == "optimizer":  # the two spellings of ZeRO-1 agree
+            object.__setattr__(self, "sharding", "optimizer")
+            object.__setattr__(self, "distributed_optimizer", True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,31 +306,6 @@ class RunConfig:
         if self.optimizer.lr == "auto":
             return 3e-6 * math.sqrt(self.training.global_batch_size / 1024)
         return float(self.optimizer.lr)
-
-
-def validate_layout(cfg: RunConfig) -> None:
-    """Reject layouts Megatron cannot run, with the numbers in the message."""
-    p, m, t = cfg.parallel, cfg.model, cfg.training
-    if m.num_attention_heads % p.tp:
-        raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
-                          f"{m.num_attention_heads}; pick a tp that divides it")
-    if p.bucket_size is not None and not p.overlap_grad_reduce:
-        raise ConfigError(f"parallel.bucket_size: {p.bucket_size} is used only with parallel.overlap_grad_reduce: true "
-                          "(without it the gradients are reduced in one piece); set both or drop bucket_size")
-    if m.query_groups % p.tp:
-        raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_query_groups = {m.query_groups} "
-                          "(each tensor-parallel rank holds whole key/value groups); pick a tp that divides it")
-    if m.num_layers % p.pp:
-        raise LayoutError(f"parallel.pp: {p.pp} does not divide model.num_layers = {m.num_layers}; "
-                          "pick a pp that divides it")
-    try:
-        dims = cfg.dims
-    except LayoutError as exc:
-        raise LayoutError(f"trainer: {cfg.trainer.nodes} node(s) × {cfg.trainer.n_gpus_per_node} = "
-                          f"{cfg.trainer.world_size} workers are not divisible by tp*pp = {p.tp * p.pp}") from exc
-    if t.micro_batch_size != "auto" and t.global_batch_size % (t.micro_batch_size * dims.dp):
-        raise LayoutError(f"training.global_batch_size: {t.global_batch_size} is not divisible by "
-                          f"micro_batch_size × dp = {t.micro_batch_size} × {dims.dp} = {t.micro_batch_size * dims.dp}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -122,12 +122,9 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def _layer_params(cfg: RunConfig, tp: int) -> int:
-    """One transformer layer's parameters on one tensor-parallel rank.
-
-    Column-parallel weights and biases (QKV, fc1: gate and up under SwiGLU) and row-parallel
-    weights (proj, fc2) are split over tp; row-parallel biases and the two norms are
-    replicated. Grouped-query attention has ``kv_channels``-wide keys and values.
-    """
+    """One transformer layer's parameters on one tensor-parallel rank: QKV (``kv_channels``
+    wide keys and values), fc1 (gate and up under SwiGLU) and their biases, proj and fc2
+    split over tp; the row-parallel biases and the two norms replicated."""
     m = cfg.model
     h, f, kv, bias = m.hidden_size, m.ffn * (2 if m.activation == "swiglu" else 1), m.kv_channels, int(m.bias)
     sharded = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + h * f + bias * f + m.ffn * h
@@ -220,6 +217,8 @@ def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: b
     program's other models on the trainer's ranks too: a critic like the actor (ppo), the
     reference's weights (rl.kl)."""
     param_dtype, reduce_dtype = cfg.training.mixed_precision.resolved(on_cuda=True)  # a GPU plan
+    if cfg.parallel.sharding == "params":  # ZeRO-3: fp32 storage, gradients and Adam moments, all split over dp
+        return ceil_div(4 * params, dp), ceil_div(4 * params, dp), ceil_div(8 * params, dp)
     shard = dp if distributed_optimizer else 1
     models = 2 if cfg.program == "ppo" else 1
     low = DTYPE_BYTES[param_dtype]

@@ -235,28 +235,24 @@ class RankGroup:
 
 # --- rank-side functions for RankGroup.apply ------------------------------------------------
 def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
-    """``core.model.gpt.state.export_state`` of this rank, its live items as arrays (to send)."""
+    """The task's checkpoint state (``core.model.gpt.state.export_state``, or ZeRO-3's) of this
+    rank after ``step`` steps, its live items as arrays (to send)."""
     from core.checkpoint.spec import current
-    from core.model.gpt.state import export_state
 
-    ctx = task._ready()
-    items, blobs = export_state(ctx.model_chunks, ctx.optimizer, step, ctx.coords, ctx.dims)
+    task._next_step = step
+    items, blobs = task.checkpoint_state()
     return [(s, np.array(current(a))) for s, a in items], blobs
 
 
 def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
-    """``core.model.gpt.state.import_state`` from an .npz of full global arrays."""
-    from core.model.gpt.state import import_state
-
-    ctx = task._ready()
+    """The task's ``restore_state`` (core.model.gpt.state.import_state, or ZeRO-3's) from an
+    .npz of full global arrays; the step it restored."""
     with np.load(arrays_path) as arrays:
         def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
             return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
-        step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=task.cfg.seed, coords=ctx.coords,
-                            dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
-    task._next_step = step
-    return step
+        task.restore_state(read, blobs)
+    return task._next_step
 
 
 def check_groups_against(task: Any, *, tp: int, pp: int, dp: int) -> str:

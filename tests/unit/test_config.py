@@ -287,7 +287,22 @@ def test_model_shape_options_keep_the_hash_of_a_model_saved_before_they_existed(
     (["model.activation=relu"], r"^model.activation: 'relu' is not "),
     (["model.rope_base=0"], r"^model.rope_base: 0"),
     (["parallel.bucket_size=1000"], r"^parallel.bucket_size: 1000 is used only with parallel.overlap_grad_reduce: "),
+    (["parallel.sharding=params", "parallel.tp=2", "trainer.n_gpus_per_node=2"],
+     r"^parallel.sharding: params \(ZeRO-3\) runs with tp and pp of 1 so far \(now tp=2 pp=1, program=pretrain\); "),
+    (["parallel.sharding=params", "training.mixed_precision.param_dtype=fp16"],
+     r"^parallel.sharding: params \(ZeRO-3\) runs with no fp16 \(bf16 or fp32\) so far"),
+    (["parallel.sharding=params", "parallel.distributed_optimizer=true"],
+     r"^parallel.distributed_optimizer: true with parallel.sharding: params; "),
+    (["parallel.sharding=zero3"], r"^parallel.sharding: 'zero3' is not "),
 ])
 def test_impossible_model_shapes_are_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config.from_data(config.apply_overrides({}, overrides))
+
+
+def test_the_two_spellings_of_zero1_agree() -> None:
+    for overrides in (["parallel.sharding=optimizer"], ["parallel.distributed_optimizer=true"]):
+        p = config.from_data(config.apply_overrides({}, overrides)).parallel
+        assert (p.sharding, p.distributed_optimizer) == ("optimizer", True)
+    p = config.from_data({}).parallel
+    assert (p.sharding, p.distributed_optimizer) == ("none", False)

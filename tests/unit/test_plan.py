@@ -342,3 +342,12 @@ def test_int8_activation_storage_halves_the_planned_activations() -> None:
                              gpu_mem_gb=80).memory for s in ("plain", "int8"))
     assert plain.activations_bytes > 0 and int8.activations_bytes * 2 == plain.activations_bytes
     assert int8.weights_bytes == plain.weights_bytes and int8.logits_bytes == plain.logits_bytes
+
+
+def test_zero3_plans_every_static_byte_split_over_data_parallelism() -> None:
+    """parallel.sharding params: the fp32 parameters, gradients and Adam moments of each rank
+    are 1/dp of the model's (16 bytes a parameter in all)."""
+    cfg = _cfg(*BIG, "trainer.n_gpus_per_node=4", "parallel.sharding=params")
+    total = count_params(cfg).total
+    assert static_bytes(cfg) == 2 * -(-4 * total // 4) + -(-8 * total // 4) == 16 * total // 4
+    assert static_bytes(cfg) < static_bytes(_cfg(*BIG, "trainer.n_gpus_per_node=4", "parallel.sharding=optimizer"))

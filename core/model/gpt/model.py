@@ -150,4 +150,5 @@ def global_layer_indices(module: torch.nn.Module) -> list[int]:
 
 
 def num_local_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    """The parameters this rank holds (its shards, under ZeRO-3)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())

@@ -173,23 +173,26 @@ def _as_tensor(array: np.ndarray, s: TensorSlice, like: torch.Tensor) -> torch.T
 
 
 # --- the contract ------------------------------------------------------------------------
-def export_state(model_chunks: list[Any], optimizer: Any, step: int, coords: Coords,
-                 dims: ParallelDims) -> tuple[Items, dict[str, Any]]:
+def export_state(model_chunks: list[Any], optimizer: Any, step: int, coords: Coords, dims: ParallelDims, *,
+                 items: tuple[Items, dict[str, Any]] | None = None) -> tuple[Items, dict[str, Any]]:
     """Every slice this rank writes for a checkpoint after ``step`` steps, and its blobs.
 
     The items are ``LiveTensor``s of the live state, not copies: valid until the next
     optimizer step or load (core.checkpoint.service's fence). The blobs are taken now.
     No collective: each rank writes what it holds (a distributed optimizer's own ranges).
     """
-    items, opt = export_items(model_chunks, optimizer)
+    if items is None:  # Megatron's model and optimizer (else: ZeRO-3's own, core.model.gpt.fsdp)
+        mine, opt = export_items(model_chunks, optimizer)
+        items = mine, optimizer_blob(opt)
+    slices, opt_blob = items
     blobs = {
         "format": FORMAT,
         "step": int(step),
-        "optimizer": optimizer_blob(opt),
+        "optimizer": opt_blob,
         "rng": {"coords": [coords.tp, coords.pp, coords.dp], "dims": [dims.tp, dims.pp, dims.dp], **rng.capture()},
         "data": {"next_step": int(step)},
     }
-    return items, blobs
+    return slices, blobs
 
 
 def export_items(model_chunks: list[Any], optimizer: Any, prefix: str = "") -> tuple[Items, OptimizerState]:
@@ -230,7 +233,8 @@ def import_items(model_chunks: list[Any], optimizer: Any, read: ReadFn, saved_op
 
 
 def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: dict[str, Any], *, seed: int,
-                 coords: Coords, dims: ParallelDims, on_cuda: bool) -> int:
+                 coords: Coords, dims: ParallelDims, on_cuda: bool,
+                 importer: Callable[[ReadFn, dict[str, Any]], None] | None = None) -> int:
     """Load this rank's slices (in its current layout) and blobs; returns the step.
 
     Everything fp32 is read as fp32; the model's (bf16/fp16) weights are the rounded fp32
@@ -242,7 +246,10 @@ def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: d
         raise CheckpointError(f"training state format {version!r}, this Baton reads {', '.join(map(str, READS))}")
     saved_opt = blobs["optimizer"] if version == 2 else {
         "steps": [[[None, float(blobs["optimizer_step"])]]], "loss_scaler": None, "main_params": blobs["main_params"]}
-    import_items(model_chunks, optimizer, read, saved_opt)
+    if importer is None:
+        import_items(model_chunks, optimizer, read, saved_opt)
+    else:  # ZeRO-3's own (core.model.gpt.fsdp)
+        importer(read, saved_opt)
     step = int(blobs["step"])
     saved = blobs.get("rng", {})
     if version == 2 and saved.get("coords") == [coords.tp, coords.pp, coords.dp] \

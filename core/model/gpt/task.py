@@ -48,6 +48,7 @@ class GPTTask:
         self._reference: list[Any] = []  # an RL program with rl.kl: the frozen reference policy's chunks
         self._reference_loaded = False
         self._critic: Any = None  # program ppo: the value model's StepContext (core.model.gpt.critic)
+        self._fsdp: dict[str, Any] | None = None  # parallel.sharding params: global names (core.model.gpt.fsdp)
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         table: dict[Method[Any, Any], Callable[[Any], Any]] = {
@@ -178,6 +179,8 @@ class GPTTask:
         from core.model.gpt import optim  # torch and megatron: this module loads without them
 
         cfg = self.cfg
+        if cfg.parallel.sharding == "params":
+            return self._build_sharded(on_cuda)
         tconfig = model_mod.transformer_config(cfg.model, cfg.parallel, cfg.training, on_cuda=on_cuda)
         gpt = model_mod.build_model(tconfig, cfg.model, on_cuda=on_cuda)
         if critic:
@@ -196,6 +199,20 @@ class GPTTask:
         if tconfig.fp16:
             tconfig.grad_scale_func = optimizer.scale_loss
         return gpt, [ddp], optimizer
+
+    def _build_sharded(self, on_cuda: bool) -> tuple[Any, list[Any], Any]:
+        """ZeRO-3: the model in fp32 storage, fully sharded over data parallelism (FSDP2)."""
+        from core.model.gpt import fsdp  # torch and megatron: this module loads without them
+        from core.model.gpt import model as model_mod  # torch and megatron: this module loads without them
+
+        cfg = self.cfg
+        fp32 = dataclasses.replace(cfg.training, mixed_precision=dataclasses.replace(
+            cfg.training.mixed_precision, param_dtype="fp32", reduce_dtype="fp32"))
+        tconfig = model_mod.transformer_config(cfg.model, cfg.parallel, fp32, on_cuda=on_cuda)
+        gpt, self._fsdp = fsdp.shard(model_mod.build_model(tconfig, cfg.model, on_cuda=on_cuda), cfg, cfg.dims.dp)
+        log.info("rank %d: parameters, gradients and optimizer state sharded over %d data-parallel ranks (FSDP2)",
+                 self.ctx.rank, cfg.dims.dp)
+        return gpt, [gpt], fsdp.ShardedAdam(gpt, cfg)
 
     def _build_reference(self, on_cuda: bool) -> Any:
         """The reference policy: the actor's model in the actor's layout, frozen, no optimizer
@@ -257,15 +274,12 @@ class GPTTask:
 
     def load_global_weights(self, req: calls.WeightsFile) -> None:
         """Load this rank's slices of an .npz of full global tensors (global name → array)."""
-        from core.model.gpt.state import load_model_slices  # torch and megatron: this module loads without them
-
         self._fence()
         with np.load(req.path) as arrays:
             def read(name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
                 return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
-            load_model_slices(self._ready().model_chunks, read)
-        self._resync_main_params()
+            self._load_weights(read)
 
     def save_global_weights(self, req: calls.WeightsFile) -> None:
         """Collective: global rank 0 writes every global weight, assembled, to ``path`` (.npz).
@@ -280,8 +294,13 @@ class GPTTask:
             slice_of,
         )
 
-        mine = [(slice_of(sh), p.detach().float().cpu().numpy()) for sh, p in
-                sharded_params(self._ready().model_chunks) if is_writer(sh)]
+        if self._fsdp is not None:
+            from core.model.gpt import fsdp  # torch and megatron: this module loads without them
+
+            held = fsdp.weight_boxes(self._ready().model_chunks[0], self._fsdp)
+        else:
+            held = [(slice_of(sh), p) for sh, p in sharded_params(self._ready().model_chunks) if is_writer(sh)]
+        mine = [(s, p.detach().float().cpu().numpy()) for s, p in held]
         gathered: list[Any] = [None] * dist.get_world_size() if self.ctx.rank == 0 else []
         dist.gather_object(mine, gathered if self.ctx.rank == 0 else None, dst=0)
         if self.ctx.rank == 0:
@@ -310,7 +329,12 @@ class GPTTask:
         from core.model.gpt.state import export_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()
-        items, blobs = export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims)
+        own = None
+        if self._fsdp is not None:
+            from core.model.gpt import fsdp  # torch and megatron: this module loads without them
+
+            own = fsdp.export_items(ctx.model_chunks[0], self._fsdp, ctx.optimizer)
+        items, blobs = export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims, items=own)
         if self._critic is not None:
             from core.model.gpt import critic  # torch and megatron: this module loads without them
 
@@ -324,8 +348,15 @@ class GPTTask:
         from core.model.gpt.state import import_state  # torch and megatron: this module loads without them
 
         ctx = self._ready()  # CheckpointService.load has passed the fence already
+        importer = None
+        if self._fsdp is not None:
+            from core.model.gpt import fsdp  # torch and megatron: this module loads without them
+
+            names = self._fsdp
+            importer = lambda rd, saved: fsdp.import_items(ctx.model_chunks[0], names, ctx.optimizer, rd, saved)  # noqa: E731
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
-                                       coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda")
+                                       coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda",
+                                       importer=importer)
         if self._critic is not None:
             from core.model.gpt import critic  # torch and megatron: this module loads without them
 
@@ -337,10 +368,7 @@ class GPTTask:
     def restore_weights(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
         """Only the model weights of a checkpoint (any layout), the optimizer's from them:
         ``init_from``."""
-        from core.model.gpt.state import load_model_slices  # torch and megatron: this module loads without them
-
-        load_model_slices(self._ready().model_chunks, read)
-        self._resync_main_params()
+        self._load_weights(read)
 
     def restore_reference(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
         """The reference policy from a checkpoint's model weights (any layout; CKPT_LOAD with
@@ -366,6 +394,19 @@ class GPTTask:
     def _gen(self) -> Any:
         self._ready()
         return self._rollout
+
+    def _load_weights(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]) -> None:
+        """This rank's slices of the model weights from ``read``; the optimizer's main weights
+        refreshed from them."""
+        from core.model.gpt.state import load_model_slices  # torch and megatron: this module loads without them
+
+        if self._fsdp is not None:
+            from core.model.gpt import fsdp  # torch and megatron: this module loads without them
+
+            fsdp.load_weights(self._ready().model_chunks[0], self._fsdp, read)
+        else:
+            load_model_slices(self._ready().model_chunks, read)
+        self._resync_main_params()
 
     def _resync_main_params(self) -> None:
         """After writing model params directly, refresh the optimizer's fp32 copies."""
