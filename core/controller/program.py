@@ -26,6 +26,7 @@ from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
 from core.controller.stop import StopPolicy, StopRequest
+from core.controller.sync_policy import SyncPolicy
 from core.errors import UserError
 from core.record import events as ev
 from core.record import steps as step_records
@@ -37,6 +38,7 @@ from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.runplan import RunPlan
 from core.wire import calls
+from core.wire.contract import NoArgs
 
 if TYPE_CHECKING:
     from core.controller.metrics import Metrics
@@ -57,6 +59,7 @@ class Program:
     metrics: Metrics | None = None  # the Prometheus endpoint; None when metrics.enabled is false
     generator: GeneratorFlow | None = field(default=None, init=False)  # with generator.enabled, once set up
     rl: RLStep | None = field(default=None, init=False)  # program: grpo or ppo, once set up
+    sync: SyncPolicy | None = field(default=None, init=False)  # parallel.sync: periodic averaging of replicas
     step: int = field(default=0, init=False)  # steps done
     last_loss: float | None = field(default=None, init=False)
     _started: float = field(default_factory=time.monotonic, init=False)
@@ -70,6 +73,9 @@ class Program:
         """The whole run; returns the stop request that ended it early, None when it finished."""
         self.setup()
         self.resume()
+        if self.cfg.parallel.sync.local:
+            loop = manifest.read_manifest(self._resumed_from).meta.get("loop") or {} if self._resumed_from else {}
+            self.sync = SyncPolicy(self.cfg.parallel.sync, every=loop.get("sync_every"))
         if self.cfg.generator.enabled:  # the second compute flow, synced from the restored trainer
             self.generator = GeneratorFlow(self.cfg, self.run, self.group)
             self.generator.start(self.step)
@@ -161,10 +167,12 @@ class Program:
                 self.rl.load_reference(step, self.last_loss)
             t0 = time.perf_counter()
             extra: dict[str, object] = {}
+            request = calls.Step(step=step) if self.sync is None else self.sync.request(
+                step, checkpoint_due=bool(interval) and (step + 1) % interval == 0, last=step + 1 == cfg.trainer.steps)
             if rl_step:
                 results, extra = self.rl.run(step)
             else:
-                results = self.group.call(calls.TRAIN_STEP, calls.Step(step=step), timeout_s=cfg.timeouts.step_s)
+                results = self.group.call(calls.TRAIN_STEP, request, timeout_s=cfg.timeouts.step_s)
             wall = time.perf_counter() - t0
             self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
             record = dataclasses.replace(self._record(step, results, wall), **extra)
@@ -174,6 +182,8 @@ class Program:
                 record = dataclasses.replace(record, sync_logprob_maxdiff=gap)
                 self.generator.generate(done)
             step_records.append(self.run.metrics, record)
+            if self.sync is not None:
+                self.record.append(*self.sync.observe(done, request, record))
             self._observe(record, wall)
             self.step, self.last_loss = done, record.loss
             self.checkpoints.poll()
@@ -199,6 +209,9 @@ class Program:
         log.warning("%s at step %d (%s): checkpointing, then requeueing", stop.cause, step, stop.detail)
         self.save_progress()
         self.checkpoints.drain()
+        if self.sync is not None and self.sync.unsynced:  # a checkpoint holds one replica: make them equal
+            self.group.call(calls.AVERAGE, NoArgs(), timeout_s=self.cfg.timeouts.step_s)
+            self.sync.averaged()
         if step > 0 and not self.checkpoints.committed(step):
             timeout = self.cfg.timeouts.checkpoint_s
             if stop.time_left_s is not None:  # commit within the time Slurm leaves us
@@ -214,8 +227,8 @@ class Program:
     def _loop(self) -> dict[str, Any]:
         """What a checkpoint records of the loop: the policy version (the step the generator
         was last synced to) and an RL program's state."""
-        return {"policy_version": None if self.generator is None else self.generator.version,
-                "state": None if self.rl is None else self.rl.state()}
+        state = {**(self.rl.state() if self.rl else {}), **({"sync_every": self.sync.every} if self.sync else {})}
+        return {"policy_version": None if self.generator is None else self.generator.version, "state": state or None}
 
     # --- metrics ------------------------------------------------------------------------
     def _allocated_s(self) -> float:

@@ -118,6 +118,18 @@ class RestartFromScratch(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncPeriodChanged(Event):
+    """``parallel.sync.adaptive_latency_ms``: the replicas now average every ``every`` steps
+    (was ``was``): the median of the last averaging all-reduces was ``median_ms``."""
+
+    KIND: ClassVar[str] = "sync_period_changed"
+    step: int
+    every: int
+    was: int
+    median_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Preempted(Event):
     """A stop at a step boundary: a signal arrived (preemption, walltime warning, scancel)."""
 
@@ -251,7 +263,7 @@ class OtherEvent(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
-    CheckpointDamaged, InitialisedFrom, RestartFromScratch, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
+    CheckpointDamaged, InitialisedFrom, RestartFromScratch, SyncPeriodChanged, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
     NodeFailed, RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
 )}
 

@@ -60,6 +60,32 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Periodic synchronisation of data-parallel replicas (local SGD): with ``every`` > 1 or
+    ``adaptive_latency_ms``, each replica steps on its own gradients and every ``every``-th
+    step (and before every checkpoint) the replicas average their weights and Adam moments;
+    with ``adaptive_latency_ms`` the controller doubles the period (up to ``max_every``)
+    while the median of the last 3 averaging all-reduces takes longer, and halves it (down
+    to ``every``) once it takes under half of that."""
+
+    every: int = bounded(1, gt=0, le=2**20)
+    adaptive_latency_ms: float | None = bounded(None, gt=0, le=1e7)
+    max_every: int = bounded(64, gt=0, le=2**20)
+    outer: Literal["average"] = "average"
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "parallel.sync")
+        if self.max_every < self.every:
+            raise ConfigError(f"parallel.sync.max_every: {self.max_every} < parallel.sync.every = {self.every}; "
+                              "raise max_every")
+
+    @property
+    def local(self) -> bool:
+        """Replicas step on their own gradients (no all-reduce of gradients)."""
+        return self.every > 1 or self.adaptive_latency_ms is not None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Tensor and pipeline parallel sizes; data parallel is derived from the worker count.
     ``sharding`` over data parallelism: ``optimizer`` (ZeRO-1, Megatron's distributed
@@ -72,6 +98,7 @@ class ParallelConfig:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False  # Megatron's bucketed all-reduce of gradients during backward
     bucket_size: int | None = bounded(None, gt=0, le=2**40)  # elements per gradient bucket; null: Megatron's
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         check_bounds(self, "parallel")

@@ -25,6 +25,10 @@ def _check_zero3(cfg: RunConfig) -> None:
 def validate_layout(cfg: RunConfig) -> None:
     """Reject layouts Megatron cannot run, with the numbers in the message."""
     p, m, t = cfg.parallel, cfg.model, cfg.training
+    if p.sync.local and (p.sharding != "none" or p.overlap_grad_reduce or cfg.program != "pretrain"):
+        raise LayoutError(f"parallel.sync: periodic synchronisation (every {p.sync.every}) keeps whole replicas "
+                          f"apart: it runs with parallel.sharding: none, overlap_grad_reduce: false and program: "
+                          f"pretrain (now {p.sharding}, {str(p.overlap_grad_reduce).lower()}, {cfg.program})")
     if m.num_attention_heads % p.tp:
         raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
                           f"{m.num_attention_heads}; pick a tp that divides it")

@@ -5,6 +5,7 @@
     EVAL_STEP    Step        → StepResult   forward only on the held-out batch of ``step``
     LOAD_WEIGHTS WeightsFile → None         this rank's slices of an .npz of global tensors
     SAVE_WEIGHTS WeightsFile → None         collective: rank 0 writes every global tensor
+    AVERAGE      NoArgs      → StepResult   parallel.sync: the replicas average weights and Adam moments
 
 The checkpoint calls are ``core.checkpoint.calls``; the toy model's test calls are in
 ``core.model.toy``. See ``core.wire.contract`` for how a call is checked.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.spec.dims import Coords
-from core.wire.contract import Method
+from core.wire.contract import Method, NoArgs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,8 @@ class SetupInfo:
 @dataclass(frozen=True, kw_only=True)
 class Step:
     step: int
+    local: bool = False  # parallel.sync: no all-reduce of gradients (each replica its own)
+    average: bool = False  # parallel.sync: after the update, the replicas average their state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,3 +68,4 @@ TRAIN_STEP = Method("train_step", Step, StepResult)
 EVAL_STEP = Method("eval_step", Step, StepResult)
 LOAD_WEIGHTS = Method("load_global_weights", WeightsFile, None)
 SAVE_WEIGHTS = Method("save_global_weights", WeightsFile, None)
+AVERAGE = Method("average_replicas", NoArgs, StepResult)  # parallel.sync: average now (before a checkpoint)

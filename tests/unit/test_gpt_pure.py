@@ -16,7 +16,7 @@ from core.checkpoint.spec import TensorSlice
 from core.errors import ConfigError
 from core.model.gpt.data import BatchSource, dp_sample_range, from_config, num_micro_batches, resolve_micro_batch
 from core.model.gpt.optim import lr_at
-from core.model.gpt.task import assemble
+from core.model.gpt.state import assemble
 from core.spec import config as config_mod
 
 REPO = Path(__file__).resolve().parents[2]

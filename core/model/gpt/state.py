@@ -260,3 +260,12 @@ def import_state(model_chunks: list[Any], optimizer: Any, read: ReadFn, blobs: d
                  saved.get("dims"), dims.describe(), coords, step)
         rng.seed_streams(seed, step, coords, on_cuda=on_cuda)
     return step
+
+
+def assemble(items: list[tuple[TensorSlice, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Global arrays from slices that cover them (each element written once)."""
+    out: dict[str, np.ndarray] = {}
+    for s, part in items:
+        full = out.setdefault(s.name, np.zeros(s.global_shape, dtype=part.dtype))
+        full[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = part.reshape(s.shape)
+    return out

@@ -95,11 +95,14 @@ def _run_schedule(ctx: StepContext, batches: list[MicroBatch], *, forward_only: 
     return float(mean) / parallel_state.get_data_parallel_world_size()
 
 
-def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | None = None) -> dict[str, Any]:
+def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | None = None, *,
+               local: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of ``step``; metrics for this rank.
 
     ``before_update`` runs after forward and backward, right before the optimizer changes
-    the weights (an async checkpoint's fence: its snapshot is read until then).
+    the weights (an async checkpoint's fence: its snapshot is read until then). ``local``:
+    no gradient reduction over data parallelism (``parallel.sync``); else its time is
+    ``grad_sync_s``.
     """
     t0 = time.perf_counter()
     lr = set_lr(ctx.optimizer, step, ctx.cfg)
@@ -108,13 +111,27 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
     ctx.optimizer.zero_grad()
     for chunk in ctx.model_chunks:
         chunk.train()
-    loss = _run_schedule(ctx, ctx.source.micro_batches(step, "train"), forward_only=False)
+    config = ctx.model_chunks[0].config
+    finalize, synced = config.finalize_model_grads_func, [0.0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            synced[0] += time.perf_counter() - t0
+
+    config.finalize_model_grads_func = None if local else (timed if finalize is not None else None)
+    try:
+        loss = _run_schedule(ctx, ctx.source.micro_batches(step, "train"), forward_only=False)
+    finally:
+        config.finalize_model_grads_func = finalize
     if before_update is not None:
         before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if not update_ok:
         log.warning("step %d: optimizer skipped the update (inf/nan gradients under loss scaling)", step)
-    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0}
+    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0, "grad_sync_s": None if local else synced[0]}
     if is_loss_owner():
         assert loss is not None
         out.update(

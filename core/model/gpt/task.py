@@ -10,23 +10,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError, ConfigError, LayoutError
 from core.flows import calls as gen_calls
 from core.job.process import rss_mb
+from core.model.gpt import sizing
 from core.spec import config as config_mod
 from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.dims import Coords
 from core.spec.generator import generator_dims, own_workers
-from core.spec.plan import resolve_micro_batch, static_bytes
 from core.wire import calls
 from core.wire.contract import Method
 from core.worker.task import WorkerContext
@@ -57,6 +57,7 @@ class GPTTask:
             calls.EVAL_STEP: self.eval_step,
             calls.LOAD_WEIGHTS: self.load_global_weights,
             calls.SAVE_WEIGHTS: self.save_global_weights,
+            calls.AVERAGE: self.average_replicas,
         }
         if self.cfg.generator.enabled:
             table.update(self._generator_handlers())
@@ -121,9 +122,9 @@ class GPTTask:
         rng.seed_streams(cfg.seed, 0, Coords(rank=self.ctx.rank, tp=coords.tp, pp=coords.pp, dp=coords.dp),
                          on_cuda=on_cuda)
         if req.micro_batch_size is not None:
-            cfg = _with_micro_batch(cfg, req.micro_batch_size)
+            cfg = sizing.with_micro_batch(cfg, req.micro_batch_size)
         elif cfg.training.micro_batch_size == "auto":
-            cfg = _with_micro_batch(cfg, _auto_micro_batch(cfg, on_cuda=on_cuda))
+            cfg = sizing.with_micro_batch(cfg, sizing.auto_micro_batch(cfg, on_cuda=on_cuda))
         if cfg.generator.enabled:
             self._set_up_generator(cfg, chunks, on_cuda=on_cuda)
         source = data.from_config(cfg, dp=dims.dp, dp_rank=coords.dp)
@@ -254,9 +255,20 @@ class GPTTask:
         """One optimizer step on the global batch of ``req.step``."""
         from core.model.gpt.step import train_step  # torch and megatron: this module loads without them
 
-        out = train_step(self._ready(), req.step, before_update=self._fence)
+        out = train_step(self._ready(), req.step, before_update=self._fence, local=req.local)
         self._next_step = req.step + 1
+        if req.average:
+            out["grad_sync_s"] = self.average_replicas(None).grad_sync_s
         return calls.StepResult(rss_mb=rss_mb(), **out)
+
+    def average_replicas(self, _req: Any) -> calls.StepResult:
+        """parallel.sync: average weights and Adam moments over the data-parallel replicas."""
+        from core.model.gpt import local_sgd  # torch and megatron: this module loads without them
+
+        self._fence()
+        t0 = time.perf_counter()
+        seconds = local_sgd.average(self._ready())
+        return calls.StepResult(step_time_s=time.perf_counter() - t0, grad_sync_s=seconds, rss_mb=rss_mb())
 
     def policy_step(self, req: gen_calls.PolicyBatch) -> gen_calls.PolicyResult:
         """One actor update on this replica's share of a rollout (core.model.gpt.policy)."""
@@ -289,6 +301,7 @@ class GPTTask:
         import torch.distributed as dist  # torch and megatron: this module loads without them
 
         from core.model.gpt.state import (  # torch and megatron: this module loads without them
+            assemble,
             is_writer,
             sharded_params,
             slice_of,
@@ -411,36 +424,3 @@ class GPTTask:
     def _resync_main_params(self) -> None:
         """After writing model params directly, refresh the optimizer's fp32 copies."""
         self._step_ctx.optimizer.reload_model_params()
-
-
-def assemble(items: list[tuple[TensorSlice, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Global arrays from slices that cover them (each element written once)."""
-    out: dict[str, np.ndarray] = {}
-    for s, part in items:
-        full = out.setdefault(s.name, np.zeros(s.global_shape, dtype=part.dtype))
-        full[tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = part.reshape(s.shape)
-    return out
-
-
-def _with_micro_batch(cfg: RunConfig, micro: int) -> RunConfig:
-    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch_size=micro))
-
-
-def _auto_micro_batch(cfg: RunConfig, *, on_cuda: bool) -> int:
-    """``micro_batch_size: auto``: max(1, floor(free memory × 0.9 / memory per sample)),
-    from this rank's free memory less the static state ``core.spec.plan`` estimates; the
-    smallest answer over all ranks wins, so every stage runs the same schedule."""
-    import torch  # torch and megatron: this module loads without them
-    import torch.distributed as dist  # torch and megatron: this module loads without them
-
-    if on_cuda:
-        free = float(torch.cuda.mem_get_info()[0])
-    else:  # the workers of a node share its memory
-        free = psutil.virtual_memory().available / cfg.trainer.n_gpus_per_node
-    micro = resolve_micro_batch(cfg, free - static_bytes(cfg))
-    if dist.is_initialized():
-        t = torch.tensor([micro], dtype=torch.int64, device="cuda" if on_cuda else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        micro = int(t.item())
-    logging.getLogger(__name__).info("micro_batch_size auto: %d", micro)
-    return micro

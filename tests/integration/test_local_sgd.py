@@ -1,0 +1,83 @@
+"""Periodic synchronisation of data-parallel replicas (``parallel.sync``) on a real Megatron-core
+GPT at dp2 (CPU, gloo).
+
+With ``every: 4`` the replicas step on their own gradients and average their weights and
+Adam moments every fourth step: over 20 steps 4x fewer data-parallel all-reduces of more
+than scalars than synchronous training (counted at the collective), the replicas equal after
+each average, and a final loss within 10 % of synchronous training's on the increment task.
+The steps' requests come from the controller's own policy (core.controller.sync_policy).
+
+With ``adaptive_latency_ms: 50`` and a 60 ms delay injected into every average
+(``BATON_FAULT_SYNC_DELAY_MS``), a run through the controller doubles the period and
+records each change as an event.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # works under any --import-mode
+    sys.path.insert(0, _HERE)
+
+from gpt_harness import RankGroup, gpt_config  # noqa: E402
+from test_grad_sync import record_reductions_on_rank, reductions_on_rank  # noqa: E402
+
+from core.controller.sync_policy import SyncPolicy  # noqa: E402
+from core.spec.config import SyncConfig  # noqa: E402
+from tests.helpers import baton  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
+STEPS = 20
+
+
+def weights_on_rank(task: Any) -> list[float]:
+    """A fingerprint of this rank's weights: the sum of each parameter."""
+    return [float(p.detach().double().sum()) for chunk in task._ready().model_chunks for p in chunk.parameters()]
+
+
+def _train(work: Path, policy: SyncPolicy | None) -> tuple[list[float], list[list[str]], list[bool]]:
+    cfg = gpt_config(world_size=2, steps=STEPS, parallel={"tp": 1, "pp": 1})
+    losses, equal = [], []
+    with RankGroup(cfg, world_size=2, run_dir=work) as g:
+        g.setup()
+        g.apply(record_reductions_on_rank)
+        for step in range(STEPS):
+            request = {"step": step} if policy is None else vars(policy.request(step, checkpoint_due=False,
+                                                                              last=step + 1 == STEPS))
+            losses.append(g.loss(g.call("train_step", **request)))
+            if request.get("average"):
+                a, b = g.apply(weights_on_rank)
+                equal.append(a == b)
+        seen = g.apply(reductions_on_rank)
+    return losses, seen, equal
+
+
+def test_averaging_every_4_steps_all_reduces_4x_less_and_trains_like_synchronous(tmp_path: Path) -> None:
+    sync, sync_seen, _ = _train(tmp_path, None)
+    local, local_seen, equal = _train(tmp_path, SyncPolicy(SyncConfig(every=4)))
+    assert [len(s) for s in sync_seen] == [STEPS, STEPS]  # one gradient bucket per step
+    assert [len(s) for s in local_seen] == [STEPS // 4, STEPS // 4]
+    assert equal == [True] * (STEPS // 4)  # every average leaves the replicas equal
+    print(f"final loss: synchronous {sync[-1]:.4f}, every 4 steps {local[-1]:.4f}")
+    assert local[-1] < 0.7 * local[0] and abs(local[-1] - sync[-1]) <= 0.1 * sync[-1], (local, sync)
+
+
+def test_a_slow_average_doubles_the_period_and_is_an_event(tmp_path: Path) -> None:
+    res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", "parallel.tp=1", "parallel.pp=1",
+                "trainer.n_gpus_per_node=2", "trainer.steps=20", "parallel.sync.adaptive_latency_ms=50",
+                "parallel.sync.max_every=4", "--backend", "local", timeout=600,
+                env={"BATON_FAULT_SYNC_DELAY_MS": "60"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = next((tmp_path / "tiny-gpt").glob("*"))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    changes = [(e["was"], e["every"]) for e in events if e["event"] == "sync_period_changed"]
+    assert changes[:2] == [(1, 2), (2, 4)], changes
+    assert all(e["median_ms"] >= 60 for e in events if e["event"] == "sync_period_changed")
+    syncs = [r["grad_sync_s"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r.get("grad_sync_s")]
+    assert len(syncs) < 20 and all(min(s) >= 0.06 for s in syncs), syncs
