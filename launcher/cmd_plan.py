@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
-from core.errors import ExitCode
+from core.errors import ExitCode, UserError
 from core.spec import config
 from core.spec.genplan import format_generator, plan_generator
 from core.spec.plan import format_plan, make_plan
 from core.spec.schema import arg_number
+from launcher.plan_check import run_check
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,16 +22,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "per-GPU memory estimate with and without the distributed optimizer and activation "
                     "recompute. Exit code 1 when the configured run is estimated not to fit.",
     )
-    p.add_argument("config", help="the run's YAML config")
+    p.add_argument("config", nargs="?", help="the run's YAML config")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp=2")
     p.add_argument("--gpu-mem-gb", type=arg_number(float, gt=0, le=1e6), default=80.0,
                    help="memory of one GPU in GiB, > 0 (default: 80)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (what plan.json records)")
+    p.add_argument("--check", metavar="RUN_DIR", help="compare a run's measured memory per rank (memory.json) "
+                                                     "with the plan's estimate; exit 1 when off by more than 15%%")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, print the plan (and the generator's); 1 if it does not fit the GPU memory."""
+    if args.check:
+        if args.config or args.overrides:
+            raise UserError("baton plan --check RUN_DIR takes no config or overrides: the run folder's config.yaml "
+                            "is what ran")
+        return run_check(Path(args.check))
+    if not args.config:
+        raise UserError("baton plan: give a config (baton plan CONFIG [key=value ...]) or --check RUN_DIR")
     cfg = config.load(args.config, args.overrides)
     plan = make_plan(cfg, gpu_mem_gb=args.gpu_mem_gb)
     gen = plan_generator(cfg, plan)

@@ -30,7 +30,7 @@ from core.controller.sync_policy import SyncPolicy
 from core.errors import UserError
 from core.record import events as ev
 from core.record import steps as step_records
-from core.record.runfolder import RunFolder
+from core.record.runfolder import RunFolder, write_json
 from core.record.state import Goodput, RankInfo, RunRecord
 from core.record.steps import StepRecord
 from core.spec import config as config_mod
@@ -169,10 +169,12 @@ class Program:
             extra: dict[str, object] = {}
             request = calls.Step(step=step) if self.sync is None else self.sync.request(
                 step, checkpoint_due=bool(interval) and (step + 1) % interval == 0, last=step + 1 == cfg.trainer.steps)
+            request = dataclasses.replace(request, measure=step == self._epoch_start)
             if rl_step:
                 results, extra = self.rl.run(step)
             else:
                 results = self.group.call(calls.TRAIN_STEP, request, timeout_s=cfg.timeouts.step_s)
+                self._write_memory(step, results)
             wall = time.perf_counter() - t0
             self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
             record = dataclasses.replace(self._record(step, results, wall), **extra)
@@ -193,6 +195,15 @@ class Program:
                 log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record.loss, wall)
                 self.save_progress()
         return None
+
+    def _write_memory(self, step: int, results: list[Any]) -> None:
+        """memory.json: what every rank measured it held at ``step`` (the allocation's first)."""
+        if any(getattr(r, "memory", None) for r in results):
+            keys = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+            state = self.record.read()
+            write_json(self.run.memory, {"step": step, "micro_batch_size": state.micro_batch_size,
+                                         "device": state.ranks[0].device if state.ranks else "cpu",
+                                         "ranks": [dict(zip(keys, r.memory or (), strict=False)) for r in results]})
 
     def save_progress(self) -> None:
         """Write the step, the last loss and goodput into state.json."""

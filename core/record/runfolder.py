@@ -2,7 +2,7 @@
 
     <runs_root>/<name>/<run_id>/
       config.yaml  plan.json  job.sbatch  keys/  controller.json  state.json  events.jsonl
-      metrics.jsonl  logs/{controller.log, worker_r00000.log, ...}  checkpoints/
+      metrics.jsonl  memory.json  logs/{controller.log, worker_r00000.log, ...}  checkpoints/
 
 Paths, and the atomic write every JSON file goes through (temporary file, fsync, rename),
 so a reader on another node never sees half a file. What the files hold is read and
@@ -98,6 +98,11 @@ class RunFolder:
     @property
     def metrics(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def memory(self) -> Path:
+        """What each rank held at the first step of the last allocation (``baton plan --check``)."""
+        return self.path / "memory.json"
 
     @property
     def samples(self) -> Path:

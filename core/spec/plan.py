@@ -193,23 +193,22 @@ def _layer_activation_bytes(cfg: RunConfig, recompute: str, micro_batch: int) ->
     s, b, h = m.seq_length, micro_batch, m.hidden_size
     if recompute == "full":
         return 2 * s * b * h
-    # s·b·h·(10 + 24/t) + 5·a·s²·b/t, kept in integers (tp divides heads and hidden)
-    selective = s * b * (10 * h + 24 * h // t)
-    if recompute == "selective":
-        return selective
-    return selective + 5 * (m.num_attention_heads // t) * s * s * b
+    # s·b·(10h + (8h + 4f)/t) + 5·a·s²·b/t (f = ffn: 24h/t for GELU's 4h; SwiGLU keeps 8f: gate, up, SiLU, product)
+    selective = s * b * (10 * h + (8 * h + (8 if m.activation == "swiglu" else 4) * m.ffn) // t)
+    return selective + (recompute != "selective") * 5 * (m.num_attention_heads // t) * s * s * b
 
 
 def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, recompute: str,
                             micro_batch: int, in_flight: int) -> tuple[int, int]:
-    """(activations, logits) bytes of one rank on ``stage``."""
-    per_stage = cfg.model.num_layers // dims.pp
-    int8 = cfg.training.activation_storage == "int8"  # 1 byte for the formula's 2 (bf16), scales aside
-    acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight // (2 if int8 else 1)
-    logits = 0
-    if stage == dims.pp - 1:
-        logits = cfg.model.seq_length * micro_batch * ceil_div(cfg.model.vocab_size, dims.tp) * 4
-    return acts, logits
+    """(activations, head) bytes of one rank on ``stage``: its layers' (the formula counts 2-byte
+    values: scaled to the compute dtype, 1 byte under int8 storage), and on the last stage the
+    final norm's and output layer's inputs with the fp32 logits."""
+    m, per_stage = cfg.model, cfg.model.num_layers // dims.pp
+    width = 1 if cfg.training.activation_storage == "int8" else DTYPE_BYTES[
+        cfg.training.mixed_precision.resolved(on_cuda=True)[0]]
+    acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight * width // 2
+    last = stage == dims.pp - 1
+    return acts, last * m.seq_length * micro_batch * (ceil_div(m.vocab_size, dims.tp) * 4 + 2 * m.hidden_size * width)
 
 
 def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:

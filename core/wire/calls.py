@@ -40,6 +40,7 @@ class Step:
     step: int
     local: bool = False  # parallel.sync: no all-reduce of gradients (each replica its own)
     average: bool = False  # parallel.sync: after the update, the replicas average their state
+    measure: bool = False  # also measure what this rank holds (StepResult.memory)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,7 @@ class StepResult:
     data_wait_s: float | None = None
     grad_sync_s: float | None = None
     cuda_peak_mb: float | None = None
+    memory: tuple[float, ...] | None = None  # when measured: bytes of weights, gradients, optimizer, activations
 
 
 @dataclass(frozen=True, kw_only=True)

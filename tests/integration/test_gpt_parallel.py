@@ -133,7 +133,8 @@ def test_tp2pp2dp2_with_full_recompute_matches_tp1pp1(reference: Run, workdir: P
     _report("tp2pp2dp2 (recompute full)", diff)
     assert diff < LAYOUT_TOL, (losses, reference.losses)
     last = results[-1][4]
-    assert set(last) == {"loss", "grad_norm", "lr", "tokens", "step_time_s", "rss_mb"}
+    assert set(last) == {"loss", "grad_norm", "lr", "tokens", "step_time_s", "rss_mb", "grad_sync_s"}
+    assert last["grad_sync_s"] > 0  # the data-parallel gradient reduction, timed
     # each of the 2 replicas' owners reports its own tokens: the step's 16 x 32 counted once in the sum
     assert sum(results[-1][r]["tokens"] for r in (4, 6)) == 16 * 32 and last["grad_norm"] > 0
 

@@ -253,9 +253,15 @@ class GPTTask:
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
         """One optimizer step on the global batch of ``req.step``."""
+        from core.model.gpt import memory  # torch and megatron: this module loads without them
         from core.model.gpt.step import train_step  # torch and megatron: this module loads without them
 
+        if req.measure:
+            memory.begin()
         out = train_step(self._ready(), req.step, before_update=self._fence, local=req.local)
+        if req.measure:
+            out["memory"] = memory.measured(self._ready(), self._ready().source.n_micro)
+            memory.end()
         self._next_step = req.step + 1
         if req.average:
             out["grad_sync_s"] = self.average_replicas(None).grad_sync_s

@@ -1,0 +1,65 @@
+"""``baton plan --check RUN_DIR``: the plan's memory estimate beside what the run's ranks
+measured they held (memory.json, written at the first step of its last allocation).
+
+The estimate is made for what ran: the precision resolved for the ranks' device (a CPU run
+computes in fp32 where a GPU plan assumes bf16) and the micro-batch it trained with. It is
+compared on the rank the plan finds worst, category by category: weights, gradients,
+optimizer state, activations (the layers' and the head's: what one rank's forward saves
+for backward, times the micro-batches in flight). Exit code 1 when one is off by more than
+``TOLERANCE``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from core.errors import ExitCode, UserError
+from core.record.runfolder import RunFolder
+from core.spec import config
+from core.spec.plan import make_plan
+
+TOLERANCE = 0.15
+CATEGORIES = (("weights", "weights_bytes"), ("gradients", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+              ("activations", "activations_bytes"))
+
+
+def estimate(run_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
+    """(estimated, measured) bytes per category on the plan's worst rank, and that rank."""
+    run = RunFolder(run_dir)
+    if not run.config.is_file():
+        raise UserError(f"{run_dir}: not a Baton run folder (no config.yaml); pass the folder `baton submit` printed")
+    try:
+        measured = json.loads(run.memory.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{run.memory}: missing; the ranks measure what they hold at the first training step of "
+                        "an allocation: run (or resume) the run for at least one step") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{run.memory}: unreadable ({exc}); resume the run for a step to write it again") from None
+    cfg = config.load(run.config)
+    mp = cfg.training.mixed_precision
+    param, reduce = mp.resolved(on_cuda=measured.get("device") == "cuda")
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, micro_batch_size=int(measured["micro_batch_size"]),
+        mixed_precision=dataclasses.replace(mp, param_dtype=param, reduce_dtype=reduce)))
+    mem = make_plan(cfg).memory
+    est = {"weights": mem.weights_bytes, "gradients": mem.grads_bytes, "optimizer": mem.optimizer_bytes,
+           "activations": mem.activations_bytes + mem.logits_bytes}
+    rank = measured["ranks"][mem.rank]
+    return est, {name: float(rank[key]) for name, key in CATEGORIES}, mem.rank
+
+
+def run_check(run_dir: Path) -> int:
+    est, got, rank = estimate(run_dir)
+    print(f"memory of rank {rank}: the plan's estimate beside what it measured (tolerance ±{TOLERANCE:.0%})")
+    print(f"  {'':<12} {'estimate':>12} {'measured':>12} {'ratio':>7}")
+    off = []
+    for name, _ in CATEGORIES:
+        ratio = est[name] / got[name] if got[name] else float("inf")
+        ok = abs(ratio - 1) <= TOLERANCE
+        off += [] if ok else [name]
+        print(f"  {name:<12} {est[name] / 2**20:>10.2f}Mi {got[name] / 2**20:>10.2f}Mi {ratio:>7.3f}{'' if ok else '  OFF'}")
+    if off:
+        print(f"off by more than {TOLERANCE:.0%}: {', '.join(off)}")
+        return ExitCode.FAILED
+    return ExitCode.OK

@@ -1,0 +1,56 @@
+"""``baton plan --check RUN_DIR``: the plan's memory estimate within 15 % of what the ranks of
+a real run measured they held (weights, gradients, optimizer state, saved activations), in
+the layouts and options the plan accounts for. A measurement the estimate misses is
+reported and exits 1; a run folder without a measurement is refused in one line."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import baton
+
+pytestmark = pytest.mark.timeout(600)
+DP2 = ("parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=2")
+CASES = {
+    "dp2": DP2,
+    "zero1-selective-bf16": (*DP2, "parallel.sharding=optimizer", "training.recompute=selective",
+                             "training.mixed_precision.param_dtype=bf16"),
+    "zero3": (*DP2, "parallel.sharding=params"),
+    "pp2-full-recompute": (*DP2, "parallel.pp=2", "training.recompute=full"),
+    "tp2pp2": ("parallel.tp=2", "parallel.pp=2", "trainer.n_gpus_per_node=4"),
+    "int8": (*DP2, "training.activation_storage=int8"),
+    "modern": (*DP2, "model.activation=swiglu", "model.normalization=rmsnorm", "model.position_embedding=rope",
+               "model.num_query_groups=2"),
+}
+
+
+def _run(root: Path, overrides: tuple[str, ...]) -> Path:
+    res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={root}", "trainer.steps=2", *overrides,
+                "--backend", "local", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next((root / "tiny-gpt").glob("*"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plan_is_within_15_percent_of_what_the_ranks_measured(tmp_path: Path, case: str) -> None:
+    run = _run(tmp_path, CASES[case])
+    res = baton("plan", "--check", str(run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    ratios = dict(re.findall(r"^\s+(weights|gradients|optimizer|activations)\s+\S+\s+\S+\s+([\d.]+)$", res.stdout,
+                             re.M))
+    assert len(ratios) == 4 and all(abs(float(r) - 1) <= 0.15 for r in ratios.values()), res.stdout
+
+
+def test_a_measurement_the_plan_misses_exits_1_and_a_run_without_one_is_refused(tmp_path: Path) -> None:
+    run = _run(tmp_path, DP2)
+    memory = json.loads((run / "memory.json").read_text())
+    memory["ranks"][0]["activations_bytes"] *= 2
+    (run / "memory.json").write_text(json.dumps(memory))
+    res = baton("plan", "--check", str(run))
+    assert res.returncode == 1 and "off by more than 15%: activations" in res.stdout, res.stdout
+    (run / "memory.json").unlink()
+    res = baton("plan", "--check", str(run))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "memory.json: missing" in res.stderr, res.stderr
