@@ -35,6 +35,7 @@ bench: venv
 	$(PY) benchmarks/recovery.py --quick
 	$(PY) benchmarks/weight_sync.py --quick
 	$(PY) benchmarks/rl_step.py --quick
+	$(PY) benchmarks/memory.py --quick
 
 lint: venv
 	$(VENV)/bin/ruff check core launcher tests benchmarks
