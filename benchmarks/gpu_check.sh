@@ -12,7 +12,10 @@
 # tiny GPT in bf16 on one GPU with an async checkpoint and a resume, and the bf16 state
 # after a resume equal to the saved one bit for bit with the optimizer Megatron picks on a
 # GPU: fused when Transformer Engine or Apex is installed), then
-# benchmarks/step_overhead.py --quick on the GPU. About 6 minutes on an H200.
+# benchmarks/step_overhead.py --quick on the GPU, then benchmarks/gpu_size.py: a 125M
+# modern-shape GPT (RMSNorm, SwiGLU, rope, GQA) in bf16 through the controller, tokens/s,
+# MFU and peak CUDA memory beside the plan's estimate, plain and with int8 activation
+# storage (200 steps each). About 9 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,6 +43,7 @@ run)
     python3 -m pytest -q -p no:cacheprovider -o addopts="" -rA tests/gpu 2>&1 | tee "$out/tests_gpu.txt" || rc=1
     timeout 300 python3 benchmarks/step_overhead.py --quick --json "$out/step_overhead.json" \
         parallel.tp=1 parallel.pp=1 trainer.n_gpus_per_node=1 trainer.device=cuda 2>&1 | tee "$out/step_overhead.txt" || rc=1
+    timeout 240 python3 benchmarks/gpu_size.py --steps 200 --json "$out/gpu_size.json" 2>&1 | tee "$out/gpu_size.txt" || rc=1
     exit $rc
     ;;
 *)
