@@ -352,3 +352,14 @@ def test_zero3_plans_every_static_byte_split_over_data_parallelism() -> None:
     total = count_params(cfg).total
     assert static_bytes(cfg) == 2 * -(-4 * total // 4) + -(-8 * total // 4) == 16 * total // 4
     assert static_bytes(cfg) < static_bytes(_cfg(*BIG, "trainer.n_gpus_per_node=4", "parallel.sharding=optimizer"))
+
+
+@pytest.mark.parametrize(("experiment", "params"), [("qwen3_1p7b.yaml", 2_031_732_736), ("gpt_13b.yaml", 13_015_864_320)])
+def test_real_model_shapes_plan_on_8_x_80_gb(experiment: str, params: int) -> None:
+    """A Qwen3-1.7B shape (untied: 1.72 B tied + 0.31 B output layer) on one node and a 13B
+    Llama-2 shape on two, 8 x 80 GB each: the plan's parameters and that they fit."""
+    plan = make_plan(config.load(REPO / "experiments" / experiment, []), gpu_mem_gb=80)
+    assert plan.params.total == params and plan.fits is True
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", f"experiments/{experiment}"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and f"params: {params:,} total" in out.stdout, out.stdout + out.stderr
