@@ -7,6 +7,9 @@ swiglu (a gated linear unit with SiLU: fc1 holds the gate and the up projection,
 ``rope_base``, no position-embedding table), ``num_query_groups`` (grouped-query
 attention: that many key/value heads, shared by ``num_attention_heads / num_query_groups``
 query heads each; null: one per head). ``bias: false`` drops every linear layer's bias.
+``tie_embeddings``: the output layer is the word embedding (Megatron keeps a copy on the last
+stage when pp > 1, its gradients all-reduced with the first stage's; a checkpoint holds the
+embedding once).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from core.spec.schema import bounded, check_bounds
 # The shape options and their defaults: a model hash leaves them out at these values, so a
 # checkpoint saved before they existed still belongs to the same model.
 SHAPE_DEFAULTS: dict[str, Any] = {"normalization": "layernorm", "activation": "gelu", "position_embedding": "learned",
-                                  "rope_base": 10000, "num_query_groups": None, "bias": True}
+                                  "rope_base": 10000, "num_query_groups": None, "bias": True, "tie_embeddings": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,7 @@ class ModelConfig:
     rope_base: int = bounded(10000, gt=0, le=10**9)
     num_query_groups: int | None = bounded(None, gt=0, le=2**16)
     bias: bool = True
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         check_bounds(self, "model")

@@ -2,11 +2,9 @@
 
 Pure arithmetic over a ``RunConfig``, so the login node can answer "does this fit?"
 before a job costs a queue slot. The model it counts is Megatron-core's ``GPTModel``
-as ``core.model.gpt.model`` builds it: learned absolute position embeddings, LayerNorm with
-bias, biased linears, and an output layer *untied* from the word embeddings
-(``share_embeddings_and_output_weights=False``). Tied weights are counted too (once in
-the total, plus the last stage's copy when pp > 1) if a config field
-``model.share_embeddings_and_output_weights`` is ever added and set.
+as ``core.model.gpt.model`` builds it, in the shapes ``core.spec.modelcfg`` offers; tied
+embeddings (``model.tie_embeddings``) are counted once in the total, plus the last stage's
+copy when pp > 1.
 
 Memory, per GPU (bytes; ``P`` = parameters on that rank, after tensor parallelism):
 
@@ -141,8 +139,7 @@ def _positions(cfg: RunConfig) -> int:  # the learned position-embedding table (
 
 
 def _tied(cfg: RunConfig) -> bool:
-    # ModelConfig has no such field; core.model.gpt.model builds untied (no cross-stage embedding group)
-    return bool(getattr(cfg.model, "share_embeddings_and_output_weights", False))
+    return cfg.model.tie_embeddings
 
 
 def count_params(cfg: RunConfig) -> ParamCount:

@@ -96,3 +96,32 @@ def test_gradients_cross_the_data_parallel_group_in_the_configured_reduce_dtype(
         g.train(range(2))
         seen = g.apply(reductions_on_rank)
     assert all(s and set(s) == {NAMES[reduce_dtype]} for s in seen), seen
+
+
+def record_fsdp_reductions_on_rank(task: Any) -> None:
+    """Wrap the reduce-scatter FSDP2 sends gradients with: note each big one's dtype."""
+    import torch
+
+    seen = task.__dict__.setdefault("_reduced", [])
+    reduce_scatter = torch.distributed.reduce_scatter_tensor
+
+    def rs(output: Any, tensor: Any, *a: Any, **k: Any) -> Any:
+        if tensor.numel() >= 1000:
+            seen.append(str(tensor.dtype).removeprefix("torch."))
+        return reduce_scatter(output, tensor, *a, **k)
+
+    torch.distributed.reduce_scatter_tensor = rs
+
+
+@pytest.mark.parametrize(("param_dtype", "reduce_dtype"), [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
+def test_zero3_reduce_scatters_gradients_in_the_configured_reduce_dtype(tmp_path: Path, param_dtype: str,
+                                                                         reduce_dtype: str) -> None:
+    """ZeRO-3 (FSDP2's mixed-precision policy): the gradients' reduce-scatter dtype."""
+    cfg = gpt_config(world_size=2, parallel={"tp": 1, "pp": 1, "sharding": "params"},
+                     training={"mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}})
+    with RankGroup(cfg, world_size=2, run_dir=tmp_path) as g:
+        g.setup()
+        g.apply(record_fsdp_reductions_on_rank)
+        g.train(range(2))
+        seen = g.apply(reductions_on_rank)
+    assert all(s and set(s) == {NAMES[reduce_dtype]} for s in seen), seen

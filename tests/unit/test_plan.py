@@ -13,7 +13,6 @@ import pytest
 
 from core.errors import ConfigError
 from core.spec import config
-from core.spec import plan as plan_module
 from core.spec.plan import (
     GIB,
     RankPlan,
@@ -92,13 +91,12 @@ def test_per_rank_params_split_matmuls_over_tp() -> None:
     assert sum(r.params for r in plan.ranks) - replicated == plan.params.total
 
 
-def test_tied_output_layer_is_counted_once_plus_the_last_stage_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_module, "_tied", lambda cfg: True)
+def test_tied_output_layer_is_counted_once_plus_the_last_stage_copy() -> None:
     h, v = 64, 128
-    single = make_plan(_cfg())
+    single = make_plan(_cfg("model.tie_embeddings=true"))
     assert single.params.total == 210_304 and single.params.tied_copy == 0
     assert single.ranks[0].params == single.params.total  # one stage: embedding and output share
-    staged = make_plan(_cfg("trainer.n_gpus_per_node=2", "parallel.pp=2"))
+    staged = make_plan(_cfg("trainer.n_gpus_per_node=2", "parallel.pp=2", "model.tie_embeddings=true"))
     assert staged.params.tied_copy == v * h
     assert sum(r.params for r in staged.ranks) == staged.params.total + v * h
 
@@ -296,7 +294,7 @@ def test_an_rl_program_plans_memory_for_its_reference_and_its_critic() -> None:
 
 
 MODERN = ("model.normalization=rmsnorm", "model.activation=swiglu", "model.position_embedding=rope",
-          "model.num_query_groups=2", "model.bias=false")
+          "model.num_query_groups=2", "model.bias=false", "model.tie_embeddings=true")
 
 
 @pytest.mark.megatron
@@ -354,10 +352,10 @@ def test_zero3_plans_every_static_byte_split_over_data_parallelism() -> None:
     assert static_bytes(cfg) < static_bytes(_cfg(*BIG, "trainer.n_gpus_per_node=4", "parallel.sharding=optimizer"))
 
 
-@pytest.mark.parametrize(("experiment", "params"), [("qwen3_1p7b.yaml", 2_031_732_736), ("gpt_13b.yaml", 13_015_864_320)])
+@pytest.mark.parametrize(("experiment", "params"), [("qwen3_1p7b.yaml", 1_720_567_808), ("gpt_13b.yaml", 13_015_864_320)])
 def test_real_model_shapes_plan_on_8_x_80_gb(experiment: str, params: int) -> None:
-    """A Qwen3-1.7B shape (untied: 1.72 B tied + 0.31 B output layer) on one node and a 13B
-    Llama-2 shape on two, 8 x 80 GB each: the plan's parameters and that they fit."""
+    """A Qwen3-1.7B shape (tied embeddings) on one node and a 13B Llama-2 shape on two,
+    8 x 80 GB each: the plan's parameters and that they fit."""
     plan = make_plan(config.load(REPO / "experiments" / experiment, []), gpu_mem_gb=80)
     assert plan.params.total == params and plan.fits is True
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", f"experiments/{experiment}"], cwd=REPO,

@@ -124,9 +124,9 @@ def build_model(config: TransformerConfig, model: ModelConfig, *, on_cuda: bool)
         max_sequence_length=model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        # Untied: tying needs an embedding group across the first and last stages and
-        # makes the output layer a second copy of one global tensor in checkpoints.
-        share_embeddings_and_output_weights=False,
+        # Tied (model.tie_embeddings): with pp > 1 Megatron's embedding group keeps the last
+        # stage's copy equal to the first stage's; checkpoints hold the embedding once.
+        share_embeddings_and_output_weights=model.tie_embeddings,
         parallel_output=True,
         **position_options(model),
     )

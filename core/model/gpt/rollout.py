@@ -101,7 +101,7 @@ class Rollout:
         self.model = GPTModel(
             config=config, transformer_layer_spec=model_mod.layer_spec(config, on_cuda=on_cuda),
             vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length, pre_process=True,
-            post_process=True, share_embeddings_and_output_weights=False, parallel_output=True,
+            post_process=True, share_embeddings_and_output_weights=cfg.model.tie_embeddings, parallel_output=True,
             pg_collection=process_groups(dims, rank), **model_mod.position_options(cfg.model))
         if on_cuda:
             self.model.cuda(torch.cuda.current_device())
