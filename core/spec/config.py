@@ -71,7 +71,9 @@ class SyncConfig:
     every: int = bounded(1, gt=0, le=2**20)
     adaptive_latency_ms: float | None = bounded(None, gt=0, le=1e7)
     max_every: int = bounded(64, gt=0, le=2**20)
-    outer: Literal["average"] = "average"
+    outer: Literal["average", "nesterov"] = "average"  # nesterov: DiLoCo's outer step on the pseudo-gradient
+    outer_lr: float = bounded(0.7, gt=0, le=1e3)
+    outer_momentum: float = bounded(0.9, ge=0, lt=1)
 
     def __post_init__(self) -> None:
         check_bounds(self, "parallel.sync")

@@ -40,8 +40,10 @@ def weights_on_rank(task: Any) -> list[float]:
     return [float(p.detach().double().sum()) for chunk in task._ready().model_chunks for p in chunk.parameters()]
 
 
-def _train(work: Path, policy: SyncPolicy | None) -> tuple[list[float], list[list[str]], list[bool]]:
-    cfg = gpt_config(world_size=2, steps=STEPS, parallel={"tp": 1, "pp": 1})
+def _train(work: Path, policy: SyncPolicy | None, outer: dict | None = None
+           ) -> tuple[list[float], list[list[str]], list[bool]]:
+    sync = {"sync": {"every": policy.cfg.every, **(outer or {})}} if policy else {}
+    cfg = gpt_config(world_size=2, steps=STEPS, parallel={"tp": 1, "pp": 1, **sync})
     losses, equal = [], []
     with RankGroup(cfg, world_size=2, run_dir=work) as g:
         g.setup()
@@ -81,3 +83,32 @@ def test_a_slow_average_doubles_the_period_and_is_an_event(tmp_path: Path) -> No
     syncs = [r["grad_sync_s"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
              if r.get("grad_sync_s")]
     assert len(syncs) < 20 and all(min(s) >= 0.06 for s in syncs), syncs
+
+
+def test_diloco_s_outer_nesterov_step_trains_and_keeps_the_replicas_equal(tmp_path: Path) -> None:
+    """outer: nesterov: every average becomes DiLoCo's outer step from the last synced
+    weights; still one all-reduce per average, equal replicas after it, and training on."""
+    sync, _, _ = _train(tmp_path, None)
+    outer, seen, equal = _train(tmp_path, SyncPolicy(SyncConfig(every=4, outer="nesterov")),
+                                outer={"outer": "nesterov"})
+    assert [len(s) for s in seen] == [STEPS // 4, STEPS // 4] and equal == [True] * (STEPS // 4)
+    print(f"final loss: synchronous {sync[-1]:.4f}, DiLoCo every 4 steps {outer[-1]:.4f}")
+    assert outer[-1] < 0.8 * outer[0] and outer[-1] <= 1.1 * sync[-1], (outer, sync)  # no worse than synchronous
+
+
+def test_a_diloco_run_resumed_from_its_checkpoint_gives_the_uninterrupted_numbers(tmp_path: Path) -> None:
+    """The outer momentum is in the checkpoint and the anchor is the restored weights: a run
+    stopped at its step-8 checkpoint and resumed to 16 writes the uninterrupted run's losses."""
+    common = ("parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=2", "parallel.sync.every=4",
+              "parallel.sync.outer=nesterov", "checkpoint.interval_steps=8", "optimizer.schedule=constant")
+    whole = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path / 'a'}", "trainer.steps=16", *common,
+                  "--backend", "local", timeout=600)
+    half = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path / 'b'}", "trainer.steps=8", *common,
+                 "--backend", "local", timeout=600)
+    assert whole.returncode == 0 and half.returncode == 0, whole.stderr + half.stderr
+    run = next((tmp_path / "b" / "tiny-gpt").glob("*"))
+    res = baton("submit", "--resume", str(run), "trainer.steps=16", "--backend", "local", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()]
+              for r in (next((tmp_path / "a" / "tiny-gpt").glob("*")), run)]
+    assert len(losses[0]) == 16 and losses[0] == losses[1]

@@ -49,6 +49,7 @@ class GPTTask:
         self._reference_loaded = False
         self._critic: Any = None  # program ppo: the value model's StepContext (core.model.gpt.critic)
         self._fsdp: dict[str, Any] | None = None  # parallel.sharding params: global names (core.model.gpt.fsdp)
+        self._outer: Any = None  # parallel.sync.outer nesterov: core.model.gpt.local_sgd.Outer
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         table: dict[Method[Any, Any], Callable[[Any], Any]] = {
@@ -135,6 +136,11 @@ class GPTTask:
                                      dims=dims)
         if critic is not None:
             self._critic = dataclasses.replace(self._step_ctx, model_chunks=critic[0], optimizer=critic[1])
+        sync = cfg.parallel.sync
+        if sync.local and sync.outer == "nesterov":
+            from core.model.gpt.local_sgd import Outer  # torch and megatron: this module loads without them
+
+            self._outer = Outer(self._step_ctx, sync.outer_lr, sync.outer_momentum)
         info = calls.SetupInfo(
             coords=self._step_ctx.coords, layers=tuple(model_mod.global_layer_indices(gpt)),
             num_params=model_mod.num_local_params(gpt), device="cuda" if on_cuda else "cpu",
@@ -273,7 +279,7 @@ class GPTTask:
 
         self._fence()
         t0 = time.perf_counter()
-        seconds = local_sgd.average(self._ready())
+        seconds = local_sgd.average(self._ready(), self._outer)
         return calls.StepResult(step_time_s=time.perf_counter() - t0, grad_sync_s=seconds, rss_mb=rss_mb())
 
     def policy_step(self, req: gen_calls.PolicyBatch) -> gen_calls.PolicyResult:
@@ -354,6 +360,7 @@ class GPTTask:
 
             own = fsdp.export_items(ctx.model_chunks[0], self._fsdp, ctx.optimizer)
         items, blobs = export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims, items=own)
+        items += self._outer.export() if self._outer is not None else []
         if self._critic is not None:
             from core.model.gpt import critic  # torch and megatron: this module loads without them
 
@@ -376,6 +383,8 @@ class GPTTask:
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
                                        coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda",
                                        importer=importer)
+        if self._outer is not None:
+            self._outer.restore(read)
         if self._critic is not None:
             from core.model.gpt import critic  # torch and megatron: this module loads without them
 
@@ -426,6 +435,8 @@ class GPTTask:
         else:
             load_model_slices(self._ready().model_chunks, read)
         self._resync_main_params()
+        if self._outer is not None:
+            self._outer.reset()
 
     def _resync_main_params(self) -> None:
         """After writing model params directly, refresh the optimizer's fp32 copies."""
