@@ -6,7 +6,10 @@ the records do not carry them (a toy run has no ``data_wait_s``), so a rule neve
 missing data. Records are ``core.record.steps.StepRecord`` (per-rank tuples are indexed by rank):
 
     step, loss, step_time_s (controller wall), rank_step_time_s[], rss_mb[],
-    optional: data_wait_s[], grad_sync_s[], cuda_peak_mb[]
+    optional: data_wait_s[], grad_sync_s[], compute_s[], cuda_peak_mb[]
+
+The straggler rule reads each rank's compute time where the records carry it (a synchronous
+step's wall time is the slowest rank's on every rank: the others wait in the reduction).
 
 The first ``WARMUP_FRACTION`` of steps (at least one) is left out of every rule: compile,
 allocator and cache warm-up make the first steps unlike the rest.
@@ -176,7 +179,7 @@ def straggler(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
     slow: dict[int, list[float]] = {}
     steps = 0
     for rec in _steady(records):
-        times = _floats(rec.rank_step_time_s)
+        times = _floats(rec.compute_s) or _floats(rec.rank_step_time_s)  # compute: without the waits for it
         if times is None or len(times) < 2:
             continue
         median = statistics.median(times)
@@ -188,13 +191,14 @@ def straggler(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
                 slow.setdefault(rank, []).append(t / median)
     if steps < MIN_STEPS:
         return []
+    what = "compute" if any(rec.compute_s for rec in records) else "step"
     sustained = {r: s for r, s in slow.items() if len(s) >= SUSTAINED * steps}
     findings = []
     for rank, scores in sorted(sustained.items(), key=lambda kv: -statistics.median(kv[1])):
         findings.append(Finding(
             severity=WARNING,
             title=f"straggler: {_where(rank, state)}",
-            evidence=(f"{_where(rank, state)} was {statistics.median(scores):.1f}x the median step time in "
+            evidence=(f"{_where(rank, state)} was {statistics.median(scores):.1f}x the median {what} time in "
                       f"{len(scores)} of {steps} steps (threshold {STRAGGLER_SCORE}x); every other rank waits for it"),
             advice=("check that node: `nvidia-smi` clocks and temperature, other jobs on it, its NIC; "
                     "exclude it (slurm.workers.exclude=NODE) if it stays slow; `baton logs RUN --rank "

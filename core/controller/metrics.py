@@ -11,7 +11,8 @@ Exposed series (``rank`` labels are worker ranks, ``method`` labels RPC method n
 
     baton_step, baton_loss, baton_learning_rate, baton_grad_norm, baton_tokens_per_second
     baton_tokens_total (counter), baton_step_time_seconds (histogram)
-    baton_rank_step_time_seconds{rank}, baton_straggler_score{rank} (rank time / median)
+    baton_rank_step_time_seconds{rank}, baton_straggler_score{rank} (rank compute time / median),
+    baton_rank_compute_seconds{rank}
     baton_rank_rss_bytes{rank}, baton_rank_cuda_peak_bytes{rank}, baton_rank_data_wait_seconds{rank},
     baton_rank_grad_sync_seconds{rank}, baton_heartbeat_lag_seconds{rank}
     baton_dispatch_latency_seconds{method} (histogram)
@@ -95,8 +96,10 @@ class Metrics:
                                    buckets=STEP_BUCKETS_S, registry=reg)
         self.rank_step_time = Gauge("baton_rank_step_time_seconds", "Compute time of the last step on one rank",
                                     ["rank"], registry=reg)
-        self.straggler = Gauge("baton_straggler_score", "Rank step time divided by the median over ranks",
-                               ["rank"], registry=reg)
+        self.straggler = Gauge("baton_straggler_score", "Rank compute time (else step time) divided by the median "
+                               "over ranks", ["rank"], registry=reg)
+        self.compute = Gauge("baton_rank_compute_seconds", "Time one rank computed in the last step (less its data "
+                             "wait and gradient reduction)", ["rank"], registry=reg)
         self.rss = Gauge("baton_rank_rss_bytes", "Resident memory of one worker", ["rank"], registry=reg)
         self.cuda_peak = Gauge("baton_rank_cuda_peak_bytes", "Peak CUDA memory allocated on one rank",
                                ["rank"], registry=reg)
@@ -195,19 +198,22 @@ class Metrics:
                 self.rl_phase.labels(phase=phase).set(num)
 
     def _observe_ranks(self, record: StepRecord) -> None:
-        times = _per_rank(record.rank_step_time_s)
+        for rank, t in enumerate(_per_rank(record.rank_step_time_s)):
+            if t is not None:
+                self.rank_step_time.labels(rank=str(rank)).set(t)
+        # The score compares compute times where the task measures them: in a synchronous
+        # step every rank's wall time is the slowest one's (the others wait for it).
+        times = _per_rank(record.compute_s or record.rank_step_time_s)
         # A NaN time would make the median, and so every rank's score, meaningless.
         known = [t for t in times if t is not None and math.isfinite(t)]
         median = statistics.median(known) if known else 0.0
         for rank, t in enumerate(times):
-            if t is None:
-                continue
-            self.rank_step_time.labels(rank=str(rank)).set(t)
-            # With all-zero times (no timing from the task) every rank is "typical": 1.0.
-            self.straggler.labels(rank=str(rank)).set(t / median if median > 0 else 1.0)
+            if t is not None:  # with all-zero times (no timing from the task) every rank is "typical": 1.0
+                self.straggler.labels(rank=str(rank)).set(t / median if median > 0 else 1.0)
         for values, gauge, scale, unset_at_zero in (
                 (record.rss_mb, self.rss, _MIB, True), (record.cuda_peak_mb, self.cuda_peak, _MIB, False),
-                (record.data_wait_s, self.data_wait, 1.0, False), (record.grad_sync_s, self.grad_sync, 1.0, False)):
+                (record.data_wait_s, self.data_wait, 1.0, False), (record.grad_sync_s, self.grad_sync, 1.0, False),
+                (record.compute_s, self.compute, 1.0, False)):
             for rank, value in enumerate(_per_rank(values)):
                 # A resident set of 0 is "not measured" (a task that does not report it), never real.
                 if value is not None and not (unset_at_zero and value <= 0):

@@ -275,6 +275,6 @@ class Program:
             rank_step_time_s=tuple(r.step_time_s for r in results),
             # A task that does not measure its memory gets the worker's last heartbeat figure.
             rss_mb=tuple(r.rss_mb or self.group.peers[i].rss_mb for i, r in enumerate(results)),
-            data_wait_s=per_rank("data_wait_s"), grad_sync_s=per_rank("grad_sync_s"),
+            data_wait_s=per_rank("data_wait_s"), grad_sync_s=per_rank("grad_sync_s"), compute_s=per_rank("compute_s"),
             cuda_peak_mb=per_rank("cuda_peak_mb"),
         )

@@ -40,6 +40,7 @@ class StepRecord:
     rss_mb: tuple[float, ...] = ()
     data_wait_s: tuple[float, ...] | None = None
     grad_sync_s: tuple[float, ...] | None = None
+    compute_s: tuple[float, ...] | None = None  # per rank: the step less data wait and gradient reduction
     cuda_peak_mb: tuple[float, ...] | None = None
     sync_logprob_maxdiff: float | None = None  # after a generator's weight sync at this step
     # program: grpo or ppo (core.controller.rl_program), on its RL steps
@@ -60,7 +61,7 @@ class StepRecord:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
-OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "cuda_peak_mb", "sync_logprob_maxdiff", "reward_mean", "reward_std",
+OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "sync_logprob_maxdiff", "reward_mean", "reward_std",
                      "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
                      "phase_s", "value_loss", "values_mean")
 

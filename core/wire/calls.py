@@ -56,6 +56,7 @@ class StepResult:
     tokens: int = 0  # tokens this data-parallel replica trained on (the controller sums the loss owners')
     data_wait_s: float | None = None
     grad_sync_s: float | None = None
+    compute_s: float | None = None  # the step less its data wait and gradient reduction
     cuda_peak_mb: float | None = None
     memory: tuple[float, ...] | None = None  # when measured: bytes of weights, gradients, optimizer, activations
 

@@ -8,7 +8,7 @@ each average, and a final loss within 10 % of synchronous training's on the incr
 The steps' requests come from the controller's own policy (core.controller.sync_policy).
 
 With ``adaptive_latency_ms: 50`` and a 60 ms delay injected into every average
-(``BATON_FAULT_SYNC_DELAY_MS``), a run through the controller doubles the period and
+(``BATON_FAULTS=sync_delay_ms=60``), a run through the controller doubles the period and
 records each change as an event.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_a_slow_average_doubles_the_period_and_is_an_event(tmp_path: Path) -> No
     res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", "parallel.tp=1", "parallel.pp=1",
                 "trainer.n_gpus_per_node=2", "trainer.steps=20", "parallel.sync.adaptive_latency_ms=50",
                 "parallel.sync.max_every=4", "--backend", "local", timeout=600,
-                env={"BATON_FAULT_SYNC_DELAY_MS": "60"})
+                env={"BATON_FAULTS": "sync_delay_ms=60"})
     assert res.returncode == 0, res.stdout + res.stderr
     run = next((tmp_path / "tiny-gpt").glob("*"))
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]

@@ -15,13 +15,12 @@ replica) the pseudo-gradient ``anchor - average`` feeds an SGD step with Nestero
 The momentum is in every checkpoint (``sync.momentum.<name>``, sliced as the weights); the
 anchor is the weights themselves there (a checkpoint follows a synchronisation).
 
-``BATON_FAULT_SYNC_DELAY_MS`` (a fault injection for tests of the adaptive period) sleeps
-that long inside the timed averaging, as a slow link would.
+``BATON_FAULTS=sync_delay_ms=N`` (core.job.faults) sleeps that long inside the timed
+averaging, as a slow link would.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +29,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from core.job import faults
 from core.model.gpt.optimizer_state import OptimizerState
 from core.model.gpt.state import LiveTensor, is_writer, param_parts, slice_of
 from core.model.gpt.step import StepContext
 
-DELAY_ENV = "BATON_FAULT_SYNC_DELAY_MS"
 MOMENTUM = "sync.momentum."
 
 
@@ -99,9 +98,7 @@ def average(ctx: StepContext, outer: Outer | None = None) -> float:
     opt = OptimizerState(ctx.optimizer)
     tensors = [t[k] for t in _held(ctx).values() for k in ("main_param", "exp_avg", "exp_avg_sq")]
     t0 = time.perf_counter()
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-    if delay > 0:
-        time.sleep(delay / 1000.0)
+    faults.sync_delay()
     group = parallel_state.get_data_parallel_group()
     with torch.no_grad():
         flat = torch.cat([t.reshape(-1).float() for t in tensors])

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from core.job import faults
 from core.model.gpt import activations
 from core.model.gpt.data import BatchSource, MicroBatch
 from core.model.gpt.optim import set_lr
@@ -102,15 +103,25 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
     ``before_update`` runs after forward and backward, right before the optimizer changes
     the weights (an async checkpoint's fence: its snapshot is read until then). ``local``:
     no gradient reduction over data parallelism (``parallel.sync``); else its time is
-    ``grad_sync_s``.
+    ``grad_sync_s`` (waiting for the slowest replica included). ``data_wait_s``: fetching
+    the step's micro-batches; ``compute_s``: the rest of the step (pipeline waits included,
+    but not the gradient reduction: a slow rank shows here, its peers in ``grad_sync_s``);
+    ``cuda_peak_mb``: the step's peak allocated CUDA memory.
     """
     t0 = time.perf_counter()
+    on_cuda = ctx.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
     lr = set_lr(ctx.optimizer, step, ctx.cfg)
     for chunk in ctx.model_chunks:
         chunk.zero_grad_buffer()
     ctx.optimizer.zero_grad()
     for chunk in ctx.model_chunks:
         chunk.train()
+    faults.data_delay()
+    batches = ctx.source.micro_batches(step, "train")
+    data_wait = time.perf_counter() - t0
+    faults.compute_delay(ctx.coords.rank)
     config = ctx.model_chunks[0].config
     finalize, synced = config.finalize_model_grads_func, [0.0]
 
@@ -123,7 +134,7 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
 
     config.finalize_model_grads_func = None if local else (timed if finalize is not None else None)
     try:
-        loss = _run_schedule(ctx, ctx.source.micro_batches(step, "train"), forward_only=False)
+        loss = _run_schedule(ctx, batches, forward_only=False)
     finally:
         config.finalize_model_grads_func = finalize
     if before_update is not None:
@@ -131,7 +142,10 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if not update_ok:
         log.warning("step %d: optimizer skipped the update (inf/nan gradients under loss scaling)", step)
-    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0, "grad_sync_s": None if local else synced[0]}
+    wall = time.perf_counter() - t0
+    out: dict[str, Any] = {"step_time_s": wall, "grad_sync_s": None if local else synced[0], "data_wait_s": data_wait,
+                           "compute_s": max(0.0, wall - data_wait - synced[0]),
+                           "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if on_cuda else None}
     if is_loss_owner():
         assert loss is not None
         out.update(
