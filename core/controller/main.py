@@ -23,7 +23,7 @@ from core.controller.program import Program
 from core.controller.recovery import Outcome, Recovery
 from core.controller.stop import StopPolicy
 from core.errors import BatonRuntimeError, ExitCode
-from core.job import logsetup, slurmctl
+from core.job import logsetup, process, slurmctl
 from core.job.env import JobEnv
 from core.job.signals import PreemptionFlag
 from core.record import events as ev
@@ -68,7 +68,9 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
         metrics.start(run, cfg.metrics.port, host=env.controller_host, bind=cfg.metrics.bind)
         metrics.set_restarts(env.epoch)
     record = RunRecord(run)
-    with record.update(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid())) as s:
+    started = process.started_at()
+    with record.update(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid(),
+                                            started_at=round(started, 3))) as s:
         s.status, s.epoch, s.restarts, s.total_steps, s.reason = Status.RUNNING, env.epoch, env.epoch, cfg.trainer.steps, ""
     sock = ControllerSocket(run.keys)
     publish_address(run, sock, host=env.controller_host, epoch=env.epoch)
@@ -81,6 +83,7 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
         on_commit=metrics.observe_checkpoint if metrics is not None else None)
     program = Program(cfg=cfg, plan=plan, run=run, record=record, group=group, checkpoints=checkpoints, metrics=metrics,
                       stop=StopPolicy(signals, slurmctl.clock_for(os.environ), margin_s=cfg.recovery.walltime_margin_s))
+    program.started_at(started)  # goodput: this epoch's allocation began with this process
     try:
         return _end(env, program, Recovery(program, worker_restarts=env.worker_restarts,
                                            on_slurm=env.job_id is not None).run())
@@ -113,6 +116,10 @@ def _end(env: JobEnv, program: Program, outcome: Outcome) -> int:
 
 def _failed(program: Program, reason: str, code: ExitCode) -> int:
     log.error("run failed: %s", reason)
+    try:
+        program.save_progress()  # goodput: this epoch's time counts, failed or not
+    except OSError as exc:
+        log.warning("could not record progress: %s", exc)
     with program.record.update(ev.Failed(reason=reason, step=program.step)) as s:
         s.status, s.reason = Status.FAILED, reason
     program.group.abort(f"controller: {reason}")

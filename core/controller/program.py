@@ -242,6 +242,10 @@ class Program:
         return {"policy_version": None if self.generator is None else self.generator.version, "state": state or None}
 
     # --- metrics ------------------------------------------------------------------------
+    def started_at(self, unix_time: float) -> None:
+        """This epoch's allocated time counts from ``unix_time`` (the controller process's start)."""
+        self._started = time.monotonic() - max(0.0, time.time() - unix_time)
+
     def _allocated_s(self) -> float:
         """Allocated time across requeues: what earlier epochs held, plus this one so far."""
         return (self._alloc_base or 0.0) + time.monotonic() - self._started

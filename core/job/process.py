@@ -1,8 +1,21 @@
-"""This process on its host: resident memory, a free port."""
+"""This process on its host: when it started, resident memory, a free port."""
 from __future__ import annotations
 
 import os
 import socket
+import time
+
+
+def started_at() -> float:
+    """Unix time this process started (Linux's /proc; now where /proc is missing)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # starttime: field 22, in clock ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def rss_mb() -> float:

@@ -71,6 +71,7 @@ class ControllerStarted(Event):
     node: str
     epoch: int
     pid: int
+    started_at: float | None = None  # unix time the controller process started: its epoch's allocated time begins
 
 
 @dataclass(frozen=True, kw_only=True)
