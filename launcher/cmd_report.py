@@ -2,10 +2,13 @@
 
 A run folder gets ``report/loss.png``, ``report/tokens_per_s.png`` and
 ``report/rank_step_time.png`` (one line per rank), plus ``report/memory.png`` when the
-records carry memory. An RL run adds ``reward.png`` (mean and ± std), ``kl.png`` (KL to
-the reference and the entropy), ``response_length.png`` and ``phases.png`` (seconds per
-phase of each RL step); PPO's ``value.png`` (the critic's value loss and mean value). A sweep folder (one with a ledger, ``sweep.json``, or any folder
-holding several run folders) gets ``report/sweep_loss.png``: every point's loss curve.
+records carry memory. The loss and throughput plots mark the run's checkpoints, preemptions,
+requeues, lost workers and resumes with vertical lines at their steps. An RL run adds
+``reward.png`` (mean and ± std), ``kl.png`` (KL to the reference and the entropy),
+``response_length.png`` and ``phases.png`` (seconds per phase of each RL step); PPO's
+``value.png`` (the critic's value loss and mean value). A sweep folder (one with a ledger,
+``sweep.json``, or any folder holding several run folders) gets ``report/sweep_loss.png``:
+every point's loss curve.
 
 matplotlib is an optional extra (``pip install 'baton[plots]'``), imported only when a
 report is drawn, and drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas:
@@ -23,6 +26,7 @@ from typing import Any
 from core.errors import ExitCode, UserError
 from core.record import steps
 from core.record.runfolder import RunFolder
+from core.record.state import RunRecord
 from core.record.steps import StepRecord
 
 log = logging.getLogger(__name__)
@@ -141,19 +145,41 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+# The events a curve is marked with, their colour and line style: where a run was interrupted.
+MARKS = {"checkpoint_committed": ("checkpoint", "tab:green", ":"), "preempted": ("preempted", "tab:red", "--"),
+         "time_running_out": ("time running out", "tab:red", "--"), "requeued": ("requeued", "tab:red", "-"),
+         "worker_lost": ("worker lost", "tab:orange", "--"), "resumed": ("resumed", "tab:blue", "-")}
+
+
+def run_marks(run: RunFolder) -> list[tuple[int, str]]:
+    """(step, kind) of every event a plot marks, from the run's history."""
+    out = []
+    for e in RunRecord(run).events():
+        step = getattr(e, "step", None)
+        if e.KIND in MARKS and isinstance(step, int):
+            out.append((step, e.KIND))
+    return out
+
+
 def _plot(figure: Any, path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float]]],
-          *, log_y: bool = False) -> Path:
+          *, log_y: bool = False, marks: Sequence[tuple[int, str]] = ()) -> Path:
     fig = figure(figsize=(8, 4.5))
     ax = fig.add_subplot()
     for label, xs, ys in lines:
         ax.plot(xs, ys, label=label, linewidth=1.2)
+    labelled: set[str] = set()
+    for step, kind in marks:
+        name, colour, style = MARKS[kind]
+        ax.axvline(step, color=colour, linestyle=style, linewidth=0.9, alpha=0.7,
+                   label=None if name in labelled else name)
+        labelled.add(name)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     if log_y and all(y > 0 for _, _, ys in lines for y in ys):
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
-    if 1 < len(lines) <= 16:
+    if 1 < len(lines) + len(labelled) <= 16:
         ax.legend(fontsize="small")
     return _save(fig, path)
 
@@ -168,10 +194,12 @@ def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     out = Path(out) if out is not None else run_folder.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     name = f"{run_folder.path.parent.name}/{run_folder.path.name}"
+    marks = run_marks(run_folder)
     written = [
-        _plot(figure, out / "loss.png", f"loss: {name}", "loss", [("loss", *_series(records, "loss"))], log_y=True),
+        _plot(figure, out / "loss.png", f"loss: {name}", "loss", [("loss", *_series(records, "loss"))], log_y=True,
+              marks=marks),
         _plot(figure, out / "tokens_per_s.png", f"throughput: {name}", "tokens/s",
-              [("tokens/s", *_series(records, "tokens_per_s"))]),
+              [("tokens/s", *_series(records, "tokens_per_s"))], marks=marks),
     ]
     ranks = _rank_series(records, "rank_step_time_s")
     if ranks:

@@ -59,10 +59,18 @@ def test_endpoint_serves_the_live_run(toy) -> None:
     train_calls = {s.labels["method"]: s.value for s in first["baton_dispatch_latency_seconds_count"]}
     assert train_calls.get("train_step", 0) >= step - 1 and train_calls.get("setup") == 1
     assert 0 < _value(first, "baton_goodput_ratio") <= 1
-    # The loss on the endpoint is one of the losses the run recorded.
+    # The loss on the endpoint is the loss of the step it reports done (metrics.jsonl has that
+    # step's record before the gauges move; a scrape between the two gauges' updates retries).
+    def consistent() -> tuple[float, float] | None:
+        samples = scrape(address)
+        done = int(_value(samples, "baton_step"))
+        records = {rec["step"]: rec["loss"] for rec in map(json.loads, r.run.metrics.read_text().splitlines())}
+        return (samples["baton_loss"][0].value, records[done - 1]) if done - 1 in records else None
+
+    gauge, recorded = wait_for(lambda: (pair := consistent()) and pair[0] == pair[1] and pair, 30,
+                               "baton_loss equal to the loss metrics.jsonl records for step baton_step - 1")
+    assert gauge == recorded
     losses = [json.loads(line)["loss"] for line in r.run.metrics.read_text().splitlines() if line.strip()]
-    later = scrape(address)
-    assert _value(later, "baton_loss") in losses or _value(later, "baton_step") > len(losses)
     assert losses[-1] < losses[0]  # the toy learns
 
 

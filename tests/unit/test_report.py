@@ -118,3 +118,24 @@ def test_missing_matplotlib_is_a_user_error_naming_the_extra(tmp_path: Path, mon
     with pytest.raises(UserError) as exc:
         cmd_report.report_run(run)
     assert str(exc.value) == "matplotlib is not installed: pip install 'baton[plots]'"
+
+
+@needs_matplotlib
+def test_the_run_s_interruptions_are_marked_on_its_curves(tmp_path: Path) -> None:
+    """Checkpoints, a preemption, its requeue and the resume: the report finds them in the
+    history at their steps and draws them (the same curve without them is another image)."""
+    from core.record import events as ev
+
+    plain, marked = _run_folder(tmp_path / "a" / "r"), _run_folder(tmp_path / "b" / "r", requeued_at=10)
+    RunRecord(RunFolder(marked)).append(
+        ev.CheckpointCommitted(step=10, folder="checkpoints/step_00000010", seconds=0.1, bytes=1),
+        ev.Preempted(step=12, cause="preempted", signal="SIGUSR2", detail="test"),
+        ev.Requeued(step=12, reason="preempted", epoch=0, backend="local"),
+        ev.Resumed(step=10, checkpoint="checkpoints/step_00000010", saved_layout="tp1pp1dp4", layout="tp1pp1dp4",
+                   seconds=0.1))
+    assert cmd_report.run_marks(RunFolder(marked)) == [(10, "checkpoint_committed"), (12, "preempted"),
+                                                       (12, "requeued"), (10, "resumed")]
+    assert cmd_report.run_marks(RunFolder(plain)) == []
+    for run in (plain, marked):
+        assert _report(str(run)) == 0
+    assert (plain / "report" / "loss.png").read_bytes() != (marked / "report" / "loss.png").read_bytes()
