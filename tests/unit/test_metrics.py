@@ -170,7 +170,8 @@ def _dashboard_names() -> set[str]:
 
 def test_every_metric_the_dashboard_queries_is_exposed(served) -> None:
     m, _, address = served
-    m.observe_step(_record(0, cuda_peak_mb=(1.0,) * 4, data_wait_s=(0.1,) * 4, grad_sync_s=(0.2,) * 4))
+    m.observe_step(_record(0, cuda_peak_mb=(1.0,) * 4, data_wait_s=(0.1,) * 4, grad_sync_s=(0.2,) * 4,
+                           compute_s=(0.3,) * 4))
     m.observe_heartbeat_lag(0, 0.1)
     m.observe_dispatch("train_step", 0.001)
     m.observe_checkpoint(1.0, 10**9)
