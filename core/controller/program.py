@@ -280,5 +280,5 @@ class Program:
             # A task that does not measure its memory gets the worker's last heartbeat figure.
             rss_mb=tuple(r.rss_mb or self.group.peers[i].rss_mb for i, r in enumerate(results)),
             data_wait_s=per_rank("data_wait_s"), grad_sync_s=per_rank("grad_sync_s"), compute_s=per_rank("compute_s"),
-            cuda_peak_mb=per_rank("cuda_peak_mb"),
+            cuda_peak_mb=per_rank("cuda_peak_mb"), rss_peak_mb=per_rank("rss_peak_mb"),
         )

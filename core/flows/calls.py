@@ -149,6 +149,11 @@ class PolicyResult:
 
     step_time_s: float
     rss_mb: float = 0.0
+    data_wait_s: float | None = None  # assembling this rank's micro-batches from the request
+    grad_sync_s: float | None = None  # the data-parallel gradient reduction
+    compute_s: float | None = None  # the rest of the update
+    cuda_peak_mb: float | None = None
+    rss_peak_mb: float | None = None
     loss: float | None = None  # the clipped policy loss (token mean)
     grad_norm: float | None = None
     lr: float | None = None
@@ -177,6 +182,11 @@ class CriticResult:
 
     step_time_s: float
     rss_mb: float = 0.0
+    data_wait_s: float | None = None
+    grad_sync_s: float | None = None
+    compute_s: float | None = None
+    cuda_peak_mb: float | None = None
+    rss_peak_mb: float | None = None
     value_loss: float | None = None  # the clipped value loss (token mean)
     value_clip_frac: float | None = None  # fraction of tokens where the clipped term was taken
     grad_norm: float | None = None

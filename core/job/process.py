@@ -1,4 +1,4 @@
-"""This process on its host: when it started, resident memory, a free port."""
+"""This process on its host: when it started, resident memory (now and its peak), a free port."""
 from __future__ import annotations
 
 import os
@@ -25,6 +25,27 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return 0.0
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak resident memory (VmHWM) again (Linux; nothing elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory since the last reset, in MiB (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def free_port() -> int:

@@ -42,6 +42,7 @@ class StepRecord:
     grad_sync_s: tuple[float, ...] | None = None
     compute_s: tuple[float, ...] | None = None  # per rank: the step less data wait and gradient reduction
     cuda_peak_mb: tuple[float, ...] | None = None
+    rss_peak_mb: tuple[float, ...] | None = None  # per rank: peak resident memory during the step
     sync_logprob_maxdiff: float | None = None  # after a generator's weight sync at this step
     # program: grpo or ppo (core.controller.rl_program), on its RL steps
     reward_mean: float | None = None
@@ -61,8 +62,8 @@ class StepRecord:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
-OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "sync_logprob_maxdiff", "reward_mean", "reward_std",
-                     "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
+OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
+                     "reward_mean", "reward_std", "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
                      "phase_s", "value_loss", "values_mean")
 
 

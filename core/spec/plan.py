@@ -199,13 +199,15 @@ def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, r
                             micro_batch: int, in_flight: int) -> tuple[int, int]:
     """(activations, head) bytes of one rank on ``stage``: its layers' (the formula counts 2-byte
     values: scaled to the compute dtype, 1 byte under int8 storage), and on the last stage the
-    final norm's and output layer's inputs with the fp32 logits."""
+    final norm's and output layer's inputs with the logits (fp32; 2 bytes under int8: the
+    loss inside the model's forward keeps its softmax as int8 too, beside its scales))."""
     m, per_stage = cfg.model, cfg.model.num_layers // dims.pp
     width = 1 if cfg.training.activation_storage == "int8" else DTYPE_BYTES[
         cfg.training.mixed_precision.resolved(on_cuda=True)[0]]
     acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight * width // 2
     last = stage == dims.pp - 1
-    return acts, last * m.seq_length * micro_batch * (ceil_div(m.vocab_size, dims.tp) * 4 + 2 * m.hidden_size * width)
+    return acts, last * m.seq_length * micro_batch * (ceil_div(m.vocab_size, dims.tp) * min(4, 2 * width)
+                                                     + 2 * m.hidden_size * width)
 
 
 def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:

@@ -58,6 +58,7 @@ class StepResult:
     grad_sync_s: float | None = None
     compute_s: float | None = None  # the step less its data wait and gradient reduction
     cuda_peak_mb: float | None = None
+    rss_peak_mb: float | None = None  # the process's peak resident memory during the step
     memory: tuple[float, ...] | None = None  # when measured: bytes of weights, gradients, optimizer, activations
 
 

@@ -103,14 +103,15 @@ def record_fsdp_reductions_on_rank(task: Any) -> None:
     import torch
 
     seen = task.__dict__.setdefault("_reduced", [])
-    reduce_scatter = torch.distributed.reduce_scatter_tensor
+    reduce_scatter = torch.distributed.reduce_scatter_single  # what FSDP2's default reduce-scatter calls
 
-    def rs(output: Any, tensor: Any, *a: Any, **k: Any) -> Any:
-        if tensor.numel() >= 1000:
+    def rs(*a: Any, **k: Any) -> Any:
+        tensor = k.get("input", a[1] if len(a) > 1 else None)
+        if tensor is not None and tensor.numel() >= 1000:
             seen.append(str(tensor.dtype).removeprefix("torch."))
-        return reduce_scatter(output, tensor, *a, **k)
+        return reduce_scatter(*a, **k)
 
-    torch.distributed.reduce_scatter_tensor = rs
+    torch.distributed.reduce_scatter_single = rs
 
 
 @pytest.mark.parametrize(("param_dtype", "reduce_dtype"), [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])

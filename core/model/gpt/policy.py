@@ -24,10 +24,11 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from core.flows import calls as gen_calls
+from core.job import process
 from core.model.gpt import activations, rl_loss
 from core.model.gpt.model import unwrap
 from core.model.gpt.optim import set_lr
-from core.model.gpt.step import StepContext, is_loss_owner
+from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
 
 
 def _arrays(batch: gen_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
@@ -105,6 +106,7 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
     ``lr`` (None: the schedule's); (this rank's metrics, the micro-batches' numbers on loss
     owners, else None)."""
     t0 = time.perf_counter()
+    begin_measures(ctx)
     cfg = ctx.cfg
     rate = set_lr(ctx.optimizer, step, cfg)
     if lr is not None:  # the RL phase's own rate, with Megatron's per-group multipliers
@@ -124,13 +126,17 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
             output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"] if labels else None)
         return output, lambda out: loss_of(out, mb)
 
-    out_mb = get_forward_backward_func()(
-        forward_step_func=forward, data_iterator=_micro(arrays, micro, ctx.device), model=ctx.model_chunks,
-        num_microbatches=rows // micro, seq_length=cfg.model.seq_length, micro_batch_size=micro, forward_only=False)
+    t_data = time.perf_counter()
+    batches = list(_micro(arrays, micro, ctx.device))
+    data_wait = time.perf_counter() - t_data
+    with reduction(ctx) as synced:
+        out_mb = get_forward_backward_func()(
+            forward_step_func=forward, data_iterator=iter(batches), model=ctx.model_chunks,
+            num_microbatches=rows // micro, seq_length=cfg.model.seq_length, micro_batch_size=micro, forward_only=False)
     if before_update is not None:
         before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
-    out: dict[str, Any] = {"step_time_s": time.perf_counter() - t0}
+    out: dict[str, Any] = {**measures(ctx, t0, data_wait, synced[0]), "rss_peak_mb": process.peak_rss_mb()}
     if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
         return out, None
     out.update(grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),

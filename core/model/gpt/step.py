@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from core.job import faults
+from core.job import faults, process
 from core.model.gpt import activations
 from core.model.gpt.data import BatchSource, MicroBatch
 from core.model.gpt.optim import set_lr
@@ -96,6 +97,42 @@ def _run_schedule(ctx: StepContext, batches: list[MicroBatch], *, forward_only: 
     return float(mean) / parallel_state.get_data_parallel_world_size()
 
 
+@contextmanager
+def reduction(ctx: StepContext, *, local: bool = False) -> Iterator[list[float]]:
+    """The schedule's gradient reduction (Megatron's ``finalize_model_grads``) timed into the
+    one-element list it yields; ``local``: no reduction at all (``parallel.sync``)."""
+    config = ctx.model_chunks[0].config
+    finalize, synced = config.finalize_model_grads_func, [0.0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            synced[0] += time.perf_counter() - t0
+
+    config.finalize_model_grads_func = None if local else (timed if finalize is not None else None)
+    try:
+        yield synced
+    finally:
+        config.finalize_model_grads_func = finalize
+
+
+def begin_measures(ctx: StepContext) -> None:
+    """Before a step: the peak-memory counters start again."""
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    process.reset_peak_rss()
+
+
+def measures(ctx: StepContext, t0: float, data_wait: float, synced: float | None) -> dict[str, Any]:
+    """A step's times (wall, data wait, gradient reduction, the compute left) and CUDA peak."""
+    wall = time.perf_counter() - t0
+    return {"step_time_s": wall, "data_wait_s": data_wait, "grad_sync_s": synced,
+            "compute_s": max(0.0, wall - data_wait - (synced or 0.0)),
+            "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if ctx.device.type == "cuda" else None}
+
+
 def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | None = None, *,
                local: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of ``step``; metrics for this rank.
@@ -109,9 +146,7 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
     ``cuda_peak_mb``: the step's peak allocated CUDA memory.
     """
     t0 = time.perf_counter()
-    on_cuda = ctx.device.type == "cuda"
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats()
+    begin_measures(ctx)
     lr = set_lr(ctx.optimizer, step, ctx.cfg)
     for chunk in ctx.model_chunks:
         chunk.zero_grad_buffer()
@@ -122,30 +157,15 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
     batches = ctx.source.micro_batches(step, "train")
     data_wait = time.perf_counter() - t0
     faults.compute_delay(ctx.coords.rank)
-    config = ctx.model_chunks[0].config
-    finalize, synced = config.finalize_model_grads_func, [0.0]
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return finalize(*args, **kwargs)
-        finally:
-            synced[0] += time.perf_counter() - t0
-
-    config.finalize_model_grads_func = None if local else (timed if finalize is not None else None)
-    try:
+    with reduction(ctx, local=local) as synced:
         loss = _run_schedule(ctx, batches, forward_only=False)
-    finally:
-        config.finalize_model_grads_func = finalize
     if before_update is not None:
         before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
     if not update_ok:
         log.warning("step %d: optimizer skipped the update (inf/nan gradients under loss scaling)", step)
-    wall = time.perf_counter() - t0
-    out: dict[str, Any] = {"step_time_s": wall, "grad_sync_s": None if local else synced[0], "data_wait_s": data_wait,
-                           "compute_s": max(0.0, wall - data_wait - synced[0]),
-                           "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if on_cuda else None}
+    rss_peak = process.peak_rss_mb()
+    out: dict[str, Any] = {**measures(ctx, t0, data_wait, None if local else synced[0]), "rss_peak_mb": rss_peak}
     if is_loss_owner():
         assert loss is not None
         out.update(
