@@ -3,23 +3,22 @@ loss, tokens/s and the time left.
 
 On a terminal it is a rich progress bar redrawn as steps land; elsewhere (a pipe, a log
 file, CI) a plain line whenever the step moved and ``PLAIN_EVERY_S`` passed since the last
-one, and a last line at the end. It reads the run's metrics.jsonl (the controller is its
-only writer) from where it left off, and from the start again when a resume rewrote it
-shorter. Time left: the steps to go times the median of the last ``WINDOW`` step times.
+one, and a last line at the end. It follows the run's metrics.jsonl as ``baton watch``
+does (cmd_watch.MetricsTail: from where it left off, from the start again when a resume
+rewrote it shorter). Time left: the steps to go times the median of the last ``WINDOW`` step times.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
-from collections import deque
 from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from core.record.runfolder import RunFolder
+from launcher.cmd_watch import MetricsTail
 
 PLAIN_EVERY_S = 10.0
 READ_EVERY_S = 0.5
@@ -31,8 +30,9 @@ class LiveProgress:
         self.run, self.total = run, total
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
-        self._offset, self._read_at, self._printed_at = 0, 0.0, time.monotonic()
-        self._times: deque[float] = deque(maxlen=WINDOW)
+        self._tail = MetricsTail(run.metrics, keep=WINDOW)
+        self._read_at, self._printed_at = 0.0, time.monotonic()
+        self._times: list[float] = []
         self.step, self._shown = 0, 0
         self.loss: float | None = None
         self.tokens_per_s = 0.0
@@ -72,27 +72,11 @@ class LiveProgress:
 
     # --- internals ----------------------------------------------------------------------
     def _read(self) -> None:
-        path = self.run.metrics
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size < self._offset:  # a resume cut the file back to its checkpoint
-            self._offset = 0
-        with path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-        self._offset += end
-        for raw in data[:end].splitlines():
-            try:
-                rec = json.loads(raw)
-            except ValueError:
-                continue
-            self.step = int(rec.get("step", -1)) + 1
-            self.loss = rec.get("loss")
-            self.tokens_per_s = float(rec.get("tokens_per_s") or 0.0)
-            self._times.append(float(rec.get("step_time_s") or 0.0))
+        recent = self._tail.poll()
+        if recent:
+            last = recent[-1]
+            self.step, self.loss, self.tokens_per_s = last.step + 1, last.loss, float(last.tokens_per_s or 0.0)
+            self._times = [r.step_time_s for r in recent]
 
     def _print_line(self, now: float) -> None:
         print(self.line(), file=self.stream, flush=True)

@@ -88,14 +88,20 @@ def test_gradients_cross_the_data_parallel_group_in_the_configured_reduce_dtype(
         tmp_path: Path, param_dtype: str, reduce_dtype: str, distributed_optimizer: bool) -> None:
     """Every accepted (param_dtype, reduce_dtype) pair: what each data-parallel gradient
     collective actually sends (all-reduce, or the distributed optimizer's reduce-scatter)."""
-    cfg = gpt_config(world_size=2, parallel={"tp": 1, "pp": 1, "distributed_optimizer": distributed_optimizer},
-                     training={"mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}})
-    with RankGroup(cfg, world_size=2, run_dir=tmp_path) as g:
-        g.setup()
-        g.apply(record_reductions_on_rank)
-        g.train(range(2))
-        seen = g.apply(reductions_on_rank)
+    seen = _reduced(tmp_path, {"distributed_optimizer": distributed_optimizer}, param_dtype, reduce_dtype,
+                    record_reductions_on_rank)
     assert all(s and set(s) == {NAMES[reduce_dtype]} for s in seen), seen
+
+
+def _reduced(work: Path, parallel: dict, param_dtype: str, reduce_dtype: str, recorder: Any) -> list[list[str]]:
+    """The dtypes each rank's gradient collectives sent over two steps (dp2)."""
+    cfg = gpt_config(world_size=2, parallel={"tp": 1, "pp": 1, **parallel},
+                     training={"mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}})
+    with RankGroup(cfg, world_size=2, run_dir=work) as g:
+        g.setup()
+        g.apply(recorder)
+        g.train(range(2))
+        return g.apply(reductions_on_rank)
 
 
 def record_fsdp_reductions_on_rank(task: Any) -> None:
@@ -118,11 +124,5 @@ def record_fsdp_reductions_on_rank(task: Any) -> None:
 def test_zero3_reduce_scatters_gradients_in_the_configured_reduce_dtype(tmp_path: Path, param_dtype: str,
                                                                          reduce_dtype: str) -> None:
     """ZeRO-3 (FSDP2's mixed-precision policy): the gradients' reduce-scatter dtype."""
-    cfg = gpt_config(world_size=2, parallel={"tp": 1, "pp": 1, "sharding": "params"},
-                     training={"mixed_precision": {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}})
-    with RankGroup(cfg, world_size=2, run_dir=tmp_path) as g:
-        g.setup()
-        g.apply(record_fsdp_reductions_on_rank)
-        g.train(range(2))
-        seen = g.apply(reductions_on_rank)
+    seen = _reduced(tmp_path, {"sharding": "params"}, param_dtype, reduce_dtype, record_fsdp_reductions_on_rank)
     assert all(s and set(s) == {NAMES[reduce_dtype]} for s in seen), seen
