@@ -133,8 +133,11 @@ def test_tp2pp2dp2_with_full_recompute_matches_tp1pp1(reference: Run, workdir: P
     _report("tp2pp2dp2 (recompute full)", diff)
     assert diff < LAYOUT_TOL, (losses, reference.losses)
     last = results[-1][4]
-    assert set(last) == {"loss", "grad_norm", "lr", "tokens", "step_time_s", "rss_mb", "grad_sync_s"}
-    assert last["grad_sync_s"] > 0  # the data-parallel gradient reduction, timed
+    assert set(last) == {"loss", "grad_norm", "lr", "tokens", "step_time_s", "rss_mb", "rss_peak_mb", "grad_sync_s",
+                         "data_wait_s", "compute_s"}
+    # the data-parallel gradient reduction, timed; the rest of the step is data wait and compute
+    assert last["grad_sync_s"] > 0 and last["compute_s"] > 0 and last["rss_peak_mb"] > 0
+    assert last["data_wait_s"] + last["grad_sync_s"] + last["compute_s"] == pytest.approx(last["step_time_s"])
     # each of the 2 replicas' owners reports its own tokens: the step's 16 x 32 counted once in the sum
     assert sum(results[-1][r]["tokens"] for r in (4, 6)) == 16 * 32 and last["grad_norm"] > 0
 
