@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.local_run import submit_local  # noqa: E402
 from core.spec import config  # noqa: E402
 from core.spec.plan import count_params  # noqa: E402
 from launcher.plan_check import estimate  # noqa: E402
@@ -39,16 +38,6 @@ BASE = ["parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=1", "training
         "training.micro_batch_size=8", "checkpoint.interval_steps=0", "checkpoint.at_end=false",
         "optimizer.warmup_steps=10"]
 VARIANTS = {"bf16": [], "bf16+int8": ["training.activation_storage=int8"]}
-
-
-def _run(overrides: list[str], root: Path) -> Path:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(REPO / "experiments" / "tiny_gpt.yaml"),
-                          f"runs_root={root}", *overrides, "--backend", "local"], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=3000)
-    if out.returncode:
-        raise SystemExit(f"gpu_size: the run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return Path(next(line for line in out.stdout.splitlines() if line.startswith("run folder: ")).split(": ", 1)[1])
 
 
 def measure(run_dir: Path, peak_tflops: float) -> dict[str, float]:
@@ -78,8 +67,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in VARIANTS.items():
-            run_dir = _run([*BASE, *shape, *device, f"trainer.steps={args.steps}", *extra, *args.overrides],
-                           Path(tmp) / name)
+            run_dir = submit_local(REPO / "experiments" / "tiny_gpt.yaml",
+                                   [*BASE, *shape, *device, f"trainer.steps={args.steps}", *extra, *args.overrides],
+                                   Path(tmp) / name, timeout_s=3000)
             results[name] = measure(run_dir, args.peak_tflops)
     print(f"{'variant':<12}{'params M':>10}{'tokens/s':>12}{'MFU':>8}{'CUDA peak MiB':>15}{'held MiB':>10}"
           f"{'plan MiB':>10}")

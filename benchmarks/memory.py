@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.local_run import submit_local  # noqa: E402
 from launcher.plan_check import estimate  # noqa: E402
 
 EXP = REPO / "experiments" / "tiny_gpt.yaml"
@@ -33,16 +32,8 @@ SHARDING = ("none", "optimizer", "params")
 STORAGE = {"plain": [], "int8": ["training.activation_storage=int8"], "recompute": ["training.recompute=full"]}
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-
-
 def run(overrides: list[str], root: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "submit", str(EXP), f"runs_root={root}", *BASE,
-                          *overrides, "--backend", "local"], capture_output=True, text=True, env=_env(), cwd=REPO,
-                         timeout=3600, check=True)
-    run_dir = Path(next(line for line in out.stdout.splitlines() if line.startswith("run folder: ")).split(": ", 1)[1])
+    run_dir = submit_local(EXP, [*BASE, *overrides], root)
     est, got, rank = estimate(run_dir)
     steps = [json.loads(line)["step_time_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"rank": rank, "estimate": est, "measured": got, "step_s": statistics.median(steps[2:] or steps)}

@@ -73,8 +73,9 @@ class Program:
         """The whole run; returns the stop request that ended it early, None when it finished."""
         self.setup()
         self.resume()
+        # the loop state of the checkpoint this allocation resumed from (read once)
+        loop = (manifest.read_manifest(self._resumed_from).meta.get("loop") or {}) if self._resumed_from else {}
         if self.cfg.parallel.sync.local:
-            loop = manifest.read_manifest(self._resumed_from).meta.get("loop") or {} if self._resumed_from else {}
             self.sync = SyncPolicy(self.cfg.parallel.sync, every=loop.get("sync_every"))
         if self.cfg.generator.enabled:  # the second compute flow, synced from the restored trainer
             self.generator = GeneratorFlow(self.cfg, self.run, self.group)
@@ -83,8 +84,7 @@ class Program:
                 from core.controller.rl_program import RLStep  # numpy: only RL programs need it
 
                 self.rl = RLStep(self.cfg, self.group, self.generator, self.checkpoints)
-                if self._resumed_from is not None:
-                    self.rl.restore(manifest.read_manifest(self._resumed_from).meta.get("loop") or {})
+                self.rl.restore(loop)
         stop = self.train()
         if stop is None:
             self.finish()

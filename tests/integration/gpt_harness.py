@@ -233,6 +233,15 @@ class RankGroup:
             conn.close()
 
 
+def initial_weights(work: Path) -> Path:
+    """The tiny GPT's initial global weights (a tp1pp1 rank), as ``work/init.npz``: the
+    weights every layout of a comparison starts from."""
+    with RankGroup(gpt_config(), world_size=1, run_dir=work) as g:
+        g.setup()
+        g.call("save_global_weights", path=str(work / "init.npz"))
+    return work / "init.npz"
+
+
 # --- rank-side functions for RankGroup.apply ------------------------------------------------
 def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
     """The task's checkpoint state (``core.model.gpt.state.export_state``, or ZeRO-3's) of this

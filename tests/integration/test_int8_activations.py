@@ -19,7 +19,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # works under any --import-mode
     sys.path.insert(0, _HERE)
 
-from gpt_harness import RankGroup, gpt_config  # noqa: E402
+from gpt_harness import RankGroup, gpt_config, initial_weights  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 STEPS = 50
@@ -58,11 +58,7 @@ def _first_step(work: Path, init: Path, storage: str, **cfg: Any) -> tuple[int, 
 
 @pytest.fixture(scope="module")
 def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("int8")
-    with RankGroup(gpt_config(), world_size=1, run_dir=work) as g:
-        g.setup()
-        g.call("save_global_weights", path=str(work / "init.npz"))
-    return work / "init.npz"
+    return initial_weights(tmp_path_factory.mktemp("int8"))
 
 
 def test_int8_storage_saves_under_a_third_of_the_bytes_with_gradients_within_5e_2(init: Path) -> None:

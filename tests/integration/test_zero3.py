@@ -16,7 +16,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:  # works under any --import-mode
     sys.path.insert(0, _HERE)
 
-from gpt_harness import RankGroup, export_group, gpt_config, import_group  # noqa: E402
+from gpt_harness import RankGroup, export_group, gpt_config, import_group, initial_weights  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 STEPS, SAVE_AT = 20, 10
@@ -32,11 +32,7 @@ def _weights_equal(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("zero3")
-    with RankGroup(gpt_config(), world_size=1, run_dir=work) as g:
-        g.setup()
-        g.call("save_global_weights", path=str(work / "init.npz"))
-    return work
+    return initial_weights(tmp_path_factory.mktemp("zero3")).parent
 
 
 def _train(work: Path, tag: str, parallel: dict, steps: range, *, start: tuple[Path, list] | None = None,

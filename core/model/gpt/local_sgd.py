@@ -37,17 +37,81 @@ from core.model.gpt.step import StepContext
 MOMENTUM = "sync.momentum."
 
 
-class Outer:
-    """DiLoCo's outer optimizer on this rank: the anchor and the momentum of each main weight."""
+class Replicas:
+    """This rank's part of the averaging: per model parameter (by id, in order) the
+    optimizer's fp32 main weight and Adam moments, found once (they are updated in place),
+    and DiLoCo's outer state when ``parallel.sync.outer`` is nesterov."""
 
-    def __init__(self, ctx: StepContext, lr: float, momentum: float) -> None:
-        self.ctx, self.lr, self.mu = ctx, lr, momentum
-        self.mains = [t["main_param"] for t in _held(ctx).values()]
-        self.anchor = [m.detach().clone() for m in self.mains]
-        self.momentum = [torch.zeros_like(m) for m in self.mains]
+    def __init__(self, ctx: StepContext, sync: Any) -> None:
+        self.ctx = ctx
+        self.opt = OptimizerState(ctx.optimizer)
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+        for part in param_parts(ctx.model_chunks):
+            if id(part.param) not in self.held and (got := self.opt._tensors(part.param)) is not None:
+                self.held[id(part.param)] = got[0]
+        self.tensors = [t[k] for t in self.held.values() for k in ("main_param", "exp_avg", "exp_avg_sq")]
+        mains = [t["main_param"] for t in self.held.values()]
+        self.outer = Outer(mains, sync.outer_lr, sync.outer_momentum) if sync.outer == "nesterov" else None
+
+    def average(self) -> float:
+        """Average over the data-parallel group (then the outer step); the seconds it took."""
+        t0 = time.perf_counter()
+        faults.sync_delay()
+        group = parallel_state.get_data_parallel_group()
+        with torch.no_grad():
+            flat = torch.cat([t.reshape(-1).float() for t in self.tensors])
+            dist.all_reduce(flat, group=group)
+            flat /= dist.get_world_size(group)
+            offset = 0
+            for t in self.tensors:
+                t.view(-1).copy_(flat[offset:offset + t.numel()])
+                offset += t.numel()
+        if self.outer is not None:
+            self.outer.step()
+        if self.opt.separate_main:  # the model's bf16/fp16 weights from the averaged fp32 ones
+            for leaf in self.opt.leaves:
+                leaf._copy_main_params_to_model_params()
+        return time.perf_counter() - t0
 
     def reset(self) -> None:
-        """After a load: the weights as they are now are the anchor."""
+        """After a load of the weights: they are the anchor."""
+        if self.outer is not None:
+            self.outer.reset()
+
+    def export(self) -> list[tuple[Any, Any]]:
+        """The outer momentum's checkpoint slices (the weights' slicing, one writer per slice)."""
+        if self.outer is None:
+            return []
+        by_param = dict(zip(self.held, self.outer.momentum, strict=True))
+        out = []
+        for sh, tensor, param, start in param_parts(self.ctx.model_chunks):
+            if is_writer(sh):
+                s = dataclasses.replace(slice_of(sh), name=f"{MOMENTUM}{sh.key}")
+                out.append((s, LiveTensor(by_param[id(param)].view(-1)[start:start + tensor.numel()], s.shape)))
+        return out
+
+    def restore(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], Any]) -> None:
+        """The outer momentum from a checkpoint; the restored weights are the anchor."""
+        if self.outer is None:
+            return
+        by_param = dict(zip(self.held, self.outer.momentum, strict=True))
+        with torch.no_grad():
+            for sh, tensor, param, start in param_parts(self.ctx.model_chunks):
+                s = slice_of(sh)
+                data = torch.from_numpy(read(f"{MOMENTUM}{sh.key}", s.offset, s.shape).copy()).reshape(-1)
+                by_param[id(param)].view(-1)[start:start + tensor.numel()].copy_(data)
+        self.outer.reset()
+
+
+class Outer:
+    """DiLoCo's outer optimizer: the anchor and the momentum of each main weight."""
+
+    def __init__(self, mains: list[torch.Tensor], lr: float, momentum: float) -> None:
+        self.mains, self.lr, self.mu = mains, lr, momentum
+        self.anchor = [m.detach().clone() for m in mains]
+        self.momentum = [torch.zeros_like(m) for m in mains]
+
+    def reset(self) -> None:
         for a, m in zip(self.anchor, self.mains, strict=True):
             a.copy_(m)
 
@@ -59,58 +123,3 @@ class Outer:
                 v.mul_(self.mu).add_(delta)
                 a.sub_(self.lr * (delta + self.mu * v))
                 m.copy_(a)
-
-    def export(self) -> list[tuple[Any, torch.Tensor]]:
-        """The momentum's checkpoint slices (the weights' slicing, one writer per slice)."""
-        by_param = dict(zip(_held(self.ctx), self.momentum, strict=True))
-        out = []
-        for sh, tensor, param, start in param_parts(self.ctx.model_chunks):
-            if is_writer(sh):
-                s = dataclasses.replace(slice_of(sh), name=f"{MOMENTUM}{sh.key}")
-                out.append((s, LiveTensor(by_param[id(param)].view(-1)[start:start + tensor.numel()], s.shape)))
-        return out
-
-    def restore(self, read: Callable[[str, tuple[int, ...], tuple[int, ...]], Any]) -> None:
-        by_param = dict(zip(_held(self.ctx), self.momentum, strict=True))
-        with torch.no_grad():
-            for sh, tensor, param, start in param_parts(self.ctx.model_chunks):
-                s = slice_of(sh)
-                data = torch.from_numpy(read(f"{MOMENTUM}{sh.key}", s.offset, s.shape).copy()).reshape(-1)
-                by_param[id(param)].view(-1)[start:start + tensor.numel()].copy_(data)
-        self.reset()
-
-
-def _held(ctx: StepContext) -> dict[int, dict[str, torch.Tensor]]:
-    """Per model parameter (by id, in order) the optimizer's main weight and moments of it."""
-    opt = OptimizerState(ctx.optimizer)
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for part in param_parts(ctx.model_chunks):
-        if id(part.param) not in out:
-            held = opt._tensors(part.param)
-            if held is not None:
-                out[id(part.param)] = held[0]
-    return out
-
-
-def average(ctx: StepContext, outer: Outer | None = None) -> float:
-    """Average this rank's state over its data-parallel group (then ``outer``'s step); the
-    seconds it took."""
-    opt = OptimizerState(ctx.optimizer)
-    tensors = [t[k] for t in _held(ctx).values() for k in ("main_param", "exp_avg", "exp_avg_sq")]
-    t0 = time.perf_counter()
-    faults.sync_delay()
-    group = parallel_state.get_data_parallel_group()
-    with torch.no_grad():
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        offset = 0
-        for t in tensors:
-            t.view(-1).copy_(flat[offset:offset + t.numel()])
-            offset += t.numel()
-    if outer is not None:
-        outer.step()
-    if opt.separate_main:  # the model's bf16/fp16 weights from the averaged fp32 ones
-        for leaf in opt.leaves:
-            leaf._copy_main_params_to_model_params()
-    return time.perf_counter() - t0

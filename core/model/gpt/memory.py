@@ -6,8 +6,6 @@ rank, core.model.gpt.activations, times the micro-batches in flight on its pipel
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from megatron.core import parallel_state
 
@@ -46,11 +44,3 @@ def measured(ctx: StepContext, num_micro: int) -> tuple[float, float, float, flo
                     - parallel_state.get_pipeline_model_parallel_rank(), num_micro)
     return (float(_bytes(weights)), float(_bytes(grads)), float(_bytes(moments)),
             float(activations.peak_bytes() * in_flight))
-
-
-def begin() -> None:
-    activations.measure(True)
-
-
-def end() -> Any:
-    activations.measure(False)

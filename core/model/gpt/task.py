@@ -49,7 +49,7 @@ class GPTTask:
         self._reference_loaded = False
         self._critic: Any = None  # program ppo: the value model's StepContext (core.model.gpt.critic)
         self._fsdp: dict[str, Any] | None = None  # parallel.sharding params: global names (core.model.gpt.fsdp)
-        self._outer: Any = None  # parallel.sync.outer nesterov: core.model.gpt.local_sgd.Outer
+        self._replicas: Any = None  # parallel.sync: core.model.gpt.local_sgd.Replicas
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:
         table: dict[Method[Any, Any], Callable[[Any], Any]] = {
@@ -136,11 +136,10 @@ class GPTTask:
                                      dims=dims)
         if critic is not None:
             self._critic = dataclasses.replace(self._step_ctx, model_chunks=critic[0], optimizer=critic[1])
-        sync = cfg.parallel.sync
-        if sync.local and sync.outer == "nesterov":
-            from core.model.gpt.local_sgd import Outer  # torch and megatron: this module loads without them
+        if cfg.parallel.sync.local:
+            from core.model.gpt.local_sgd import Replicas  # torch and megatron: this module loads without them
 
-            self._outer = Outer(self._step_ctx, sync.outer_lr, sync.outer_momentum)
+            self._replicas = Replicas(self._step_ctx, cfg.parallel.sync)
         info = calls.SetupInfo(
             coords=self._step_ctx.coords, layers=tuple(model_mod.global_layer_indices(gpt)),
             num_params=model_mod.num_local_params(gpt), device="cuda" if on_cuda else "cpu",
@@ -259,15 +258,15 @@ class GPTTask:
 
     def train_step(self, req: calls.Step) -> calls.StepResult:
         """One optimizer step on the global batch of ``req.step``."""
-        from core.model.gpt import memory  # torch and megatron: this module loads without them
+        from core.model.gpt import activations, memory  # torch and megatron: this module loads without them
         from core.model.gpt.step import train_step  # torch and megatron: this module loads without them
 
-        if req.measure:
-            memory.begin()
+        if req.measure:  # the allocation's first step: what this rank holds (memory.json)
+            activations.measure(True)
         out = train_step(self._ready(), req.step, before_update=self._fence, local=req.local)
         if req.measure:
             out["memory"] = memory.measured(self._ready(), self._ready().source.n_micro)
-            memory.end()
+            activations.measure(False)
         self._next_step = req.step + 1
         if req.average:
             out["grad_sync_s"] = self.average_replicas(None).grad_sync_s
@@ -275,11 +274,10 @@ class GPTTask:
 
     def average_replicas(self, _req: Any) -> calls.StepResult:
         """parallel.sync: average weights and Adam moments over the data-parallel replicas."""
-        from core.model.gpt import local_sgd  # torch and megatron: this module loads without them
-
         self._fence()
         t0 = time.perf_counter()
-        seconds = local_sgd.average(self._ready(), self._outer)
+        self._ready()
+        seconds = self._replicas.average()
         return calls.StepResult(step_time_s=time.perf_counter() - t0, grad_sync_s=seconds, rss_mb=rss_mb())
 
     def policy_step(self, req: gen_calls.PolicyBatch) -> gen_calls.PolicyResult:
@@ -360,7 +358,7 @@ class GPTTask:
 
             own = fsdp.export_items(ctx.model_chunks[0], self._fsdp, ctx.optimizer)
         items, blobs = export_state(ctx.model_chunks, ctx.optimizer, self._next_step, ctx.coords, ctx.dims, items=own)
-        items += self._outer.export() if self._outer is not None else []
+        items += self._replicas.export() if self._replicas is not None else []
         if self._critic is not None:
             from core.model.gpt import critic  # torch and megatron: this module loads without them
 
@@ -383,8 +381,8 @@ class GPTTask:
         self._next_step = import_state(ctx.model_chunks, ctx.optimizer, read, blobs, seed=self.cfg.seed,
                                        coords=ctx.coords, dims=ctx.dims, on_cuda=ctx.device.type == "cuda",
                                        importer=importer)
-        if self._outer is not None:
-            self._outer.restore(read)
+        if self._replicas is not None:
+            self._replicas.restore(read)
         if self._critic is not None:
             from core.model.gpt import critic  # torch and megatron: this module loads without them
 
@@ -435,8 +433,8 @@ class GPTTask:
         else:
             load_model_slices(self._ready().model_chunks, read)
         self._resync_main_params()
-        if self._outer is not None:
-            self._outer.reset()
+        if self._replicas is not None:
+            self._replicas.reset()
 
     def _resync_main_params(self) -> None:
         """After writing model params directly, refresh the optimizer's fp32 copies."""
