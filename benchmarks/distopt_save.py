@@ -110,6 +110,7 @@ def _rank(rank: int, port: int, quick: bool, repeat: int, base: str, out: Any) -
     from core.model.gpt.optimizer_state import MOMENTS
     from core.model.gpt.task import GPTTask
     from core.spec import config as config_mod
+    from core.spec.runplan import plan_run
     from core.wire import calls
     from core.worker.task import WorkerContext
 
@@ -119,7 +120,8 @@ def _rank(rank: int, port: int, quick: bool, repeat: int, base: str, out: Any) -
         "model": {"num_layers": 8, "hidden_size": hidden, "num_attention_heads": 8, "vocab_size": 128, "seq_length": 32},
         "training": {"global_batch_size": 4, "micro_batch_size": 2, "mixed_precision": {"param_dtype": "fp32"}}})
     task = GPTTask(WorkerContext(rank=rank, world_size=2, epoch=0, run_dir=Path(base), host="localhost",
-                                 log=logging.getLogger("bench"), config=cfg))
+                                 log=logging.getLogger("bench"), config=cfg,
+                                 roles=plan_run(cfg).roles_at(rank)))
     task.setup(calls.Setup(master_addr="127.0.0.1", master_port=port))
     task.train_step(calls.Step(step=0))
     inner = task._ready().optimizer.optimizer

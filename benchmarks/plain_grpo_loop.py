@@ -27,6 +27,7 @@ from core.model.gpt import generate as gen_mod  # noqa: E402
 from core.model.gpt.model import unwrap  # noqa: E402
 from core.model.gpt.policy import policy_step, score_rows  # noqa: E402
 from core.model.gpt.task import GPTTask  # noqa: E402
+from core.spec.runplan import plan_run  # noqa: E402
 from core.rl import advantages, rewards, tasks  # noqa: E402
 from core.spec import config as config_mod  # noqa: E402
 from core.wire import calls  # noqa: E402
@@ -77,8 +78,9 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
     cfg = config_mod.load(args.config, args.overrides)  # its generator model is built and never used
-    ctx = WorkerContext(rank=0, world_size=1, epoch=0, run_dir=args.out.parent, host=socket.gethostname(),
-                        log=logging.getLogger("plain"), config=cfg)
+    rank = 0
+    ctx = WorkerContext(rank=rank, world_size=1, epoch=0, run_dir=args.out.parent, host=socket.gethostname(),
+                        log=logging.getLogger("plain"), config=cfg, roles=plan_run(cfg).roles_at(rank))
     task = GPTTask(ctx)
     task.setup(calls.Setup(master_addr="", master_port=0))
     for step in range(cfg.rl.warmup_steps):

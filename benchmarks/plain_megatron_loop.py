@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from core.model.gpt.task import GPTTask  # noqa: E402
 from core.spec import config as config_mod  # noqa: E402
+from core.spec.runplan import plan_run  # noqa: E402
 from core.wire import calls  # noqa: E402
 from core.worker.task import WorkerContext  # noqa: E402
 
@@ -36,7 +37,7 @@ def main() -> int:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     cfg = config_mod.load(args.config, args.overrides)
     ctx = WorkerContext(rank=rank, world_size=world, epoch=0, run_dir=args.out.parent, host=socket.gethostname(),
-                        log=logging.getLogger("plain"), config=cfg)
+                        log=logging.getLogger("plain"), config=cfg, roles=plan_run(cfg).roles_at(rank))
     task = GPTTask(ctx)
     task.setup(calls.Setup(master_addr="", master_port=0))
     # Steps run back to back (no barrier between them, as under the controller); a step's

@@ -16,7 +16,6 @@ from core.controller.main import run_controller
 from core.errors import BatonRuntimeError, ExitCode, UserError
 from core.job.env import JobEnv
 from core.spec.config import RunConfig
-from core.spec.generator import own_workers
 from core.worker.main import run_worker
 from core.worker.task import Task, WorkerContext
 
@@ -27,13 +26,16 @@ def task_factory(cfg: RunConfig) -> Callable[[WorkerContext], Task]:
         from core.model.toy import ToyTask as cls  # numpy only: the toy starts in milliseconds
     else:
         from core.model.gpt.task import GPTTask as cls  # type: ignore[assignment]  # torch, megatron: only on GPT workers
-    if not own_workers(cfg):
-        return lambda ctx: CheckpointedTask(cls(ctx), ctx.rank)
-    from core.model.gpt.generator_task import GeneratorTask  # torch, megatron: only on GPT workers
 
-    # Ranks after the trainer's serve a generator of their own; it holds nothing to checkpoint.
-    return lambda ctx: (GeneratorTask(ctx) if ctx.rank >= cfg.trainer.world_size
-                        else CheckpointedTask(cls(ctx), ctx.rank))
+    def build(ctx: WorkerContext) -> Task:
+        if ctx.role.name == "trainer":
+            return CheckpointedTask(cls(ctx), ctx.rank)
+        # A generator of its own processes holds nothing to checkpoint.
+        from core.model.gpt.generator_task import GeneratorTask  # torch, megatron: only on GPT workers
+
+        return GeneratorTask(ctx)
+
+    return build
 
 
 def main(argv: list[str]) -> int:

@@ -30,7 +30,7 @@ from core.errors import ExitCode
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig
-from core.spec.generator import own_workers
+from core.spec.runplan import read_plan
 from core.supervisor import contract
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,9 @@ def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None, generatio
 
 
 def _spawn_workers(run: RunFolder, cfg: RunConfig, *, epoch: int, generation: int) -> list[Proc]:
-    """The trainer's workers, then a split generator's (ranks after the trainer's)."""
+    """Every worker process of the plan: the trainer's, then a split generator's."""
     return [_spawn(run, "worker", epoch=epoch, rank=r, generation=generation)
-            for r in range(cfg.trainer.world_size + own_workers(cfg))]
+            for r in range(read_plan(run.plan, cfg).workers)]
 
 
 def _kill(procs: list[Proc], why: str) -> None:

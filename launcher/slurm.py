@@ -39,6 +39,7 @@ from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord, Status
 from core.spec.config import RunConfig
 from core.spec.jobspec import Component, HetJobSpec, SlurmComponentConfig, job_spec, parse_time_min, signal_lead_s
+from core.spec.roles import plan_roles
 from core.spec.schema import arg_number, arg_text
 from launcher import slurm_jobs
 
@@ -87,7 +88,7 @@ def cli_overrides(args: argparse.Namespace | None) -> SlurmComponentConfig | Non
 
 def job_spec_for(cfg: RunConfig, args: argparse.Namespace | None = None) -> HetJobSpec:
     """The run's het job: ``cfg``'s YAML with the command line's sbatch flags over the workers'."""
-    return job_spec(cfg, cli_overrides(args))
+    return job_spec(cfg, plan_roles(cfg), cli_overrides(args))
 
 
 # -------------------------------------------------------------------------------- render

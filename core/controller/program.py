@@ -99,7 +99,8 @@ class Program:
         t0 = time.perf_counter()
         setup = calls.Setup(master_addr=addr, master_port=port, config_hash=config_mod.config_hash(self.cfg),
                             micro_batch_size=self.plan.micro_batch_size)
-        trainer, n = self.plan.world_size, self.plan.generator_workers
+        trainer, gen = self.plan.world_size, self.plan.generator
+        n = gen.world_size if gen is not None and gen.own_processes else 0
         gen_addr, gen_port = group.rendezvous_of(trainer) if n else (addr, port)
         generator = dataclasses.replace(setup, master_addr=gen_addr, master_port=gen_port, micro_batch_size=None)
         infos = group.call(calls.SETUP, setup, timeout_s=self.cfg.timeouts.setup_s, collect=lambda res, _: res,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from core.spec.config import RunConfig
 from core.spec.dims import ParallelDims
-from core.spec.generator import generator_dims, own_workers
 from core.spec.plan import DTYPE_BYTES, GIB, Plan, ceil_div, rank_params
+from core.spec.roles import plan_roles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +36,10 @@ class GeneratorPlan:
 def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
     """The generator's plan beside ``trainer``'s (None without a generator)."""
     g = cfg.generator
-    if not g.enabled:
+    role = next((r for r in plan_roles(cfg) if r.name == "generator"), None)
+    if role is None:
         return None
-    dims = generator_dims(cfg)
+    dims = role.dims
     param_dtype, _ = cfg.training.mixed_precision.resolved(on_cuda=True)  # a GPU plan, as the trainer's
     size = DTYPE_BYTES[param_dtype]
     m = cfg.model
@@ -49,7 +50,7 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
     total = weights + kv + logits
     together = total if g.split else total + trainer.memory.total_bytes
     gpu = trainer.gpu_mem_gb
-    return GeneratorPlan(placement=g.placement, dims=dims, first_rank=cfg.trainer.world_size if own_workers(cfg) else 0,
+    return GeneratorPlan(placement=g.placement, dims=dims, first_rank=role.first_rank,
                          weights_bytes=weights, kv_cache_bytes=kv, logits_bytes=logits, total_bytes=total,
                          with_trainer_bytes=together, fits=None if gpu is None else together <= gpu * GIB)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import UserError
-from core.spec.generator import own_workers
 from core.spec.schema import bounded, check_bounds, check_strings, check_text, show
 
 if TYPE_CHECKING:  # config imports this module for SlurmConfig
     from core.spec.config import RunConfig
+    from core.spec.roles import RolePlan
 
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
 DEFAULT_TIME_MIN = 60
@@ -177,9 +177,9 @@ def _merged(yaml_cfg: SlurmComponentConfig, cli: SlurmComponentConfig | None, se
     return out
 
 
-def job_spec(cfg: RunConfig, cli: SlurmComponentConfig | None = None) -> HetJobSpec:
-    """The het job of ``cfg``, with ``cli`` (sbatch flags given on the command line) over the
-    workers' YAML options.
+def job_spec(cfg: RunConfig, roles: tuple[RolePlan, ...], cli: SlurmComponentConfig | None = None) -> HetJobSpec:
+    """The het job of ``cfg`` and its plan's worker groups ``roles`` (core.spec.roles), with
+    ``cli`` (sbatch flags given on the command line) over the workers' YAML options.
 
     Worker nodes and tasks per node follow ``trainer``; ``gpus_per_node`` defaults to the
     tasks per node (0 asks for none). The controller is one task on one node and inherits
@@ -203,16 +203,18 @@ def job_spec(cfg: RunConfig, cli: SlurmComponentConfig | None = None) -> HetJobS
     controller = _component("controller", ctl, nodes=1, ntasks_per_node=1, time_min=c_time or w_minutes,
                             account=ctl.account or wrk.account, gpus_per_node=ctl.gpus_per_node)
     return HetJobSpec(name=f"baton-{cfg.name}", controller=controller, workers=workers,
-                      generator=_generator(cfg, wrk, w_minutes), setup=tuple(cfg.slurm.setup))
+                      generator=_generator(cfg, roles, wrk, w_minutes), setup=tuple(cfg.slurm.setup))
 
 
-def _generator(cfg: RunConfig, wrk: SlurmComponentConfig, w_minutes: int) -> Component | None:
-    """Component 2 of a split generator: its workers over ``slurm.generator.nodes`` (1)."""
-    n = own_workers(cfg)
-    if not n:
+def _generator(cfg: RunConfig, roles: tuple[RolePlan, ...], wrk: SlurmComponentConfig,
+               w_minutes: int) -> Component | None:
+    """The component of a generator with processes of its own (split): its workers over
+    ``slurm.generator.nodes`` (1)."""
+    role = next((r for r in roles if r.name == "generator" and r.own_processes), None)
+    if role is None:
         return None
+    n, nodes = role.world_size, role.nodes
     gen = _merged(cfg.slurm.generator, None, "slurm.generator")
-    nodes = gen.nodes or 1
     if n % nodes:
         raise UserError(f"slurm.generator.nodes: {nodes} do not divide the generator's {n} workers "
                         "(generator.workers); pick a node count that divides them")

@@ -4,8 +4,10 @@
 parallel layout, the resources (nodes × tasks per node), the micro-batch size where it can
 be resolved (``training.micro_batch_size: auto`` is resolved at run time by the workers
 from their free memory, reported back and recorded in the run's state), and for a GPT the
-model plan `baton plan` prints (core.spec.plan). The controller takes its layout and world
-size from here, and checks that the plan was made for the config it reads.
+model plan `baton plan` prints (core.spec.plan), and the run's worker groups (``roles``,
+core.spec.roles): which ranks each group holds, in which layout, placement and Slurm
+component. The controller, every worker, the local supervisor and the Slurm job spec take
+ranks from here, and check that the plan was made for the config they read.
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from pathlib import Path
 from core.errors import RunFolderError
 from core.spec.config import RunConfig, config_hash
 from core.spec.dims import ParallelDims
-from core.spec.generator import own_workers
 from core.spec.plan import Plan, make_plan
+from core.spec.roles import RoleName, RolePlan, plan_roles
 from core.spec.schema import build
 
-VERSION = 1
+VERSION = 2  # 2: the worker groups (roles)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +34,8 @@ class RunPlan:
     nodes: int
     tasks_per_node: int  # one worker per GPU (per CPU slot on the local backend)
     micro_batch_size: int | None  # None: ``auto``, resolved by the workers at setup
+    roles: tuple[RolePlan, ...]  # the trainer's group first, then a generator's
     model: Plan | None = None  # the GPT's layers, parameters and memory; None for the toy model
-    generator_workers: int = 0  # a split generator's own workers: ranks world_size.. after the trainer's
 
     @property
     def world_size(self) -> int:
@@ -42,8 +44,32 @@ class RunPlan:
 
     @property
     def workers(self) -> int:
-        """Every worker process of the run: the trainer's, then a split generator's."""
-        return self.dims.world_size + self.generator_workers
+        """Every worker process of the run: the groups' with processes of their own."""
+        return sum(r.world_size for r in self.roles if r.own_processes)
+
+    def role(self, name: RoleName) -> RolePlan | None:
+        """The group called ``name``; None when the run has none."""
+        return next((r for r in self.roles if r.name == name), None)
+
+    @property
+    def trainer(self) -> RolePlan:
+        return self.roles[0]
+
+    @property
+    def generator(self) -> RolePlan | None:
+        return self.role("generator")
+
+    def role_of(self, rank: int) -> RolePlan:
+        """The group whose process run rank ``rank`` is."""
+        for r in self.roles:
+            if r.own_processes and rank in r.ranks:
+                return r
+        raise IndexError(f"rank {rank} outside the run's {self.workers} workers")
+
+    def roles_at(self, rank: int) -> tuple[RolePlan, ...]:
+        """Every group run rank ``rank`` serves: its process's own first, then those colocated in it."""
+        own = self.role_of(rank)
+        return (own, *(r for r in self.roles if not r.own_processes and rank in r.ranks))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1) + "\n"
@@ -56,7 +82,7 @@ def plan_run(cfg: RunConfig) -> RunPlan:
     return RunPlan(
         config_hash=config_hash(cfg), kind=cfg.model.kind, dims=cfg.dims, nodes=cfg.trainer.nodes,
         tasks_per_node=cfg.trainer.n_gpus_per_node, micro_batch_size=None if micro == "auto" else int(micro),
-        model=model, generator_workers=own_workers(cfg),
+        roles=plan_roles(cfg), model=model,
     )
 
 

@@ -10,7 +10,7 @@ from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
 from core.spec import config as config_mod
 from core.spec.config import RunConfig
-from core.spec.generator import own_workers
+from core.spec.runplan import read_plan
 from core.worker.runtime import WorkerRuntime
 from core.worker.task import Task, WorkerContext
 
@@ -26,11 +26,12 @@ def run_worker(env: JobEnv, task_factory: TaskFactory) -> int:
     logsetup.configure(label, early_log)
     signals = PreemptionFlag.install()  # SIGUSR2/SIGTERM: logged once, never fatal (the controller decides)
     cfg = config_mod.load(run.config)
-    runtime = WorkerRuntime(env, cfg, task_factory(cfg), signals=signals)
+    plan = read_plan(run.plan, cfg)
+    runtime = WorkerRuntime(env, cfg, plan, task_factory(cfg), signals=signals)
 
     def welcomed(rank: int) -> None:
-        role = "generator" if own_workers(cfg) and rank >= cfg.trainer.world_size else "worker"
-        logsetup.set_label(f"{role} r{rank}@{env.node}")
+        role = plan.role_of(rank).name
+        logsetup.set_label(f"{'worker' if role == 'trainer' else role} r{rank}@{env.node}")
         if rank != env.rank_hint:
             logsetup.switch_file(run.worker_log(rank))
 

@@ -26,6 +26,7 @@ from core.job.process import free_port
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder, read_json
 from core.spec.config import RunConfig
+from core.spec.runplan import RunPlan
 from core.wire import protocol
 from core.wire.transport import WorkerSocket
 from core.worker.heartbeat import HeartbeatThread
@@ -68,10 +69,11 @@ class Welcomed:
 class WorkerRuntime:
     """One worker process: register, then serve calls until shutdown."""
 
-    def __init__(self, env: JobEnv, cfg: RunConfig, task_factory: Callable[[WorkerContext], Task], *,
+    def __init__(self, env: JobEnv, cfg: RunConfig, plan: RunPlan, task_factory: Callable[[WorkerContext], Task], *,
                  signals: PreemptionFlag | None = None) -> None:
         self.env = env
         self.cfg = cfg
+        self.plan = plan
         self.signals = signals
         self.run_folder = RunFolder(env.run_dir)
         self.task_factory = task_factory
@@ -96,7 +98,8 @@ class WorkerRuntime:
             heartbeat.start()
             task = self.task_factory(WorkerContext(
                 rank=welcome.rank, world_size=welcome.world_size, epoch=self.env.epoch, run_dir=self.env.run_dir,
-                host=self.env.host, log=logging.getLogger("baton.task"), config=self.cfg))
+                host=self.env.host, log=logging.getLogger("baton.task"), config=self.cfg,
+                roles=self.plan.roles_at(welcome.rank)))
             return self.serve(sock, task, heartbeat)
         finally:
             if heartbeat is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from core.spec.config import RunConfig
+from core.spec.roles import RolePlan
 from core.wire.contract import Method
 
 
@@ -30,6 +31,12 @@ class WorkerContext:
     host: str
     log: logging.Logger
     config: RunConfig  # the run's config.yaml, read once by this process
+    roles: tuple[RolePlan, ...]  # the worker groups this rank serves (plan.json): its process's own first
+
+    @property
+    def role(self) -> RolePlan:
+        """The group whose process this is."""
+        return self.roles[0]
 
 
 class Task(Protocol):

@@ -73,8 +73,11 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict
     from core.spec import config as config_mod
     from core.worker.task import WorkerContext
 
-    ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir),
-                        host="localhost", log=logging.getLogger(f"rank{rank}"), config=config_mod.from_data(config))
+    from core.spec.runplan import plan_run
+
+    cfg = config_mod.from_data(config)
+    ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir), host="localhost",
+                        log=logging.getLogger(f"rank{rank}"), config=cfg, roles=plan_run(cfg).roles_at(rank))
     task = GPTTask(ctx)
     served = CheckpointedTask(task, rank)  # the checkpoint calls too, as a worker serves them
     table = {m.name: (m, fn) for m, fn in served.handlers().items()}

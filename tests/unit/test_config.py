@@ -199,16 +199,26 @@ def _generate(*overrides: str) -> config.RunConfig:
 
 
 def test_generator_placements_and_their_workers() -> None:
-    from core.spec.generator import generator_dims, own_workers
     from core.spec.runplan import plan_run
 
-    colocated = _generate()
-    assert own_workers(colocated) == 0 and generator_dims(colocated) == ParallelDims(tp=1, pp=1, dp=4)
-    split = _generate("generator.placement=split", "generator.workers=4", "generator.tp=2")
-    assert own_workers(split) == 4 and generator_dims(split) == ParallelDims(tp=2, pp=1, dp=2)
-    assert plan_run(split).workers == 8 and plan_run(split).world_size == 4
-    assert own_workers(_generate("generator.placement=split", "generator.tp=2")) == 2  # default: one replica
-    assert own_workers(_generate("generator.placement=split", "generator.enabled=false")) == 0
+    colocated = plan_run(_generate())
+    gen = colocated.generator
+    assert gen is not None and gen.placement == "colocated" and gen.dims == ParallelDims(tp=1, pp=1, dp=4)
+    assert gen.ranks == range(0, 4) and colocated.workers == 4
+    assert [r.name for r in colocated.roles_at(3)] == ["trainer", "generator"]  # one process serves both
+    assert colocated.trainer.models == ("actor",) and gen.models == ("rollout",)
+    split = plan_run(_generate("generator.placement=split", "generator.workers=4", "generator.tp=2"))
+    gen = split.generator
+    assert gen is not None and gen.placement == "split" and gen.dims == ParallelDims(tp=2, pp=1, dp=2)
+    assert gen.ranks == range(4, 8) and gen.component == 2 and split.workers == 8 and split.world_size == 4
+    assert split.role_of(5).name == "generator" and split.role_of(3).name == "trainer"
+    assert [r.name for r in split.roles_at(5)] == ["generator"]
+    assert gen.owners() == (4, 6) and gen.replica_of(7) == 1 and gen.local(6) == 2
+    with pytest.raises(IndexError):
+        split.role_of(8)
+    one = plan_run(_generate("generator.placement=split", "generator.tp=2")).generator  # default: one replica
+    assert one is not None and one.world_size == 2
+    assert plan_run(_generate("generator.placement=split", "generator.enabled=false")).generator is None
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
