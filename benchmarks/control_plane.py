@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zmq  # noqa: E402
 
 from core.controller.group import WorkerGroup  # noqa: E402
+from core.controller.roles import RoleGroup  # noqa: E402
+from core.spec.roles import plan_roles  # noqa: E402
 from core.controller.main import publish_address  # noqa: E402
 from core.model.toy import NOOP  # noqa: E402
 from core.spec import config as config_mod  # noqa: E402
@@ -259,7 +261,8 @@ class BatonGroup:
         run = runprep.prepare_run(cfg, backend="local")
         self.sock = ControllerSocket(run.keys, bind_host="127.0.0.1")
         info = publish_address(run, self.sock, host="127.0.0.1", epoch=0)
-        self.group = WorkerGroup(self.sock, world_size=n, epoch=0, dims=cfg.dims, timeouts=cfg.timeouts, run=run)
+        self.group = WorkerGroup(self.sock, world_size=n, epoch=0, timeouts=cfg.timeouts, run=run)
+        self.trainer = RoleGroup(self.group, plan_roles(cfg)[0])  # the calls a program makes
         if hosts == 0:  # one real worker process per rank
             self.procs: list = [local._spawn(run, "worker", epoch=0, rank=r) for r in range(n)]
         else:
@@ -274,7 +277,7 @@ class BatonGroup:
 
     def round(self) -> float:
         t0 = time.perf_counter()
-        self.group.call(NOOP)
+        self.trainer.call(NOOP)
         return time.perf_counter() - t0
 
     def heartbeat_cpu(self, idle_s: float) -> tuple[float, float]:

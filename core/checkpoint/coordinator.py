@@ -14,6 +14,7 @@ this runs in the controller.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from core.checkpoint import calls, manifest
 from core.checkpoint.commit import commit, quarantine, tmp_step_dir
+from core.checkpoint.loop import LoopState
 from core.checkpoint.spec import ShardAck
 from core.errors import CheckpointError, ConfigError, TransientIOError, is_transient
 from core.record import events as ev
@@ -35,14 +37,19 @@ log = logging.getLogger(__name__)
 
 
 class Group(Protocol):
-    """What the coordinator needs of a worker group (core.controller.group.WorkerGroup)."""
+    """What the coordinator needs of the group whose ranks checkpoint (the trainer's role
+    group, core.controller.roles.RoleGroup)."""
 
-    dims: ParallelDims
-    world_size: int
-    epoch: int
-    generation: int
+    @property
+    def dims(self) -> ParallelDims: ...
 
-    def call(self, method: Method[Any, Any], request: Any = ..., *, timeout_s: float | None = None) -> Any: ...
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def call(self, method: Method[Any, Any], request: Any = ..., *, timeout_s: float | None = None) -> list[Any]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,9 +59,7 @@ class Pending:
     step: int
     tmp: Path
     started: float  # perf_counter
-    loss: float | None
-    policy_version: int | None = None  # the trainer step a generator was last synced to
-    state: dict[str, Any] | None = None  # the program's own loop state (an RL program's KL coefficient)
+    loop: LoopState  # what the manifest records of the controller's loop
 
 
 class CheckpointCoordinator:
@@ -120,10 +125,11 @@ class CheckpointCoordinator:
         return step in manifest.committed_steps(self.root)
 
     # --- save -------------------------------------------------------------------------------
-    def save(self, step: int, *, loss: float | None, blocking: bool = False, timeout_s: float | None = None,
-             policy_version: int | None = None, state: dict[str, Any] | None = None) -> None:
-        """Order every rank to write its shard of ``step``; commit once all have acked."""
+    def save(self, loop: LoopState, *, blocking: bool = False, timeout_s: float | None = None) -> None:
+        """Order every rank to write its shard of ``loop.step``; commit once all have acked."""
         self.drain()
+        step = loop.step
+        loop = dataclasses.replace(loop, epoch=self.group.epoch, generation=self.group.generation)
         tmp = tmp_step_dir(self.root, step)
         attrs = calls.ShardAttrs(step=step, layout=self.group.dims.describe(), config_hash=self.model_hash)
         async_save = self.async_save and not blocking
@@ -132,12 +138,10 @@ class CheckpointCoordinator:
                                                             async_save=async_save),
                                 timeout_s=timeout_s or self.timeout_s)
         if async_save:
-            self._pending = Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version,
-                                    state=state)
+            self._pending = Pending(step=step, tmp=tmp, started=t0, loop=loop)
             self.record.append(ev.CheckpointStarted(step=step, blocked_s=round(time.perf_counter() - t0, 3)))
             return
-        self._commit(Pending(step=step, tmp=tmp, started=t0, loss=loss, policy_version=policy_version, state=state),
-                     [s.ack for s in saved])
+        self._commit(Pending(step=step, tmp=tmp, started=t0, loop=loop), [s.ack for s in saved])
 
     def poll(self) -> None:
         """Commit the async save in flight if every rank has made its shard durable."""
@@ -165,8 +169,7 @@ class CheckpointCoordinator:
             "layout": dims.describe(),
             "dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
             "config_hash": self.model_hash,
-            "loop": {"step": p.step, "epoch": self.group.epoch, "generation": self.group.generation,
-                     "last_loss": p.loss, "policy_version": p.policy_version, **(p.state or {})},
+            "loop": p.loop.to_meta(),
         }
         try:
             final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.dims.world_size,

@@ -1,51 +1,55 @@
-"""How a call's request is split over ranks, and whose results come back.
+"""How a call is spread over a worker group's ranks and gathered back.
 
-Plain functions over ``ParallelDims``, chosen explicitly at each call site:
+Each method declares both with itself (``core.wire.contract.Method``: ``dispatch`` and
+``collect``); these pure functions carry the declaration out over a group's plan
+(``core.spec.roles.RolePlan``), in run ranks:
 
-    group.call(TRAIN_STEP, Step(step=s), dispatch=one_to_all, collect=loss_owners)
+    requests(SCORE_ROWS, trainer_plan, [share_of_replica_0, share_of_replica_1])
+    → {0: share_0, 1: share_0, 2: share_1, 3: share_1}        (tp2, dp2)
+    collected(SCORE_ROWS, trainer_plan, {0: r0, 1: r1, 2: r2, 3: r3}) → [r0, r2]  (the owners)
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
-from core.spec.dims import ParallelDims
+from core.spec.roles import RolePlan
+from core.wire.contract import Collect, Dispatch, Method
 
-Dispatch = Callable[[Any, ParallelDims], dict[int, Any]]
-Collect = Callable[[dict[int, Any], ParallelDims], Any]
-
-
-def one_to_all(request: Any, dims: ParallelDims) -> dict[int, Any]:
-    """Every rank gets the same request."""
-    return dict.fromkeys(range(dims.world_size), request)
+Req = TypeVar("Req")
+Res = TypeVar("Res")
 
 
-def split_by_dp(request: Any, dims: ParallelDims) -> dict[int, Any]:
-    """Sequence (and array) fields are cut into ``dp`` equal chunks along their first axis;
-    a rank gets the chunk of its data-parallel coordinate. Other fields go to all."""
-    chunks: dict[str, list[Any]] = {}
-    for f in dataclasses.fields(request):
-        value = getattr(request, f.name)
-        if hasattr(value, "__len__") and not isinstance(value, (str, bytes, dict)) and value is not None:
-            n = len(value)
-            if n % dims.dp:
-                raise ValueError(f"split_by_dp: {f.name!r} has {n} items, not divisible by dp = {dims.dp}")
-            size = n // dims.dp
-            chunks[f.name] = [value[i * size:(i + 1) * size] for i in range(dims.dp)]
-    per_dp = [dataclasses.replace(request, **{k: v[d] for k, v in chunks.items()}) for d in range(dims.dp)]
-    return {r: per_dp[dims.coords(r).dp] for r in range(dims.world_size)}
+def requests(method: Method[Req, Res], plan: RolePlan, given: Req | Sequence[Req], *, each: bool) -> dict[int, Req]:
+    """Run rank → its request. ``each``: ``given`` holds one request per rank (``EACH``) or
+    per data replica (``REPLICAS``); otherwise it is the one request of an ``ALL`` method."""
+    kind = method.dispatch
+    if each != (kind is not Dispatch.ALL):
+        how = "call_each" if kind is not Dispatch.ALL else "call"
+        raise TypeError(f"{method.name} is dispatched {kind.value}: use {how}")
+    if kind is Dispatch.ALL:
+        return dict.fromkeys(plan.ranks, given)  # type: ignore[arg-type]
+    assert isinstance(given, Sequence)
+    want = plan.world_size if kind is Dispatch.EACH else plan.dims.dp
+    if len(given) != want:
+        unit = "rank" if kind is Dispatch.EACH else "data replica"
+        raise ValueError(f"{method.name}: {len(given)} requests for the {plan.name}'s {want} ({unit} each)")
+    if kind is Dispatch.EACH:
+        return dict(zip(plan.ranks, given, strict=True))
+    return {r: given[plan.replica_of(r)] for r in plan.ranks}
 
 
-def collect_all(results: dict[int, Any], dims: ParallelDims) -> list[Any]:
-    """Every rank's result, in rank order."""
-    return [results[r] for r in range(dims.world_size)]
+def collected(method: Method[Req, Res], plan: RolePlan, results: Mapping[int, Res]) -> list[Res]:
+    """The results the method's ``collect`` keeps, as a list (see ``core.wire.contract.Collect``)."""
+    kind = method.collect
+    if kind is Collect.ALL:
+        return [results[r] for r in plan.ranks]
+    if kind is Collect.OWNERS:
+        return [results[r] for r in plan.owners()]
+    return [results[plan.first_rank]]
 
 
-def rank_zero(results: dict[int, Any], dims: ParallelDims) -> Any:
-    return results[0]
-
-
-def loss_owners(results: dict[int, Any], dims: ParallelDims) -> list[Any]:
-    """The last pipeline stage's tp-rank-0 result of each data replica, in dp order."""
-    return [results[r] for r in dims.loss_owners()]
+def owners_of(plan: RolePlan, results: Sequence[Res]) -> list[Res]:
+    """From every rank's results (group order, as ``Collect.ALL`` returns them): one per data
+    replica, its loss owner's, in replica order."""
+    return [results[r - plan.first_rank] for r in plan.owners()]

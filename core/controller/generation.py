@@ -24,50 +24,44 @@ import logging
 from typing import Any
 
 from core.controller.group import WorkerGroup
+from core.controller.roles import RoleGroup, Span
 from core.errors import UserError
 from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.record.runfolder import RunFolder
 from core.spec.config import RunConfig
-from core.spec.generator import generator_dims
-from core.wire.contract import NO_ARGS
 
 log = logging.getLogger(__name__)
 
+Sample = tuple[tuple[int, ...], tuple[float, ...]]  # a continuation's tokens and their log-probs
+
 
 class GeneratorFlow:
-    def __init__(self, cfg: RunConfig, run: RunFolder, group: WorkerGroup) -> None:
-        self.cfg, self.run, self.group = cfg, run, group
-        self.dims = generator_dims(cfg)
-        trainer = cfg.trainer.world_size
-        self.base = trainer if cfg.generator.split else 0  # the generator's first worker rank
-        self.trainer_ranks = tuple(range(trainer))
-        self.ranks = tuple(range(self.base, self.base + self.dims.world_size))  # the generator's
-        self.sync_ranks = tuple(sorted({*self.trainer_ranks, *self.ranks}))
+    def __init__(self, cfg: RunConfig, run: RunFolder, workers: WorkerGroup, trainer: RoleGroup,
+                 generator: RoleGroup) -> None:
+        self.cfg, self.run, self.trainer, self.generator = cfg, run, trainer, generator
+        self.dims = generator.dims
+        self.span = Span(workers, trainer, generator)  # a weight sync's ranks: both groups'
         self._plan: list[reshard.Piece] | None = None
         self._prompts: tuple[tuple[int, ...], ...] = ()
         self.version = -1
 
-    def _call(self, method: Any, ranks: tuple[int, ...], req: Any = NO_ARGS, *, each: Any = None,
-              timeout_s: float | None = None) -> dict[int, Any]:
-        """``method`` on ``ranks`` (``each(rank)``: a rank's own request); every result by rank."""
-        return self.group.call(method, req, dispatch=lambda r, _: {k: r if each is None else each(k) for k in ranks},
-                               collect=lambda res, _: res, timeout_s=timeout_s)
-
     def start(self, step: int) -> float:
         """After setup and resume: the bridge (split), the plan, the prompts, samples past
         ``step`` cut, a first sync."""
-        if self.cfg.generator.split:
-            addr, port = self.group.rendezvous_of(0)  # the trainer's store hosts the bridge's rendezvous
-            self._call(gen_calls.BRIDGE, self.sync_ranks, gen_calls.Bridge(
-                master_addr=addr, master_port=port, size=len(self.sync_ranks),
-                name=f"baton-bridge/{self.group.generation}/"), timeout_s=self.cfg.timeouts.setup_s)
-        held = self._call(gen_calls.GEN_SLICES, self.sync_ranks)
+        cfg = self.cfg
+        if self.generator.plan.own_processes:
+            addr, port = self.trainer.rendezvous()  # the trainer's store hosts the bridge's rendezvous
+            self.span.call(gen_calls.BRIDGE, gen_calls.Bridge(
+                master_addr=addr, master_port=port, size=len(self.span.ranks),
+                name=f"baton-bridge/{self.trainer.generation}/"), timeout_s=cfg.timeouts.setup_s)
+        held = self.span.call(gen_calls.GEN_SLICES)
         self._plan = reshard.plan({r: h.sources for r, h in held.items()}, {r: h.targets for r, h in held.items()},
-                                  bucket_bytes=int(self.cfg.generator.bucket_mb * 2**20))
-        g = self.cfg.generator
-        self._prompts = self._call(gen_calls.GEN_PROMPTS, self.trainer_ranks, gen_calls.Prompts(
-            count=g.num_prompts, length=g.prompt_length))[0].prompts
+                                  bucket_bytes=int(cfg.generator.bucket_mb * 2**20))
+        g = cfg.generator
+        (first,) = self.trainer.call(gen_calls.GEN_PROMPTS, gen_calls.Prompts(count=g.num_prompts,
+                                                                             length=g.prompt_length))
+        self._prompts = first.prompts
         _keep_until(self.run, step)
         return self.sync(step)
 
@@ -76,8 +70,9 @@ class GeneratorFlow:
         (0 without the probe: an RL step measures the gap on its own responses instead)."""
         assert self._plan is not None
         pieces = self._plan
-        synced = self._call(gen_calls.SYNC_WEIGHTS, self.sync_ranks, each=lambda r: gen_calls.SyncWeights(
-            pieces=tuple(reshard.for_rank(pieces, r)), version=step), timeout_s=self.cfg.timeouts.checkpoint_s)
+        synced = self.span.call_each(gen_calls.SYNC_WEIGHTS, {r: gen_calls.SyncWeights(
+            pieces=tuple(reshard.for_rank(pieces, r)), version=step) for r in self.span.ranks},
+            timeout_s=self.cfg.timeouts.checkpoint_s)
         gap = self._probe(step) if probe else 0.0
         self.version = step
         log.log(logging.INFO if probe else logging.DEBUG, "generator synced to version %d: %.1f MB in %.3f s, probe "
@@ -94,12 +89,9 @@ class GeneratorFlow:
     def _probe(self, step: int) -> float:
         """The largest gap between both models' log-probs of a held-out batch of ``step``."""
         timeout = self.cfg.timeouts.step_s
-        answers = self._call(gen_calls.PROBE_BATCH, self.trainer_ranks, gen_calls.Probe(step=step), timeout_s=timeout)
-        batch = next(b for b in answers.values() if b.tokens)
-        first = {self.base + r for r in range(self.dims.world_size) if self.dims.coords(r).dp == 0}
-        scored = self._call(gen_calls.SCORE, self.ranks, timeout_s=timeout, each=lambda r: dataclasses.replace(
-            batch, logprobs=()) if r in first else gen_calls.LogProbs())
-        mine = next(s.logprobs for s in scored.values() if s.logprobs)
+        batch = self.trainer.call(gen_calls.PROBE_BATCH, gen_calls.Probe(step=step), timeout_s=timeout)[0]
+        shares = [dataclasses.replace(batch, logprobs=())] + [gen_calls.LogProbs()] * (self.dims.dp - 1)
+        mine = self.generator.call_each(gen_calls.SCORE, shares, timeout_s=timeout)[0].logprobs
         return max(abs(a - b) for row, ref in zip(mine, batch.logprobs, strict=True)
                    for a, b in zip(row, ref, strict=True))
 
@@ -109,17 +101,14 @@ class GeneratorFlow:
     def generate(self, step: int) -> None:
         """Greedy and sampled continuations of the prompts at policy version ``step``."""
         g = self.cfg.generator
-        replicas = self.dims.dp
         rows: list[dict[str, Any]] = []
         for sample in range(1 + g.samples_per_prompt):
             greedy = sample == 0
             req = gen_calls.Generate(prompts=self._prompts, max_new_tokens=g.max_new_tokens,
                                      temperature=0.0 if greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
                                      eos=g.eos, seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
-            done = self._call(gen_calls.GENERATE, self.ranks, timeout_s=self.cfg.timeouts.step_s,
-                              each=lambda r, req=req: self._share(req, self.dims.coords(r - self.base).dp))
-            for part in (d for d in done.values() if d.replica >= 0):
-                for index, tokens, logps in zip(range(part.replica, len(self._prompts), replicas), part.tokens,
+            for part in self._generate(req):
+                for index, tokens, logps in zip(range(part.replica, len(self._prompts), self.dims.dp), part.tokens,
                                                 part.logprobs, strict=True):
                     rows.append({"step": step, "version": part.version, "kind": "greedy" if greedy else "sampled",
                                  "sample": sample, "index": index, "replica": part.replica,
@@ -129,17 +118,19 @@ class GeneratorFlow:
         with self.run.samples.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    def _share(self, req: gen_calls.Generate, replica: int) -> gen_calls.Generate:
-        """A replica's share of the prompts: every ``dp``-th, from its own index on."""
-        indices = tuple(range(replica, len(req.prompts), self.dims.dp))
-        return dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices)
+    def _generate(self, req: gen_calls.Generate) -> list[gen_calls.Generated]:
+        """GENERATE on every replica, each with its share of the prompts: every ``dp``-th, from
+        its own index on; one answer per replica."""
+        shares = []
+        for replica in range(self.dims.dp):
+            indices = tuple(range(replica, len(req.prompts), self.dims.dp))
+            shares.append(dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices))
+        return self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
 
-    def rollout(self, req: gen_calls.Generate) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    def rollout(self, req: gen_calls.Generate) -> list[Sample]:
         """Continue ``req.prompts`` (spread over the replicas); (tokens, log-probs) per prompt, in order."""
-        done = self._call(gen_calls.GENERATE, self.ranks, timeout_s=self.cfg.timeouts.step_s,
-                          each=lambda r: self._share(req, self.dims.coords(r - self.base).dp))
-        out: list[tuple[tuple[int, ...], tuple[float, ...]]] = [((), ())] * len(req.prompts)
-        for part in (d for d in done.values() if d.replica >= 0):
+        out: list[Sample] = [((), ())] * len(req.prompts)
+        for part in self._generate(req):
             for index, tokens, logps in zip(range(part.replica, len(req.prompts), self.dims.dp), part.tokens,
                                             part.logprobs, strict=True):
                 out[index] = (tuple(tokens), tuple(logps))

@@ -11,25 +11,25 @@ look like this from here); when it runs on this host its pid is checked to say w
 Generations: after a loss the controller aborts the survivors, ``reset``s the group to
 the next generation of the same epoch and waits for a new set of workers (started by the
 supervisor, core.supervisor.contract). A worker of an older epoch or generation is refused by name.
-``dims`` lays out the trainer's ranks 0..; a split generator's ranks follow them.
+The group knows ranks, not roles: the role groups (core.controller.roles) decide which ranks
+a call goes to and which results come back.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from core.controller.diagnose import diagnose, remote_error
-from core.controller.dispatch import Collect, Dispatch, collect_all, one_to_all
 from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
 from core.spec.config import TimeoutsConfig
-from core.spec.dims import ParallelDims
 from core.wire import protocol, transport
-from core.wire.contract import NO_ARGS, Method, Req, Res
+from core.wire.contract import Method, Req, Res
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,16 @@ class WorkerGroup:
         *,
         world_size: int,
         epoch: int,
-        dims: ParallelDims,
         timeouts: TimeoutsConfig,
         run: RunFolder,
         generation: int = 0,
         signals: PreemptionFlag | None = None,
     ) -> None:
-        if dims.world_size > world_size:  # dims: the trainer's ranks 0..; a split generator's follow
-            raise ValueError(f"dims {dims.describe()} need more than {world_size} workers")
         self.sock = sock
         self.world_size = world_size
         self.epoch = epoch
         self.generation = generation
         self.signals = signals  # a worker's preemption signal is relayed here (see Heartbeat.signal)
-        self.dims = dims
         self.timeouts = timeouts
         self.run = run
         self.peers: dict[int, Peer] = {}
@@ -192,17 +188,16 @@ class WorkerGroup:
         return False
 
     # --- calls --------------------------------------------------------------------------
-    def call(self, method: Method[Req, Res], request: Req = NO_ARGS, *,  # type: ignore[assignment]
-             dispatch: Dispatch = one_to_all, collect: Collect = collect_all, timeout_s: float | None = None) -> Any:
-        """Run ``method`` on the workers; wait for every rank; return what ``collect`` picks
-        from the typed results (``request`` split over ranks by ``dispatch``).
+    def call_ranks(self, method: Method[Req, Res], per_rank: Mapping[int, Req], *,
+                   timeout_s: float | None = None) -> dict[int, Res]:
+        """Run ``method`` on the ranks of ``per_rank``, each with its request; wait for every
+        one; their typed results by rank.
 
         Raises RemoteError (a worker raised, or answered with a malformed result),
         WorkerLostError (heartbeats stopped) or CallTimeoutError (the deadline passed), each
         naming the ranks concerned.
         """
         timeout_s = self.timeouts.call_s if timeout_s is None else timeout_s
-        per_rank = dispatch(request, self.dims)
         with self._lock:
             self._raise_if_lost()
             req = self._next_req
@@ -210,7 +205,7 @@ class WorkerGroup:
             results: dict[int, Any] = {}
             self._inflight[req] = results
             try:
-                encoded: dict[int, list[Any]] = {}  # one_to_all hands every rank the same request: encode once
+                encoded: dict[int, list[Any]] = {}  # ranks handed the same request share its encoding
                 send, peers = self.sock.send, self.peers
                 for rank, rank_request in per_rank.items():
                     frames = encoded.get(id(rank_request))
@@ -223,11 +218,10 @@ class WorkerGroup:
                 self._wait(req, method.name, results, per_rank, timeout_s)
                 if not self._all_started:
                     self._mark_started(results)
-                typed = self._typed(req, method, results, len(per_rank))
+                return self._typed(req, method, results, len(per_rank))
             finally:
                 del self._inflight[req]
                 self._errors.pop(req, None)
-        return collect(typed, self.dims)
 
     def _mark_started(self, results: dict[int, Any]) -> None:
         for rank in results:

@@ -21,6 +21,7 @@ from core.checkpoint.coordinator import CheckpointCoordinator
 from core.controller.group import WorkerGroup
 from core.controller.program import Program
 from core.controller.recovery import Outcome, Recovery
+from core.controller.roles import RoleGroup
 from core.controller.stop import StopPolicy
 from core.errors import BatonRuntimeError, ExitCode
 from core.job import logsetup, process, slurmctl
@@ -75,13 +76,14 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
     sock = ControllerSocket(run.keys)
     publish_address(run, sock, host=env.controller_host, epoch=env.epoch)
     request_workers(run, WorkerRequest(epoch=env.epoch, generation=0, reason="epoch start"))
-    group = WorkerGroup(sock, world_size=plan.workers, epoch=env.epoch, dims=plan.dims,
-                        timeouts=cfg.timeouts, run=run, signals=signals)
+    group = WorkerGroup(sock, world_size=plan.workers, epoch=env.epoch, timeouts=cfg.timeouts, run=run, signals=signals)
+    trainer = RoleGroup(group, plan.trainer)
     checkpoints = CheckpointCoordinator(
-        group, record, root=run.checkpoints, model_hash=config_mod.model_hash(cfg), keep_last=cfg.checkpoint.keep_last,
+        trainer, record, root=run.checkpoints, model_hash=config_mod.model_hash(cfg), keep_last=cfg.checkpoint.keep_last,
         async_save=cfg.checkpoint.async_save, timeout_s=cfg.timeouts.checkpoint_s, poll_timeout_s=cfg.timeouts.call_s,
         on_commit=metrics.observe_checkpoint if metrics is not None else None)
-    program = Program(cfg=cfg, plan=plan, run=run, record=record, group=group, checkpoints=checkpoints, metrics=metrics,
+    program = Program(cfg=cfg, plan=plan, run=run, record=record, workers=group, trainer=trainer,
+                      checkpoints=checkpoints, metrics=metrics,
                       stop=StopPolicy(signals, slurmctl.clock_for(os.environ), margin_s=cfg.recovery.walltime_margin_s))
     program.started_at(started)  # goodput: this epoch's allocation began with this process
     try:
@@ -110,7 +112,7 @@ def _end(env: JobEnv, program: Program, outcome: Outcome) -> int:
         done = ev.Stopped(step=program.step, reason=outcome.reason)
     with program.record.update(done) as s:
         s.status, s.reason = outcome.status, outcome.reason
-    program.group.shutdown(outcome.reason or "run completed")
+    program.workers.shutdown(outcome.reason or "run completed")
     return ExitCode.OK
 
 
@@ -122,7 +124,7 @@ def _failed(program: Program, reason: str, code: ExitCode) -> int:
         log.warning("could not record progress: %s", exc)
     with program.record.update(ev.Failed(reason=reason, step=program.step)) as s:
         s.status, s.reason = Status.FAILED, reason
-    program.group.abort(f"controller: {reason}")
+    program.workers.abort(f"controller: {reason}")
     return code
 
 
@@ -132,7 +134,7 @@ def _requeue(env: JobEnv, program: Program, outcome: Outcome) -> int:
     with program.record.update(ev.Requeued(step=program.step, reason=outcome.reason, epoch=env.epoch,
                                            exclude=outcome.exclude, backend="slurm" if env.job_id else "local")) as s:
         s.status = Status.REQUEUED
-    group = program.group
+    group = program.workers
     if outcome.clean:
         group.shutdown(f"requeued: {outcome.reason}")
     else:

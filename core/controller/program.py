@@ -1,4 +1,4 @@
-"""The controller's training program: one readable loop over the worker group.
+"""The controller's training program: one readable loop over the role groups.
 
     register → setup → resume from the latest committed checkpoint → for each step:
     [stop? checkpoint now and return] train_step, record, maybe checkpoint → final checkpoint
@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,11 +24,15 @@ from typing import TYPE_CHECKING, Any
 from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
 from core.checkpoint.coordinator import CheckpointCoordinator
+from core.checkpoint.loop import LoopState
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
+from core.controller.roles import RoleGroup, Span
+from core.controller.saving import SavePolicy
 from core.controller.stop import StopPolicy, StopRequest
 from core.controller.sync_policy import SyncPolicy
 from core.errors import UserError
+from core.flows.calls import PolicyResult
 from core.record import events as ev
 from core.record import steps as step_records
 from core.record.runfolder import RunFolder, write_json
@@ -38,13 +43,15 @@ from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.runplan import RunPlan
 from core.wire import calls
-from core.wire.contract import NoArgs
+from core.wire.contract import NO_ARGS
 
 if TYPE_CHECKING:
     from core.controller.metrics import Metrics
     from core.controller.rl_program import RLStep
 
 log = logging.getLogger(__name__)
+
+Results = Sequence[calls.StepResult | PolicyResult]  # every trainer rank's, in rank order
 
 
 @dataclass
@@ -53,13 +60,16 @@ class Program:
     plan: RunPlan
     run: RunFolder
     record: RunRecord
-    group: WorkerGroup
-    checkpoints: CheckpointCoordinator
+    workers: WorkerGroup  # every worker process; calls go through the role groups below
+    trainer: RoleGroup
+    checkpoints: CheckpointCoordinator  # the trainer's checkpoints
     stop: StopPolicy = field(default_factory=lambda: StopPolicy(None, None))
     metrics: Metrics | None = None  # the Prometheus endpoint; None when metrics.enabled is false
-    generator: GeneratorFlow | None = field(default=None, init=False)  # with generator.enabled, once set up
+    generator: RoleGroup | None = field(default=None, init=False)  # with a generator group in the plan
+    flow: GeneratorFlow | None = field(default=None, init=False)  # the generator's flow, once set up
     rl: RLStep | None = field(default=None, init=False)  # program: grpo or ppo, once set up
     sync: SyncPolicy | None = field(default=None, init=False)  # parallel.sync: periodic averaging of replicas
+    saves: SavePolicy = field(init=False)  # when to checkpoint
     step: int = field(default=0, init=False)  # steps done
     last_loss: float | None = field(default=None, init=False)
     _started: float = field(default_factory=time.monotonic, init=False)
@@ -69,54 +79,63 @@ class Program:
     _epoch_start: int | None = field(default=None, init=False)  # the step this allocation began at
     _resumed_from: Path | None = field(default=None, init=False)  # the checkpoint this allocation loaded
 
+    def __post_init__(self) -> None:
+        gen = self.plan.generator
+        self.generator = None if gen is None else RoleGroup(self.workers, gen)
+        self.saves = SavePolicy(self.checkpoints, self.cfg.checkpoint, total_steps=self.cfg.trainer.steps,
+                                loop_of=self._loop_state)
+
     def run_all(self) -> StopRequest | None:
         """The whole run; returns the stop request that ended it early, None when it finished."""
         self.setup()
         self.resume()
         # the loop state of the checkpoint this allocation resumed from (read once)
-        loop = (manifest.read_manifest(self._resumed_from).meta.get("loop") or {}) if self._resumed_from else {}
+        loop = LoopState.from_meta(manifest.read_manifest(self._resumed_from).meta.get("loop")
+                                   if self._resumed_from else None)
         if self.cfg.parallel.sync.local:
-            self.sync = SyncPolicy(self.cfg.parallel.sync, every=loop.get("sync_every"))
-        if self.cfg.generator.enabled:  # the second compute flow, synced from the restored trainer
-            self.generator = GeneratorFlow(self.cfg, self.run, self.group)
-            self.generator.start(self.step)
+            self.sync = SyncPolicy(self.cfg.parallel.sync, every=loop.sync_every)
+        if self.generator is not None:  # the second compute flow, synced from the restored trainer
+            self.flow = GeneratorFlow(self.cfg, self.run, self.workers, self.trainer, self.generator)
+            self.flow.start(self.step)
             if self.cfg.program in rl_spec.RL_PROGRAMS:
                 from core.controller.rl_program import RLStep  # numpy: only RL programs need it
 
-                self.rl = RLStep(self.cfg, self.group, self.generator, self.checkpoints)
+                self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves)
                 self.rl.restore(loop)
         stop = self.train()
         if stop is None:
-            self.finish()
+            self.saves.at_end(self.step, self.last_loss)
         return stop
 
     def setup(self) -> None:
         """Register the workers, then every rank joins its process group and builds its model
-        (a split generator's ranks their own group, from their first rank's rendezvous)."""
-        group = self.group
-        group.wait_for_workers()
-        addr, port = group.rendezvous_of(0)
+        (each group with processes of its own from its first rank's rendezvous)."""
+        self.workers.wait_for_workers()
         t0 = time.perf_counter()
-        setup = calls.Setup(master_addr=addr, master_port=port, config_hash=config_mod.config_hash(self.cfg),
-                            micro_batch_size=self.plan.micro_batch_size)
-        trainer, gen = self.plan.world_size, self.plan.generator
-        n = gen.world_size if gen is not None and gen.own_processes else 0
-        gen_addr, gen_port = group.rendezvous_of(trainer) if n else (addr, port)
-        generator = dataclasses.replace(setup, master_addr=gen_addr, master_port=gen_port, micro_batch_size=None)
-        infos = group.call(calls.SETUP, setup, timeout_s=self.cfg.timeouts.setup_s, collect=lambda res, _: res,
-                           dispatch=lambda req, _: {r: req if r < trainer else generator for r in range(trainer + n)})
+        hosts = [g for g in (self.trainer, self.generator) if g is not None and g.plan.own_processes]
+        setups = {g.name: self._setup_request(g) for g in hosts}
+        span = Span(self.workers, *hosts)
+        infos = span.call_each(calls.SETUP, {r: setups[self.plan.role_of(r).name] for r in span.ranks},
+                               timeout_s=self.cfg.timeouts.setup_s)
         if self.metrics is not None:
             self.metrics.observe_dispatch("setup", time.perf_counter() - t0)
+        peers = sorted(self.workers.peers.values(), key=lambda p: p.rank)
         ranks = tuple(RankInfo(rank=p.rank, node=p.node, host=p.host, pid=p.pid, coords=infos[p.rank].coords,
                                layers=infos[p.rank].layers, num_params=infos[p.rank].num_params,
-                               device=infos[p.rank].device, role="trainer" if p.rank < trainer else "generator")
-                      for p in sorted(group.peers.values(), key=lambda p: p.rank))
-        micro = infos[0].micro_batch_size
+                               device=infos[p.rank].device, role=self.plan.role_of(p.rank).name) for p in peers)
+        micro = infos[self.trainer.plan.first_rank].micro_batch_size
+        group = self.workers
         with self.record.update(ev.WorkersReady(world_size=group.world_size, epoch=group.epoch,
                                                 generation=group.generation, micro_batch_size=micro)) as s:
             s.ranks, s.generation, s.micro_batch_size = ranks, group.generation, micro
             if self._alloc_base is None:  # what earlier epochs (before a requeue) held their allocation
                 self._alloc_base = s.goodput.allocated_s
+
+    def _setup_request(self, group: RoleGroup) -> calls.Setup:
+        """SETUP for ``group``'s ranks: its own rendezvous; the plan's micro-batch for the trainer."""
+        addr, port = group.rendezvous()
+        return calls.Setup(master_addr=addr, master_port=port, config_hash=config_mod.config_hash(self.cfg),
+                           micro_batch_size=self.plan.micro_batch_size if group is self.trainer else None)
 
     def resume(self) -> None:
         """Continue from the newest committed checkpoint that verifies (any layout)."""
@@ -144,15 +163,14 @@ class Program:
     def _initialise(self) -> ev.Event:
         """``init_from``: the trainer's model weights from another run's checkpoint."""
         init = manifest.init_checkpoint(*rl_spec.init_from(str(self.cfg.init_from)))
-        self.group.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(init), into="weights"),
-                        timeout_s=self.cfg.timeouts.checkpoint_s, collect=lambda res, _: res,
-                        dispatch=lambda req, _n: {r: req for r in range(self.plan.world_size)})
+        self.trainer.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(init), into="weights"),
+                          timeout_s=self.cfg.timeouts.checkpoint_s)
         log.info("model weights initialised from %s", init)
         return ev.InitialisedFrom(checkpoint=str(init), step=manifest.read_manifest(init).step)
 
     def train(self) -> StopRequest | None:
         cfg = self.cfg
-        start, interval = self.step, cfg.checkpoint.interval_steps
+        start = self.step
         for step in range(start, cfg.trainer.steps):
             stop = self.stop.check(step_s=self._step_s, save_s=self.checkpoints.last_save_s)
             if stop is not None:
@@ -163,39 +181,41 @@ class Program:
                         "longer time limit (--time, slurm.workers.time) or a smaller recovery.walltime_margin_s")
                 self._stop_at_boundary(step, stop)
                 return stop
-            rl_step = self.rl is not None and step >= cfg.rl.warmup_steps
-            if rl_step:  # once per allocation, outside the step's time: save and load the reference
-                self.rl.load_reference(step, self.last_loss)
+            if self.rl is not None and step >= cfg.rl.warmup_steps:
+                self.rl.load_reference(step, self.last_loss)  # once per allocation, outside the step's time
             t0 = time.perf_counter()
-            extra: dict[str, object] = {}
-            request = calls.Step(step=step) if self.sync is None else self.sync.request(
-                step, checkpoint_due=bool(interval) and (step + 1) % interval == 0, last=step + 1 == cfg.trainer.steps)
-            request = dataclasses.replace(request, measure=step == self._epoch_start)
-            if rl_step:
-                results, extra = self.rl.run(step)
-            else:
-                results = self.group.call(calls.TRAIN_STEP, request, timeout_s=cfg.timeouts.step_s)
-                self._write_memory(step, results)
+            results, extra, request = self._one_step(step)
             wall = time.perf_counter() - t0
             self._step_s = wall if step == start else 0.8 * self._step_s + 0.2 * wall
             record = dataclasses.replace(self._record(step, results, wall), **extra)
             done = step + 1
-            if self.generator is not None and self.generator.due(done):
-                gap = max(self.generator.sync(done), record.sync_logprob_maxdiff or 0.0)
+            if self.flow is not None and self.flow.due(done):
+                gap = max(self.flow.sync(done), record.sync_logprob_maxdiff or 0.0)
                 record = dataclasses.replace(record, sync_logprob_maxdiff=gap)
-                self.generator.generate(done)
+                self.flow.generate(done)
             step_records.append(self.run.metrics, record)
             if self.sync is not None:
                 self.record.append(*self.sync.observe(done, request, record))
             self._observe(record, wall)
             self.step, self.last_loss = done, record.loss
-            self.checkpoints.poll()
-            if interval and done % interval == 0 and done < cfg.trainer.steps:
-                self.checkpoints.save(done, loss=record.loss, **self._loop())
+            self.saves.maybe_save(done, record.loss)
             if done % cfg.trainer.log_interval_steps == 0 or done == cfg.trainer.steps:
                 log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record.loss, wall)
                 self.save_progress()
         return None
+
+    def _one_step(self, step: int) -> tuple[Results, dict[str, Any], calls.Step]:
+        """Step ``step``: an RL iteration past the warm start, else a training step (with the
+        replicas' sync); every rank's results, the record's extra fields, the step request."""
+        request = calls.Step(step=step) if self.sync is None else self.sync.request(
+            step, checkpoint_due=self.saves.on_interval(step + 1), last=step + 1 == self.cfg.trainer.steps)
+        request = dataclasses.replace(request, measure=step == self._epoch_start)
+        if self.rl is not None and step >= self.cfg.rl.warmup_steps:
+            results, extra = self.rl.run(step)
+            return results, extra, request
+        results = self.trainer.call(calls.TRAIN_STEP, request, timeout_s=self.cfg.timeouts.step_s)
+        self._write_memory(step, results)
+        return results, {}, request
 
     def _write_memory(self, step: int, results: list[Any]) -> None:
         """memory.json: what every rank measured it held at ``step`` (the allocation's first)."""
@@ -220,27 +240,18 @@ class Program:
                                 time_left_s=left, signal_at=stop.signal_at))
         log.warning("%s at step %d (%s): checkpointing, then requeueing", stop.cause, step, stop.detail)
         self.save_progress()
-        self.checkpoints.drain()
+        self.checkpoints.drain()  # before the replicas change: an async save may still be copying
         if self.sync is not None and self.sync.unsynced:  # a checkpoint holds one replica: make them equal
-            self.group.call(calls.AVERAGE, NoArgs(), timeout_s=self.cfg.timeouts.step_s)
+            self.trainer.call(calls.AVERAGE, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
             self.sync.averaged()
-        if step > 0 and not self.checkpoints.committed(step):
-            timeout = self.cfg.timeouts.checkpoint_s
-            if stop.time_left_s is not None:  # commit within the time Slurm leaves us
-                timeout = max(1.0, min(timeout, stop.time_left_s - 2.0))
-            self.checkpoints.save(step, loss=self.last_loss, blocking=True, timeout_s=timeout,
-                                  **self._loop())
+        self.saves.at_stop(step, self.last_loss, stop, self.cfg.timeouts.checkpoint_s)
 
-    def finish(self) -> None:
-        if self.cfg.checkpoint.at_end and not self.checkpoints.committed(self.step):
-            self.checkpoints.save(self.step, loss=self.last_loss, blocking=True, **self._loop())
-        self.checkpoints.drain()
-
-    def _loop(self) -> dict[str, Any]:
-        """What a checkpoint records of the loop: the policy version (the step the generator
-        was last synced to) and an RL program's state."""
-        state = {**(self.rl.state() if self.rl else {}), **({"sync_every": self.sync.every} if self.sync else {})}
-        return {"policy_version": None if self.generator is None else self.generator.version, "state": state or None}
+    def _loop_state(self, step: int, loss: float | None) -> LoopState:
+        """What a checkpoint of ``step`` records of the loop: the policy version (the step the
+        generator was last synced to) and the programs' state."""
+        return LoopState(step=step, last_loss=loss, policy_version=None if self.flow is None else self.flow.version,
+                         kl_coef=None if self.rl is None else self.rl.kl.value,
+                         sync_every=None if self.sync is None else self.sync.every)
 
     # --- metrics ------------------------------------------------------------------------
     def started_at(self, unix_time: float) -> None:
@@ -260,26 +271,28 @@ class Program:
         self.metrics.observe_dispatch("train_step", wall)
         self.metrics.observe_goodput(self._useful_s, self._allocated_s())
         now = time.monotonic()
-        for peer in self.group.peers.values():
+        for peer in self.workers.peers.values():
             self.metrics.observe_heartbeat_lag(peer.rank, now - peer.last_seen)
 
-    def _record(self, step: int, results: list[Any], wall: float) -> StepRecord:
-        owners = [results[r] for r in self.group.dims.loss_owners()]
+    def _record(self, step: int, results: Results, wall: float) -> StepRecord:
+        owners = self.trainer.owners(results)
         losses = [o.loss for o in owners if o.loss is not None]
         if len(losses) != len(owners):
             raise ValueError(f"train_step of step {step}: a loss owner reported no loss")
         tokens = sum(o.tokens for o in owners)
 
-        def per_rank(key: str) -> tuple[float, ...] | None:
-            values = [getattr(r, key, None) for r in results]
-            return None if any(v is None for v in values) else tuple(float(v) for v in values)
+        def per_rank(values: list[float | None]) -> tuple[float, ...] | None:
+            return None if any(v is None for v in values) else tuple(float(v) for v in values)  # type: ignore[arg-type]
 
         return StepRecord(
             step=step, loss=statistics.fmean(losses), grad_norm=owners[0].grad_norm, lr=owners[0].lr,
             tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else 0.0, step_time_s=wall, time=time.time(),
             rank_step_time_s=tuple(r.step_time_s for r in results),
             # A task that does not measure its memory gets the worker's last heartbeat figure.
-            rss_mb=tuple(r.rss_mb or self.group.peers[i].rss_mb for i, r in enumerate(results)),
-            data_wait_s=per_rank("data_wait_s"), grad_sync_s=per_rank("grad_sync_s"), compute_s=per_rank("compute_s"),
-            cuda_peak_mb=per_rank("cuda_peak_mb"), rss_peak_mb=per_rank("rss_peak_mb"),
+            rss_mb=tuple(r.rss_mb or self.workers.peers[rank].rss_mb for rank, r in zip(self.trainer.ranks, results,
+                                                                                        strict=True)),
+            data_wait_s=per_rank([r.data_wait_s for r in results]),
+            grad_sync_s=per_rank([r.grad_sync_s for r in results]), compute_s=per_rank([r.compute_s for r in results]),
+            cuda_peak_mb=per_rank([r.cuda_peak_mb for r in results]),
+            rss_peak_mb=per_rank([r.rss_peak_mb for r in results]),
         )

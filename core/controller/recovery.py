@@ -198,12 +198,12 @@ class Recovery:
 
     # --- one failure ----------------------------------------------------------------------
     def _failure(self, kind: str, ranks: tuple[int, ...], why: str) -> Failure:
-        peers = self.program.group.peers
+        peers = self.program.workers.peers
         nodes = tuple(sorted({peers[r].node for r in ranks if r in peers}))
         return Failure(kind=kind, ranks=ranks, nodes=nodes, why=why, step=self.program.step)
 
     def _recover(self, failure: Failure) -> Outcome | None:
-        program, group, cfg = self.program, self.program.group, self.program.cfg
+        program, group, cfg = self.program, self.program.workers, self.program.cfg
         lost = []
         for r in failure.ranks or (-1,):
             peer = group.peers.get(r)
@@ -243,7 +243,7 @@ class Recovery:
         at ``recovery.node_failure_limit`` are excluded from the requeued job. (Excluded nodes
         to add, a phrase naming the nodes for the reason.)"""
         program = self.program
-        nodes = sorted({p.node for p in program.group.peers.values() if p.node})
+        nodes = sorted({p.node for p in program.workers.peers.values() if p.node})
         down = slurmctl.unavailable_nodes(nodes) if self.on_slurm else {}
         if not down:
             return (), ""
@@ -265,7 +265,7 @@ class Recovery:
 
     def _restart(self, decision: Decision, budget: Budget) -> Outcome | None:
         """Abort what is left, back off, ask for the next generation; None: go round again."""
-        program, group = self.program, self.program.group
+        program, group = self.program, self.program.workers
         group.abort(f"controller: {decision.reason}")
         program.checkpoints.forget()
         generation = group.generation + 1

@@ -31,32 +31,35 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
-from core.checkpoint.coordinator import CheckpointCoordinator
+from core.checkpoint.loop import LoopState
 from core.controller.generation import GeneratorFlow
-from core.controller.group import WorkerGroup
+from core.controller.roles import RoleGroup
+from core.controller.saving import SavePolicy
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
+from core.flows import calls as rl_calls
 from core.rl import advantages, rewards, tasks
 from core.spec.config import RunConfig
 from core.spec.plan import count_params
-from core.wire.contract import NoArgs
+from core.wire.contract import NO_ARGS
 
+T = TypeVar("T")
 Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advantage per response token
 
 
 class RLStep:
-    def __init__(self, cfg: RunConfig, group: WorkerGroup, generator: GeneratorFlow,
-                 checkpoints: CheckpointCoordinator) -> None:
-        self.cfg, self.group, self.generator, self.checkpoints = cfg, group, generator, checkpoints
+    def __init__(self, cfg: RunConfig, trainer: RoleGroup, generator: GeneratorFlow, saves: SavePolicy) -> None:
+        self.cfg, self.trainer, self.generator, self.saves = cfg, trainer, generator, saves
+        self.checkpoints = saves.checkpoints
         self.reward = rewards.load(cfg.rl.reward, "rl.reward")
         self.tokenizer: Any = None  # task file: its tokenizer (response_text, end of text)
         self.prompts: list[Any] = []
@@ -77,16 +80,13 @@ class RLStep:
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
         if kl.enabled:
-            checkpoints.pinned.add(self.reference_step)
+            self.checkpoints.pinned.add(self.reference_step)
 
-    # --- state a checkpoint keeps ------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {"kl_coef": self.kl.value}
-
-    def restore(self, loop: dict[str, Any]) -> None:
+    # --- state a checkpoint keeps (LoopState.kl_coef) -----------------------------------------
+    def restore(self, loop: LoopState) -> None:
         """The adaptive coefficient where the checkpoint left it (a fixed one is the config's)."""
-        if self.kl.target is not None and isinstance(loop.get("kl_coef"), (int, float)):
-            self.kl.value = float(loop["kl_coef"])
+        if self.kl.target is not None and isinstance(loop.kl_coef, (int, float)):
+            self.kl.value = float(loop.kl_coef)
 
     def load_reference(self, step: int, loss: float | None) -> None:
         """Before the first RL step of an allocation: the reference policy from its checkpoint
@@ -95,9 +95,8 @@ class RLStep:
             return
         ref = self.reference_step
         self.checkpoints.drain()  # an async save of this very step may be in flight
-        if step == ref and not self.checkpoints.committed(ref):
-            self.checkpoints.save(ref, loss=loss, blocking=True, policy_version=self.generator.version,
-                                  state=self.state())
+        if step == ref:
+            self.saves.now(ref, loss)
         where = self.checkpoints.root / manifest.step_dir_name(ref)
         if not self.checkpoints.committed(ref) or manifest.verify(where, checksums=False):
             later = [s for s in manifest.committed_steps(self.checkpoints.root) if s > ref]
@@ -108,13 +107,12 @@ class RLStep:
         self._load_reference(where)
 
     def _load_reference(self, step_dir: Path) -> None:
-        self.group.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(step_dir), into="reference"),
-                        timeout_s=self.checkpoints.timeout_s, collect=lambda res, _: res,
-                        dispatch=lambda req, _n: {r: req for r in range(self.group.dims.world_size)})
+        self.trainer.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(step_dir), into="reference"),
+                          timeout_s=self.checkpoints.timeout_s)
         self._reference_loaded = True
 
     # --- one step ----------------------------------------------------------------------------
-    def run(self, step: int) -> tuple[list[gen_calls.PolicyResult], dict[str, Any]]:
+    def run(self, step: int) -> tuple[list[rl_calls.PolicyResult], dict[str, Any]]:
         """One iteration at policy version ``step``: the last epoch's results by rank, and the
         step's RL numbers."""
         cfg, rl = self.cfg, self.cfg.rl
@@ -147,7 +145,7 @@ class RLStep:
             rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
         with _timed(phases, "update"):
             first, results = self._update(step, rows, old, ref)
-        owners = [results[r] for r in self.group.dims.loss_owners()]
+        owners = self.trainer.owners(results)
         kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
         coef = self.kl.value
         if kl_now is not None:
@@ -165,9 +163,9 @@ class RLStep:
                 phases: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
         """PPO: the critic's values, GAE advantages and returns (the score on a response's last
         token), ``ppo_epochs`` critic updates; the actor's rows and the step's critic numbers."""
-        rl, dims = self.cfg.rl, self.group.dims
+        rl = self.cfg.rl
         if step == rl.warmup_steps:  # the RL phase begins: the critic starts as the actor
-            self._each(gen_calls.CRITIC_INIT, lambda _r: NoArgs())
+            self.trainer.call(rl_calls.CRITIC_INIT, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
         with _timed(phases, "values"):
             values, _ = self._score("critic", sequences)
         mask = np.zeros((len(lengths), max(lengths)))
@@ -175,21 +173,17 @@ class RLStep:
         for i, n in enumerate(lengths):
             mask[i, :n], reward[i, n - 1], old[i, :n] = 1.0, scores[i], values[i]
         adv, returns = advantages.gae(reward, old, mask, gamma=rl.gamma, lam=rl.lam)
-
-        def batch(rank: int) -> gen_calls.CriticBatch:
-            d = dims.coords(rank).dp
-            return gen_calls.CriticBatch(
-                step=step, prompt_length=rl.prompt_length, sequences=tuple(sequences[d::dims.dp]),
-                returns=tuple(tuple(float(x) for x in returns[i, :lengths[i]]) for i in range(d, len(lengths), dims.dp)),
-                old_values=tuple(values[d::dims.dp]))
-
-        shares = {r: batch(r) for r in range(dims.world_size)}
-        first: list[gen_calls.CriticResult] = []
+        targets = [tuple(float(x) for x in returns[i, :n]) for i, n in enumerate(lengths)]
+        shares = [rl_calls.CriticBatch(step=step, prompt_length=rl.prompt_length, sequences=tuple(seqs),
+                                       returns=tuple(rets), old_values=tuple(vals))
+                  for seqs, rets, vals in zip(self._split(sequences), self._split(targets), self._split(values),
+                                              strict=True)]
+        first: list[rl_calls.CriticResult] = []
         with _timed(phases, "critic"):
             for epoch in range(rl.ppo_epochs):
-                answers = self._each(gen_calls.CRITIC_STEP, shares.__getitem__)
+                answers = self.trainer.call_each(rl_calls.CRITIC_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
                 if epoch == 0:
-                    first = [answers[r] for r in dims.loss_owners()]
+                    first = self.trainer.owners(answers)
         rows = [(sequences[i], tuple(float(x) for x in adv[i, :n])) for i, n in enumerate(lengths)]
         return rows, dict(value_loss=statistics.fmean(o.value_loss or 0.0 for o in first),
                           values_mean=float(old[mask > 0].mean()))
@@ -212,48 +206,41 @@ class RLStep:
         return {**meta, "response_text": text}
 
     def _update(self, step: int, rows: list[Row], old: list[tuple[float, ...]], ref: list[tuple[float, ...]]
-                ) -> tuple[list[gen_calls.PolicyResult], list[gen_calls.PolicyResult]]:
+                ) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
         """``ppo_epochs`` actor updates; (the first epoch's loss owners' results, the last
         epoch's results by rank)."""
-        dims, rl = self.group.dims, self.cfg.rl
+        rl = self.cfg.rl
         coef = self.kl.value if ref else 0.0
-
-        def batch(rank: int) -> gen_calls.PolicyBatch:
-            d = dims.coords(rank).dp
-            return gen_calls.PolicyBatch(
-                step=step, prompt_length=rl.prompt_length, sequences=tuple(r[0] for r in rows[d::dims.dp]),
-                advantages=tuple(r[1] for r in rows[d::dims.dp]), old_logprobs=tuple(old[d::dims.dp]),
-                ref_logprobs=tuple(ref[d::dims.dp]), kl_coef=coef)
-
-        shares = {r: batch(r) for r in range(dims.world_size)}
-        first: list[gen_calls.PolicyResult] = []
-        results: list[gen_calls.PolicyResult] = []
+        shares = [rl_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=tuple(r[0] for r in part),
+                                       advantages=tuple(r[1] for r in part), old_logprobs=tuple(olds),
+                                       ref_logprobs=tuple(refs), kl_coef=coef)
+                  for part, olds, refs in zip(self._split(rows), self._split(old), self._split(ref), strict=True)]
+        first: list[rl_calls.PolicyResult] = []
+        results: list[rl_calls.PolicyResult] = []
         for epoch in range(rl.ppo_epochs):
-            answers = self._each(gen_calls.POLICY_STEP, shares.__getitem__)
-            results = [answers[r] for r in sorted(answers)]
+            results = self.trainer.call_each(rl_calls.POLICY_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
             if epoch == 0:
-                first = [results[r] for r in dims.loss_owners()]
+                first = self.trainer.owners(results)
         return first, results
 
     def _score(self, model: str, sequences: list[tuple[int, ...]]) -> tuple[list[tuple[float, ...]], float]:
         """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
         the actor's entropy (token mean over every response)."""
-        dims = self.group.dims
-        answers = self._each(gen_calls.SCORE_ROWS, lambda r: gen_calls.ScoreRows(
-            model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
-            sequences=tuple(sequences[dims.coords(r).dp::dims.dp])))
+        shares = [rl_calls.ScoreRows(model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
+                                     sequences=tuple(part)) for part in self._split(sequences)]
+        answers = self.trainer.call_each(rl_calls.SCORE_ROWS, shares, timeout_s=self.cfg.timeouts.step_s)
         out: list[tuple[float, ...]] = [()] * len(sequences)
-        entropy, tokens = 0.0, 0
-        for rank in dims.loss_owners():
-            part = answers[rank]
-            out[dims.coords(rank).dp::dims.dp] = part.values if model == "critic" else part.logprobs
-            entropy, tokens = entropy + part.entropy_sum, tokens + part.tokens
+        dp = self.trainer.dims.dp
+        for replica, part in enumerate(answers):
+            out[replica::dp] = part.values if model == "critic" else part.logprobs
+        entropy = sum(part.entropy_sum for part in answers)
+        tokens = sum(part.tokens for part in answers)
         return out, entropy / max(tokens, 1)
 
-    def _each(self, method: Any, request: Callable[[int], Any]) -> dict[int, Any]:
-        """``method`` on every trainer rank with its own request; the results by rank."""
-        return self.group.call(method, None, timeout_s=self.cfg.timeouts.step_s, collect=lambda res, _: res,
-                               dispatch=lambda _req, _n: {r: request(r) for r in range(self.group.dims.world_size)})
+    def _split(self, items: Sequence[T]) -> list[Sequence[T]]:
+        """Each data replica's share of ``items``: every ``dp``-th, from the replica's index on."""
+        dp = self.trainer.dims.dp
+        return [items[d::dp] for d in range(dp)]
 
 
 def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], eos: int | None

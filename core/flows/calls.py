@@ -26,7 +26,7 @@ from typing import Literal
 
 from core.checkpoint.spec import TensorSlice
 from core.flows.reshard import Piece
-from core.wire.contract import Method, NoArgs
+from core.wire.contract import Collect, Dispatch, Method, NoArgs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,14 +193,14 @@ class CriticResult:
     lr: float | None = None
 
 
-GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet)
+GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet, collect=Collect.FIRST)  # rank 0's shard
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
-SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced)
-GENERATE = Method("generate", Generate, Generated)
+SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced, dispatch=Dispatch.EACH)  # each rank its pieces
+GENERATE = Method("generate", Generate, Generated, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
 BRIDGE = Method("bridge", Bridge, None)
-PROBE_BATCH = Method("probe_batch", Probe, LogProbs)
-SCORE = Method("score", LogProbs, LogProbs)
-POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult)
-SCORE_ROWS = Method("score_rows", ScoreRows, RowScores)
-CRITIC_STEP = Method("critic_step", CriticBatch, CriticResult)
+PROBE_BATCH = Method("probe_batch", Probe, LogProbs, collect=Collect.OWNERS)  # replica 0's owner answers
+SCORE = Method("score", LogProbs, LogProbs, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
+POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult, dispatch=Dispatch.REPLICAS)
+SCORE_ROWS = Method("score_rows", ScoreRows, RowScores, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
+CRITIC_STEP = Method("critic_step", CriticBatch, CriticResult, dispatch=Dispatch.REPLICAS)
 CRITIC_INIT = Method("critic_init", NoArgs, None)  # the critic's transformer := the actor's

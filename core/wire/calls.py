@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.spec.dims import Coords
-from core.wire.contract import Method, NoArgs
+from core.wire.contract import Dispatch, Method, NoArgs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +67,7 @@ class WeightsFile:
     path: str  # an .npz of global tensors (global name → full array)
 
 
-SETUP = Method("setup", Setup, SetupInfo)
+SETUP = Method("setup", Setup, SetupInfo, dispatch=Dispatch.EACH)  # each group its own rendezvous
 TRAIN_STEP = Method("train_step", Step, StepResult)
 EVAL_STEP = Method("eval_step", Step, StepResult)
 LOAD_WEIGHTS = Method("load_global_weights", WeightsFile, None)

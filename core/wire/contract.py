@@ -16,6 +16,7 @@ a worker group serves whatever its task's handler table lists.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -35,9 +36,26 @@ class NoArgs:
 NO_ARGS = NoArgs()
 
 
+class Dispatch(enum.Enum):
+    """Which ranks of a worker group get a method's request (core.controller.roles)."""
+
+    ALL = "all"  # every rank the same request: ``group.call(METHOD, request)``
+    EACH = "each"  # every rank its own: ``group.call_each(METHOD, [one per rank])``
+    REPLICAS = "replicas"  # every data-parallel replica its own, to all its ranks: ``call_each(METHOD, [one per replica])``
+
+
+class Collect(enum.Enum):
+    """Whose results a call of the method returns, as a list."""
+
+    ALL = "all"  # every rank's, in the group's rank order
+    OWNERS = "owners"  # one per data replica, in replica order: its last pipeline stage's first tp rank
+    FIRST = "first"  # the group's rank 0's (a list of one)
+
+
 @dataclass(frozen=True, eq=False)
 class Method(Generic[Req, Res]):
-    """One remote method: its name on the wire, its request dataclass, its result type.
+    """One remote method: its name on the wire, its request dataclass, its result type, and
+    how a call is spread over a group's ranks and gathered back (declared here, once).
 
     ``result`` is a type annotation: a dataclass, ``None``, a scalar type, or a union
     such as ``ShardAck | None``. Methods compare by identity and hash by name.
@@ -46,6 +64,8 @@ class Method(Generic[Req, Res]):
     name: str
     request: type[Req]
     result: Any
+    dispatch: Dispatch = Dispatch.ALL
+    collect: Collect = Collect.ALL
     decode_request: Callable[[dict[str, Any]], Req] = dataclasses.field(init=False, repr=False)
     decode_result: Callable[[Any], Res] = dataclasses.field(init=False, repr=False)
     plain_result: bool = dataclasses.field(init=False, repr=False)  # a scalar or None: sent as it is

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 import zmq
 
-from core.controller import dispatch
 from core.controller.group import WorkerGroup
+from core.controller.roles import RoleGroup
 from core.controller.main import publish_address
 from core.errors import CallTimeoutError, RemoteError, WorkerLostError
 from core.model.toy import ECHO, FAIL, NOOP, PID, SLEEP, Echo, Echoed, Fail, Sleep
 from core.spec.config import TimeoutsConfig
 from core.spec.dims import ParallelDims
 from core.wire import protocol
-from core.wire.contract import Method, NoArgs
+from core.spec.roles import RolePlan
+from core.wire.contract import Collect, Dispatch, Method, NoArgs
 from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys
 from tests.helpers import LocalRun, baton, history, make_run, wait_for
 
@@ -179,27 +180,35 @@ def group(tmp_path: Path):
     r = make_run(tmp_path, "toy.yaml", [*FAST, "trainer.n_gpus_per_node=4"])
     sock = ControllerSocket(r.run.keys)
     publish_address(r.run, sock, host="127.0.0.1", epoch=0)
-    g = WorkerGroup(sock, world_size=4, epoch=0, dims=ParallelDims(tp=1, pp=1, dp=4),
-                    timeouts=TimeoutsConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5), run=r.run)
+    workers = WorkerGroup(sock, world_size=4, epoch=0,
+                          timeouts=TimeoutsConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5), run=r.run)
+    g = RoleGroup(workers, RolePlan(name="trainer", first_rank=0, dims=ParallelDims(tp=1, pp=1, dp=4), placement="own",
+                                    component=1, nodes=1, models=("toy",)))
     r.start(controller=False)
-    g.wait_for_workers(60)
+    workers.wait_for_workers(60)
     yield g, r
-    g.shutdown()
+    workers.shutdown()
     for w in r.workers:
         w.wait(timeout=20)
-    g.close()
+    workers.close()
     sock.close()
     r.cleanup()
 
 
-def test_dispatch_and_collect_modes(group) -> None:
+ECHO_FIRST = Method("echo", Echo, Echoed, collect=Collect.FIRST)
+ECHO_REPLICAS = Method("echo", Echo, Echoed, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
+ECHO_EACH = Method("echo", Echo, Echoed, dispatch=Dispatch.EACH)
+
+
+def test_dispatch_and_collect_modes_declared_with_the_method(group) -> None:
     g, _ = group
     assert [x.rank for x in g.call(ECHO, Echo(v=1))] == [0, 1, 2, 3]
-    assert g.call(ECHO, Echo(v=2), collect=dispatch.rank_zero) == Echoed(rank=0, v=2)
-    split = g.call(ECHO, Echo(xs=tuple(range(8)), k="same"), dispatch=dispatch.split_by_dp)
+    assert g.call(ECHO_FIRST, Echo(v=2)) == [Echoed(rank=0, v=2)]
+    split = g.call_each(ECHO_REPLICAS, [Echo(xs=(2 * d, 2 * d + 1), k="same") for d in range(4)])
     assert [x.xs for x in split] == [(0, 1), (2, 3), (4, 5), (6, 7)] and {x.k for x in split} == {"same"}
+    assert [x.v for x in g.call_each(ECHO_EACH, [Echo(v=10 + r) for r in range(4)])] == [10, 11, 12, 13]
     arr = np.arange(8, dtype=np.float32)
-    back = g.call(ECHO, Echo(a=arr), collect=dispatch.loss_owners)
+    back = g.call(ECHO, Echo(a=arr))
     assert len(back) == 4 and all(np.array_equal(b.a, arr) for b in back)
 
 
@@ -243,16 +252,16 @@ def test_a_missed_deadline_names_the_missing_ranks(group) -> None:
 def test_heartbeats_continue_during_a_long_call_and_between_calls(group) -> None:
     g, _ = group
     assert g.call(SLEEP, Sleep(seconds=2.5), timeout_s=10) == [2.5] * 4  # longer than heartbeat_timeout_s
-    before = g.heartbeats_handled
-    wait_for(lambda: g.heartbeats_handled > before + 8, 5, "heartbeats handled by the idle pump")
-    g.check()
+    before = g.workers.heartbeats_handled
+    wait_for(lambda: g.workers.heartbeats_handled > before + 8, 5, "heartbeats handled by the idle pump")
+    g.workers.check()
 
 
 def test_a_worker_lost_between_calls_fails_the_next_call(group) -> None:
     g, r = group
     pids = g.call(PID)
     os.kill(pids[3], signal.SIGKILL)
-    wait_for(lambda: g.lost(), 5, "rank 3 declared lost")
+    wait_for(lambda: g.workers.lost(), 5, "rank 3 declared lost")
     with pytest.raises(WorkerLostError) as info:
         g.call(NOOP)
     assert info.value.ranks == [3]

@@ -1,0 +1,65 @@
+"""When the controller's program checkpoints: one object decides, the loop asks it.
+
+    saves.maybe_save(done, loss)     every ``checkpoint.interval_steps`` (not the last step)
+    saves.at_stop(step, loss, stop)  a stop at a step boundary: that step, synchronously,
+                                     within the time Slurm leaves
+    saves.at_end(step, loss)         the run's end (``checkpoint.at_end``)
+    saves.now(step, loss)            a program's own point (the RL reference policy)
+
+Every save records the loop's state (``core.checkpoint.loop.LoopState``), which the
+program provides: the policy version and its programs' state.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.checkpoint.coordinator import CheckpointCoordinator
+from core.checkpoint.loop import LoopState
+from core.controller.stop import StopRequest
+from core.spec.config import CheckpointConfig
+
+LoopOf = Callable[[int, "float | None"], LoopState]  # (step, last loss) → what the checkpoint records
+
+
+class SavePolicy:
+    def __init__(self, checkpoints: CheckpointCoordinator, cfg: CheckpointConfig, *, total_steps: int,
+                 loop_of: LoopOf) -> None:
+        self.checkpoints = checkpoints
+        self.interval = cfg.interval_steps
+        self.at_end_enabled = cfg.at_end
+        self.total_steps = total_steps
+        self.loop_of = loop_of
+
+    def on_interval(self, done: int) -> bool:
+        """``checkpoint.interval_steps`` falls on ``done``."""
+        return bool(self.interval) and done % self.interval == 0
+
+    def due(self, done: int) -> bool:
+        """A save after step ``done``: on the interval, except the run's last (``at_end`` saves that)."""
+        return self.on_interval(done) and done < self.total_steps
+
+    def maybe_save(self, done: int, loss: float | None) -> None:
+        """After step ``done``: commit a finished async save, then save if the interval says so."""
+        self.checkpoints.poll()
+        if self.due(done):
+            self.checkpoints.save(self.loop_of(done, loss))
+
+    def at_stop(self, step: int, loss: float | None, stop: StopRequest, timeout_s: float) -> None:
+        """Make ``step`` durable before the job goes away (nothing to do at step 0 or when
+        it is committed already)."""
+        self.checkpoints.drain()
+        if step > 0 and not self.checkpoints.committed(step):
+            if stop.time_left_s is not None:  # commit within the time Slurm leaves us
+                timeout_s = max(1.0, min(timeout_s, stop.time_left_s - 2.0))
+            self.checkpoints.save(self.loop_of(step, loss), blocking=True, timeout_s=timeout_s)
+
+    def at_end(self, step: int, loss: float | None) -> None:
+        if self.at_end_enabled and not self.checkpoints.committed(step):
+            self.checkpoints.save(self.loop_of(step, loss), blocking=True)
+        self.checkpoints.drain()
+
+    def now(self, step: int, loss: float | None) -> None:
+        """A blocking save of ``step`` unless it is committed already."""
+        self.checkpoints.drain()  # an async save of this very step may be in flight
+        if not self.checkpoints.committed(step):
+            self.checkpoints.save(self.loop_of(step, loss), blocking=True)
