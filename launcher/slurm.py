@@ -191,7 +191,7 @@ def _fields(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, python: str, pytho
         "component2_lines": [] if spec.generator is None else
         ["#SBATCH hetjob"] + ["#SBATCH " + f for f in _component_flags(spec, spec.generator)],
         "generator_step": [] if spec.generator is None else
-        [f"baton_worker_step 2 {cfg.trainer.world_size} generator &", "baton_workers=\"$baton_workers $!\""],
+        [f"baton_worker_step 2 {spec.generator.first_rank} generator &", "baton_workers=\"$baton_workers $!\""],
         "run_dir": shlex.quote(str(run.path)), "pythonpath": shlex.quote(pythonpath), "python": python,
         "world_size": str(cfg.trainer.world_size), "nodes": str(cfg.trainer.nodes),
         "tasks_per_node": str(cfg.trainer.n_gpus_per_node),

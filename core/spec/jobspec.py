@@ -110,6 +110,7 @@ class Component:
     """The sbatch options of one het-job component, resolved (None: the flag is not given)."""
 
     role: Role
+    first_rank: int = 0  # the run rank of its first task (its worker group's, from the plan)
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -222,14 +223,15 @@ def _generator(cfg: RunConfig, roles: tuple[RolePlan, ...], wrk: SlurmComponentC
                if f.name not in ("nodes", "gpus_per_node", "extra") and getattr(gen, f.name) is None}
     gen = dataclasses.replace(gen, **inherit)
     minutes = parse_time_min(gen.time, "slurm.generator.time") if gen.time else w_minutes
-    return _component("generator", gen, nodes=nodes, ntasks_per_node=n // nodes, time_min=minutes,
+    return _component("generator", gen, first_rank=role.first_rank, nodes=nodes, ntasks_per_node=n // nodes,
+                      time_min=minutes,
                       account=gen.account, gpus_per_node=n // nodes if gen.gpus_per_node is None else gen.gpus_per_node)
 
 
 def _component(role: Role, opts: SlurmComponentConfig, *, nodes: int, ntasks_per_node: int, time_min: int,
-               account: str | None, gpus_per_node: int | None) -> Component:
+               account: str | None, gpus_per_node: int | None, first_rank: int = 0) -> Component:
     return Component(
-        role=role, partition=opts.partition, account=account, qos=opts.qos, time_min=time_min, nodes=nodes,
+        role=role, first_rank=first_rank, partition=opts.partition, account=account, qos=opts.qos, time_min=time_min, nodes=nodes,
         ntasks_per_node=ntasks_per_node, gpus_per_node=gpus_per_node or None,  # 0: no GPUs, so no flag
         cpus_per_task=opts.cpus_per_task, mem=opts.mem, constraint=opts.constraint, exclude=opts.exclude,
         reservation=opts.reservation, signal=opts.signal or DEFAULT_SIGNAL, extra=tuple(opts.extra))
