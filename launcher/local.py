@@ -29,6 +29,7 @@ from core.checkpoint import manifest
 from core.errors import ExitCode
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
+from core.spec import config as config_mod
 from core.spec.config import RunConfig
 from core.spec.runplan import read_plan
 from core.supervisor import contract
@@ -81,10 +82,11 @@ def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None, generatio
         out.close()
 
 
-def _spawn_workers(run: RunFolder, cfg: RunConfig, *, epoch: int, generation: int) -> list[Proc]:
+def _spawn_workers(run: RunFolder, *, epoch: int, generation: int) -> list[Proc]:
     """Every worker process of the plan: the trainer's, then a split generator's."""
+    written = config_mod.load(run.config)  # the run folder's (submit resolves init_from into it)
     return [_spawn(run, "worker", epoch=epoch, rank=r, generation=generation)
-            for r in range(read_plan(run.plan, cfg).workers)]
+            for r in range(read_plan(run.plan, written).workers)]
 
 
 def _kill(procs: list[Proc], why: str) -> None:
@@ -120,7 +122,7 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], No
     ``tick`` runs at every look (the foreground's live progress)."""
     controller = _spawn(run, "controller", epoch=epoch, rank=None, supervised=True)
     generation = 0
-    workers = _spawn_workers(run, cfg, epoch=epoch, generation=generation)
+    workers = _spawn_workers(run, epoch=epoch, generation=generation)
     started = list(workers)
     try:
         while True:
@@ -135,7 +137,7 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], No
                 _kill(workers, f"a worker of generation {generation}, still running after the controller's abort")
                 generation = req.generation
                 log.info("starting generation %d of the workers (epoch %d): %s", generation, epoch, req.reason)
-                workers = _spawn_workers(run, cfg, epoch=epoch, generation=generation)
+                workers = _spawn_workers(run, epoch=epoch, generation=generation)
                 started += workers
         if RunRecord(run).read().status is Status.RUNNING:  # the controller died: its workers are of no use
             _kill(workers, f"the controller exited ({code}) without a last word")
