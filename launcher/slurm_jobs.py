@@ -148,9 +148,7 @@ def cancel(run: RunFolder, timeout_s: float = 60.0) -> dict[str, str]:
         if time.monotonic() >= deadline:
             raise UserError(f"scancel {job_id}: still {states} after {timeout_s:.0f} s; see squeue -j {job_id}")
         time.sleep(1.0)
-    with RunRecord(run).update(ev.Cancelled(job_id=job_id, slurm=states)) as s:
-        if s.status not in (Status.COMPLETED, Status.FAILED):
-            s.status = Status.CANCELLED
+    RunRecord(run).append(ev.Cancelled(job_id=job_id, slurm=states))  # a completed or failed run stays so
     write_json(_cache(run), {"job_id": job_id, "time": time.time(), "states": states})
     return states
 

@@ -112,8 +112,7 @@ class Program:
                       for p in sorted(group.peers.values(), key=lambda p: p.rank))
         micro = infos[0].micro_batch_size
         with self.record.update(ev.WorkersReady(world_size=group.world_size, epoch=group.epoch,
-                                                generation=group.generation, micro_batch_size=micro)) as s:
-            s.ranks, s.generation, s.micro_batch_size = ranks, group.generation, micro
+                                                generation=group.generation, micro_batch_size=micro, ranks=ranks)) as s:
             if self._alloc_base is None:  # what earlier epochs (before a requeue) held their allocation
                 self._alloc_base = s.goodput.allocated_s
 
