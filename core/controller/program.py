@@ -30,7 +30,8 @@ from core.controller.sync_policy import SyncPolicy
 from core.errors import UserError
 from core.record import events as ev
 from core.record import steps as step_records
-from core.record.runfolder import RunFolder, write_json
+from core.record.memory import MemoryReport
+from core.record.runfolder import RunFolder
 from core.record.state import Goodput, RankInfo, RunRecord
 from core.record.steps import StepRecord
 from core.spec import config as config_mod
@@ -197,12 +198,11 @@ class Program:
 
     def _write_memory(self, step: int, results: list[Any]) -> None:
         """memory.json: what every rank measured it held at ``step`` (the allocation's first)."""
-        if any(getattr(r, "memory", None) for r in results):
-            keys = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        measured = [getattr(r, "memory", None) for r in results]
+        if any(measured):
             state = self.record.read()
-            write_json(self.run.memory, {"step": step, "micro_batch_size": state.micro_batch_size,
-                                         "device": state.ranks[0].device if state.ranks else "cpu",
-                                         "ranks": [dict(zip(keys, r.memory or (), strict=False)) for r in results]})
+            MemoryReport.from_results(step, state.micro_batch_size, state.ranks[0].device if state.ranks else "cpu",
+                                      measured).write(self.run.memory)
 
     def save_progress(self) -> None:
         """Write the step, the last loss and goodput into state.json."""

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from core.errors import RunFolderError
 from core.record import events as ev
 from core.record import steps
+from core.record.memory import MemoryReport, RankMemory
 from core.record.runfolder import RunFolder
 from core.record.state import (
     FOLD,
@@ -271,3 +272,32 @@ def test_events_of_an_older_baton_without_the_newer_fields_still_read() -> None:
 
 def test_every_folded_kind_is_a_kind_of_the_history() -> None:
     assert set(FOLD) <= set(ev.KINDS.values())
+
+
+# --- memory.json ---------------------------------------------------------------------------
+def test_a_memory_report_is_written_in_its_shape_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "memory.json"
+    report = MemoryReport.from_results(0, 4, "cuda", [(1.0, 2.0, 3.0, 4.0), None, (5.0, 6.0)])
+    report.write(path)
+    assert json.loads(path.read_text()) == {"step": 0, "micro_batch_size": 4, "device": "cuda", "ranks": [
+        {"weights_bytes": 1.0, "grads_bytes": 2.0, "optimizer_bytes": 3.0, "activations_bytes": 4.0}, {},
+        {"weights_bytes": 5.0, "grads_bytes": 6.0}]}
+    back = MemoryReport.read(path)
+    assert back == report and back.ranks[1] == RankMemory() and back.ranks[2].optimizer_bytes is None
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "memory.json: missing; the ranks measure"),
+    (b"{not json", "memory.json: unreadable"),
+    (b"[1, 2]", "expected a mapping"),
+    (b'{"step": 0, "micro_batch_size": 4, "device": "cpu"}', "ranks: missing"),
+    (b'{"step": 0, "micro_batch_size": 4, "device": "cpu", "ranks": [{"weights_bytes": "x"}]}', "weights_bytes"),
+])
+def test_a_missing_or_damaged_memory_report_is_one_error_naming_the_file(tmp_path: Path, content: bytes | None,
+                                                                        fragment: str) -> None:
+    path = tmp_path / "memory.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(RunFolderError, match=fragment) as info:
+        MemoryReport.read(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
