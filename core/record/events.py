@@ -230,6 +230,7 @@ class RestartingWorkers(Event):
     backoff_s: float
     retry: int
     max_retries: int
+    step: int | None = None  # steps done: the new generation resumes from the latest checkpoint (None: an older Baton's)
 
 
 @dataclass(frozen=True, kw_only=True)

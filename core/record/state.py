@@ -144,7 +144,7 @@ FOLD: dict[type[ev.Event], Callable[[RunState, Any], dict[str, Any]]] = {
     ev.ControllerStarted: lambda s, e: {"status": Status.RUNNING, "epoch": e.epoch, "restarts": e.epoch, "reason": "",
                                         **({} if e.total_steps is None else {"total_steps": e.total_steps})},
     ev.WorkersReady: lambda s, e: {"ranks": e.ranks, "generation": e.generation, "micro_batch_size": e.micro_batch_size},
-    ev.RestartingWorkers: lambda s, e: {"generation": e.generation},
+    ev.RestartingWorkers: lambda s, e: {"generation": e.generation, **({} if e.step is None else {"step": e.step})},
     ev.Requeued: lambda s, e: {"status": Status.REQUEUED},
     ev.Completed: lambda s, e: {"status": Status.COMPLETED, "reason": ""},
     ev.Stopped: lambda s, e: {"status": Status.STOPPED, "reason": e.reason},

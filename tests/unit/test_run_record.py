@@ -252,8 +252,8 @@ def test_an_appended_event_is_folded_into_the_state(tmp_path: Path) -> None:
 def test_update_folds_its_events_before_the_body_and_an_append_inside_it_at_once(tmp_path: Path) -> None:
     record = RunRecord(_folder(tmp_path))
     with record.update(ev.RestartingWorkers(generation=2, backoff_s=0.0, retry=1, max_retries=3)) as s:
-        assert s.generation == 2
-        s.step = 7  # what no event carries
+        assert s.generation == 2 and s.step == 0
+        s.step = 7  # what no event carries (an older Baton's restarting_workers has no step)
         record.append(ev.Stopped(step=7, reason="scancel"))
         assert (s.status, s.reason) == (Status.STOPPED, "scancel")
     s = record.read()
@@ -301,3 +301,10 @@ def test_a_missing_or_damaged_memory_report_is_one_error_naming_the_file(tmp_pat
     with pytest.raises(RunFolderError, match=fragment) as info:
         MemoryReport.read(path)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_restarting_workers_records_the_generation_and_the_steps_done(tmp_path: Path) -> None:
+    record = RunRecord(_folder(tmp_path))
+    record.append(ev.RestartingWorkers(generation=3, backoff_s=1.0, retry=2, max_retries=3, step=12))
+    s = record.read()
+    assert (s.generation, s.step) == (3, 12)
