@@ -42,6 +42,10 @@ def _by_node(ranks: list[RankInfo]) -> str:
     return f"{len(ranks)} on {len(nodes)} node{'s' if len(nodes) > 1 else ''}: {where}"
 
 
+# workers_ready's ranks stay in events.jsonl: the workers lines above show the last set-up's
+_NOT_IN_HISTORY = ("time", "event", "ranks")
+
+
 def format_status(state: RunState, history: list[ev.Event]) -> str:
     lines = [
         f"status:   {state.status.value}",
@@ -59,7 +63,7 @@ def format_status(state: RunState, history: list[ev.Event]) -> str:
     if history:
         lines.append("history:")
         for e in history:
-            extra = ", ".join(f"{k}={v}" for k, v in ev.to_data(e).items() if k not in ("time", "event"))
+            extra = ", ".join(f"{k}={v}" for k, v in ev.to_data(e).items() if k not in _NOT_IN_HISTORY)
             lines.append(f"  {_fmt_time(e.time)}  {ev.kind_of(e)}" + (f" ({extra})" if extra else ""))
     return "\n".join(lines)
 

@@ -38,6 +38,7 @@ from core.record import steps
 from core.record.runfolder import RunFolder, read_json, write_atomic, write_json
 from core.record.state import RunRecord, RunState
 from core.spec.schema import build, to_data
+from launcher import slurm_states
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,13 @@ STATES = (UNSUBMITTED, QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED)
 RESUBMIT = (UNSUBMITTED, FAILED, CANCELLED)   # what `baton sweep resume` submits again
 ACTIVE = (QUEUED, RUNNING)
 
-# Slurm job states (sacct/squeue, first word) to point states. COMPLETED is not here: a job
-# that ended while its run did not complete counts as failed (see ``point_state``).
-SLURM_STATES = {
-    **dict.fromkeys(("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "PREEMPTED"), QUEUED),
-    **dict.fromkeys(("RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZING",
-                     "SUSPENDED", "STOPPED"), RUNNING),
-    "CANCELLED": CANCELLED,
-    **dict.fromkeys(("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-                     "SPECIAL_EXIT", "REVOKED"), FAILED),
+# Baton's word for a Slurm job state (launcher.slurm_states) → the point's state. A job that
+# completed while its run did not (the run's own word comes first: ``point_state``) failed.
+POINT_STATES = {
+    **dict.fromkeys(("pending", "held", "requeued"), QUEUED),
+    **dict.fromkeys(("running", "suspended", "ending"), RUNNING),
+    "cancelled": CANCELLED,
+    **dict.fromkeys(("completed", "failed", "timeout", "preempted"), FAILED),
 }
 
 # {job id: run folder} → {job id: Slurm state of the leader}; ids Slurm does not know are left out.
@@ -168,7 +167,7 @@ def point_state(entry: Entry, run_status: str | None, job_state: str | None, *, 
     if entry.job_id is None:
         return UNSUBMITTED
     if job_state is not None:
-        return SLURM_STATES.get(job_state, FAILED if job_state == "COMPLETED" else entry.state)
+        return POINT_STATES.get(slurm_states.word(job_state), entry.state)
     if run_status == "running":
         return RUNNING
     if run_status == "cancelled":  # launcher.slurm_jobs.cancel records it

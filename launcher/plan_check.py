@@ -11,10 +11,10 @@ for backward, times the micro-batches in flight). Exit code 1 when one is off by
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from core.errors import ExitCode, UserError
+from core.errors import ExitCode, RunFolderError, UserError
+from core.record.memory import MemoryReport
 from core.record.runfolder import RunFolder
 from core.spec import config
 from core.spec.plan import make_plan
@@ -29,24 +29,24 @@ def estimate(run_dir: Path) -> tuple[dict[str, float], dict[str, float], int]:
     run = RunFolder(run_dir)
     if not run.config.is_file():
         raise UserError(f"{run_dir}: not a Baton run folder (no config.yaml); pass the folder `baton submit` printed")
-    try:
-        measured = json.loads(run.memory.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{run.memory}: missing; the ranks measure what they hold at the first training step of "
-                        "an allocation: run (or resume) the run for at least one step") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{run.memory}: unreadable ({exc}); resume the run for a step to write it again") from None
+    measured = MemoryReport.read(run.memory)
+    if measured.micro_batch_size is None:
+        raise RunFolderError(f"{run.memory}: no micro_batch_size recorded; resume the run for a step to write it again")
     cfg = config.load(run.config)
     mp = cfg.training.mixed_precision
-    param, reduce = mp.resolved(on_cuda=measured.get("device") == "cuda")
+    param, reduce = mp.resolved(on_cuda=measured.device == "cuda")
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(
-        cfg.training, micro_batch_size=int(measured["micro_batch_size"]),
+        cfg.training, micro_batch_size=measured.micro_batch_size,
         mixed_precision=dataclasses.replace(mp, param_dtype=param, reduce_dtype=reduce)))
     mem = make_plan(cfg).memory
     est = {"weights": mem.weights_bytes, "gradients": mem.grads_bytes, "optimizer": mem.optimizer_bytes,
            "activations": mem.activations_bytes + mem.logits_bytes}
-    rank = measured["ranks"][mem.rank]
-    return est, {name: float(rank[key]) for name, key in CATEGORIES}, mem.rank
+    rank = measured.ranks[mem.rank] if mem.rank < len(measured.ranks) else None
+    got = {name: getattr(rank, key, None) for name, key in CATEGORIES}
+    if None in got.values():
+        raise RunFolderError(f"{run.memory}: rank {mem.rank} measured no {', '.join(n for n, v in got.items() if v is None)}"
+                             "; resume the run for a step to write it again")
+    return est, {name: float(v) for name, v in got.items() if v is not None}, mem.rank
 
 
 def run_check(run_dir: Path) -> int:

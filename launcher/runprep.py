@@ -16,7 +16,7 @@ from core.errors import UserError
 from core.record import events as ev
 from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, write_atomic
-from core.record.state import RunRecord, RunState, Status
+from core.record.state import RunRecord, RunState
 from core.spec import config as config_mod
 from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
@@ -49,8 +49,7 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     write_atomic(run.plan, plan_run(cfg).to_json())
     generate_keys(run.keys)
     now = time.time()
-    RunRecord(run).create(RunState(status=Status.CREATED, backend=backend, total_steps=cfg.trainer.steps,
-                                   created=now, updated=now), ev.Created(backend=backend))
+    RunRecord(run).create(RunState(total_steps=cfg.trainer.steps, created=now, updated=now), ev.Created(backend=backend))
     return run
 
 
@@ -112,9 +111,8 @@ def begin_resume(resume: Resume) -> None:
     if resume.overrides:
         write_atomic(run.config, config_mod.dump(resume.cfg))
     write_atomic(run.plan, plan_run(resume.cfg).to_json())  # planned again: a plan of an older Baton is replaced
-    with RunRecord(run).update(ev.ResumeRequested(epoch=resume.epoch, overrides=resume.overrides,
-                                                  from_scratch=resume.from_scratch)) as s:
-        s.restarts, s.status, s.from_scratch = resume.epoch, Status.RESUMING, resume.from_scratch
+    RunRecord(run).append(ev.ResumeRequested(epoch=resume.epoch, overrides=resume.overrides,
+                                             from_scratch=resume.from_scratch))
 
 
 def prepare_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = False

@@ -36,7 +36,7 @@ from core.controller.slurm_entry import slurm_main
 from core.errors import UserError
 from core.record import events as ev
 from core.record.runfolder import RunFolder, write_atomic, write_json
-from core.record.state import RunRecord, Status
+from core.record.state import RunRecord
 from core.spec.config import RunConfig
 from core.spec.jobspec import Component, HetJobSpec, SlurmComponentConfig, job_spec, parse_time_min, signal_lead_s
 from core.spec.roles import plan_roles
@@ -331,14 +331,11 @@ def submit(run: RunFolder, cfg: RunConfig, spec: HetJobSpec, *, epoch: int = 0, 
         job = executor.submit(slurm_main, str(run.path))
     except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError) as exc:
         reason = (str(exc).strip().splitlines() or ["no output"])[-1]
-        with RunRecord(run).update(ev.SubmitFailed(reason=reason)) as s:
-            s.status, s.reason = Status.FAILED, f"sbatch refused the job: {reason}"
+        RunRecord(run).append(ev.SubmitFailed(reason=reason))
         raise UserError(f"sbatch refused the job: {reason}") from None
     job_id = str(job.job_id)
     write_json(slurm_jobs.job_record(run), {"job_id": job_id, "backend": "slurm", "submitted": time.time(),
                                  "components": {"controller": f"{job_id}+0", "workers": f"{job_id}+1"}})
-    with RunRecord(run).update(ev.Submitted(backend="slurm", job_id=job_id, epoch=epoch)) as s:
-        s.status, s.backend = Status.SUBMITTED, "slurm"
-        s.slurm = dataclasses.replace(s.slurm, job_id=job_id)
+    RunRecord(run).append(ev.Submitted(backend="slurm", job_id=job_id, epoch=epoch))
     log.debug("submitted job %s for %s", job_id, run.path)
     return job_id

@@ -13,27 +13,15 @@ from core.errors import UserError
 from core.record import events as ev
 from core.record.runfolder import RunFolder, read_json, write_json
 from core.record.state import RunRecord, Status
+from launcher import slurm_states
 
 STATE_CACHE_S = 3.0  # job_states answers from the run folder's cache for this long
 CLI_TIMEOUT_S = 30.0
 
-# Slurm job state → Baton's word for it. Anything else is "unknown".
-SLURM_TO_BATON = {
-    "PENDING": "pending", "CONFIGURING": "pending", "RESV_DEL_HOLD": "held", "REQUEUE_HOLD": "held",
-    "REQUEUED": "requeued", "REQUEUE_FED": "requeued", "SUSPENDED": "suspended", "STOPPED": "suspended",
-    "RUNNING": "running", "SIGNALING": "running", "RESIZING": "running",
-    "COMPLETING": "ending", "STAGE_OUT": "ending",
-    "COMPLETED": "completed", "CANCELLED": "cancelled", "REVOKED": "cancelled",
-    "FAILED": "failed", "BOOT_FAIL": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
-    "SPECIAL_EXIT": "failed", "TIMEOUT": "timeout", "DEADLINE": "timeout", "PREEMPTED": "preempted",
-}
-ACTIVE = {"pending", "held", "requeued", "suspended", "running", "ending"}
-
-
-def baton_state(slurm_state: str) -> str:
-    """Baton's name for a Slurm state (``CANCELLED by 0`` → ``cancelled``)."""
-    word = slurm_state.split()[0] if slurm_state.split() else ""
-    return SLURM_TO_BATON.get(word.rstrip("+"), "unknown")
+# Slurm job state → Baton's word for it (launcher.slurm_states; anything else is "unknown").
+SLURM_TO_BATON = slurm_states.JOB_STATES
+ACTIVE = slurm_states.ACTIVE
+baton_state = slurm_states.word
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -148,9 +136,7 @@ def cancel(run: RunFolder, timeout_s: float = 60.0) -> dict[str, str]:
         if time.monotonic() >= deadline:
             raise UserError(f"scancel {job_id}: still {states} after {timeout_s:.0f} s; see squeue -j {job_id}")
         time.sleep(1.0)
-    with RunRecord(run).update(ev.Cancelled(job_id=job_id, slurm=states)) as s:
-        if s.status not in (Status.COMPLETED, Status.FAILED):
-            s.status = Status.CANCELLED
+    RunRecord(run).append(ev.Cancelled(job_id=job_id, slurm=states))  # a completed or failed run stays so
     write_json(_cache(run), {"job_id": job_id, "time": time.time(), "states": states})
     return states
 

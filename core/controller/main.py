@@ -70,9 +70,8 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
         metrics.set_restarts(env.epoch)
     record = RunRecord(run)
     started = process.started_at()
-    with record.update(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid(),
-                                            started_at=round(started, 3))) as s:
-        s.status, s.epoch, s.restarts, s.total_steps, s.reason = Status.RUNNING, env.epoch, env.epoch, cfg.trainer.steps, ""
+    record.append(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid(), started_at=round(started, 3),
+                                       total_steps=cfg.trainer.steps))
     sock = ControllerSocket(run.keys)
     publish_address(run, sock, host=env.controller_host, epoch=env.epoch)
     request_workers(run, WorkerRequest(epoch=env.epoch, generation=0, reason="epoch start"))
@@ -110,8 +109,7 @@ def _end(env: JobEnv, program: Program, outcome: Outcome) -> int:
     if outcome.status is Status.STOPPED:
         log.warning("%s", outcome.reason)
         done = ev.Stopped(step=program.step, reason=outcome.reason)
-    with program.record.update(done) as s:
-        s.status, s.reason = outcome.status, outcome.reason
+    program.record.append(done)
     program.workers.shutdown(outcome.reason or "run completed")
     return ExitCode.OK
 
@@ -122,8 +120,7 @@ def _failed(program: Program, reason: str, code: ExitCode) -> int:
         program.save_progress()  # goodput: this epoch's time counts, failed or not
     except OSError as exc:
         log.warning("could not record progress: %s", exc)
-    with program.record.update(ev.Failed(reason=reason, step=program.step)) as s:
-        s.status, s.reason = Status.FAILED, reason
+    program.record.append(ev.Failed(reason=reason, step=program.step))
     program.workers.abort(f"controller: {reason}")
     return code
 
@@ -131,9 +128,8 @@ def _failed(program: Program, reason: str, code: ExitCode) -> int:
 def _requeue(env: JobEnv, program: Program, outcome: Outcome) -> int:
     """Record the requeue, release the workers, and requeue: Slurm's ``scontrol requeue``
     (which ends this job at once), or locally the supervisor relaunches on REQUEUED."""
-    with program.record.update(ev.Requeued(step=program.step, reason=outcome.reason, epoch=env.epoch,
-                                           exclude=outcome.exclude, backend="slurm" if env.job_id else "local")) as s:
-        s.status = Status.REQUEUED
+    program.record.append(ev.Requeued(step=program.step, reason=outcome.reason, epoch=env.epoch,
+                                      exclude=outcome.exclude, backend="slurm" if env.job_id else "local"))
     group = program.workers
     if outcome.clean:
         group.shutdown(f"requeued: {outcome.reason}")

@@ -35,7 +35,8 @@ from core.errors import UserError
 from core.flows.calls import PolicyResult
 from core.record import events as ev
 from core.record import steps as step_records
-from core.record.runfolder import RunFolder, write_json
+from core.record.memory import MemoryReport
+from core.record.runfolder import RunFolder
 from core.record.state import Goodput, RankInfo, RunRecord
 from core.record.steps import StepRecord
 from core.spec import config as config_mod
@@ -126,8 +127,7 @@ class Program:
         micro = infos[self.trainer.plan.first_rank].micro_batch_size
         group = self.workers
         with self.record.update(ev.WorkersReady(world_size=group.world_size, epoch=group.epoch,
-                                                generation=group.generation, micro_batch_size=micro)) as s:
-            s.ranks, s.generation, s.micro_batch_size = ranks, group.generation, micro
+                                                generation=group.generation, micro_batch_size=micro, ranks=ranks)) as s:
             if self._alloc_base is None:  # what earlier epochs (before a requeue) held their allocation
                 self._alloc_base = s.goodput.allocated_s
 
@@ -219,12 +219,11 @@ class Program:
 
     def _write_memory(self, step: int, results: list[Any]) -> None:
         """memory.json: what every rank measured it held at ``step`` (the allocation's first)."""
-        if any(getattr(r, "memory", None) for r in results):
-            keys = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        measured = [getattr(r, "memory", None) for r in results]
+        if any(measured):
             state = self.record.read()
-            write_json(self.run.memory, {"step": step, "micro_batch_size": state.micro_batch_size,
-                                         "device": state.ranks[0].device if state.ranks else "cpu",
-                                         "ranks": [dict(zip(keys, r.memory or (), strict=False)) for r in results]})
+            MemoryReport.from_results(step, state.micro_batch_size, state.ranks[0].device if state.ranks else "cpu",
+                                      measured).write(self.run.memory)
 
     def save_progress(self) -> None:
         """Write the step, the last loss and goodput into state.json."""

@@ -270,10 +270,9 @@ class Recovery:
         program.checkpoints.forget()
         generation = group.generation + 1
         group.reset(generation)
-        with program.record.update(ev.RestartingWorkers(
-                generation=generation, backoff_s=round(decision.backoff_s, 2), retry=budget.retries,
-                max_retries=program.cfg.recovery.max_retries)) as s:
-            s.step, s.generation = program.step, generation
+        program.record.append(ev.RestartingWorkers(generation=generation, backoff_s=round(decision.backoff_s, 2),
+                                                   retry=budget.retries, max_retries=program.cfg.recovery.max_retries,
+                                                   step=program.step))
         log.warning("%s: generation %d after %.1f s", decision.reason, generation, decision.backoff_s)
         deadline = time.monotonic() + decision.backoff_s
         while time.monotonic() < deadline:  # sliced, so that a preemption cuts the backoff short

@@ -6,7 +6,10 @@ shows them. On disk (``events.jsonl``, one JSON object a line, written by
 ``core.record.state``) an event is flat: ``{"time": 1.7e9, "event": "resumed", "step": 10, ...}``.
 
 ``to_data`` and ``from_data`` are inverses. A line of a kind this Baton does not know
-(written by a newer one) is kept as ``OtherEvent`` and written back unchanged.
+(written by a newer one) is kept as ``OtherEvent`` and written back unchanged. What an
+event changes in the run's state is ``core.record.state.FOLD``'s: the events here carry
+every value the state takes from them (fields added later have defaults, so older
+events.jsonl files still read).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from core.errors import RunFolderError
+from core.spec.dims import Coords
 from core.spec.schema import build
 from core.spec.schema import to_data as _plain
 
@@ -53,6 +57,8 @@ class Submitted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class SubmitFailed(Event):
+    """sbatch refused the job (``reason``: its last line of output)."""
+
     KIND: ClassVar[str] = "submit_failed"
     reason: str
 
@@ -72,6 +78,22 @@ class ControllerStarted(Event):
     epoch: int
     pid: int
     started_at: float | None = None  # unix time the controller process started: its epoch's allocated time begins
+    total_steps: int | None = None  # trainer.steps of this epoch's config (None: an older Baton's event)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    """One worker as the controller last saw it set up."""
+
+    rank: int
+    node: str
+    host: str
+    pid: int
+    coords: Coords | None = None
+    layers: tuple[int, ...] = ()
+    num_params: int = 0
+    device: str = ""
+    role: str = "trainer"  # or "generator": a split generator's rank (its coords in the generator's layout)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +103,7 @@ class WorkersReady(Event):
     epoch: int
     generation: int
     micro_batch_size: int | None = None  # as the workers resolved it (``auto``)
+    ranks: tuple[RankInfo, ...] = ()  # every worker, set up (none in an older Baton's event)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +230,7 @@ class RestartingWorkers(Event):
     backoff_s: float
     retry: int
     max_retries: int
+    step: int | None = None  # steps done: the new generation resumes from the latest checkpoint (None: an older Baton's)
 
 
 @dataclass(frozen=True, kw_only=True)

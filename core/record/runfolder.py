@@ -7,7 +7,7 @@
 Paths, and the atomic write every JSON file goes through (temporary file, fsync, rename),
 so a reader on another node never sees half a file. What the files hold is read and
 written by the modules beside this one: ``state`` (state.json, events.jsonl), ``steps``
-(metrics.jsonl), ``plans`` (plan.json). No third-party imports: the launcher uses it too.
+(metrics.jsonl), ``memory`` (memory.json), ``plans`` (plan.json). No third-party imports: the launcher uses it too.
 """
 from __future__ import annotations
 

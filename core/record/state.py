@@ -8,6 +8,10 @@ Two files in the run folder, one lock beside them:
     state.lock     ``fcntl.flock``: held exclusively by every writer while it reads,
                    changes and writes (``RunRecord.update``, ``RunRecord.append``)
 
+An event changes the state one way only: ``FOLD`` says what each kind sets, and every
+event appended (``update``, ``append``, ``create``) is folded in; a writer sets by hand only
+what no event carries (the step, the loss, goodput, the retry budget).
+
 Every process goes through here: the CLI (submit, resume, cancel), the controller, the
 batch script's supervisor, the local supervisor and the sweep ledger. Readers need no
 lock (a replaced file is whole). A reader of a file from an older Baton (version 1: an
@@ -23,15 +27,15 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from core.errors import RunFolderError
 from core.record import events as ev
+from core.record.events import RankInfo
 from core.record.runfolder import RunFolder, write_atomic
-from core.spec.dims import Coords
 from core.spec.schema import build, to_data
 
 log = logging.getLogger(__name__)
@@ -56,21 +60,6 @@ class Status(enum.StrEnum):
     def final(self) -> bool:
         """Nothing will run it again without the user (a resume)."""
         return self in (Status.COMPLETED, Status.FAILED, Status.STOPPED, Status.CANCELLED)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankInfo:
-    """One worker as the controller last saw it set up."""
-
-    rank: int
-    node: str
-    host: str
-    pid: int
-    coords: Coords | None = None
-    layers: tuple[int, ...] = ()
-    num_params: int = 0
-    device: str = ""
-    role: str = "trainer"  # or "generator": a split generator's rank (its coords in the generator's layout)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +130,35 @@ class RunState:
         return dataclasses.replace(self)
 
 
+# --- the fold: what each event changes in the state -----------------------------------------
+# One entry per kind that changes the state: (state, event) → the fields it sets. Kinds not
+# here only inform (checkpoints, losses, decisions whose numbers the writer keeps by hand:
+# the retry budget, the step). ``RunRecord`` folds every event it appends.
+FOLD: dict[type[ev.Event], Callable[[RunState, Any], dict[str, Any]]] = {
+    ev.Created: lambda s, e: {"status": Status.CREATED, "backend": e.backend},
+    ev.ResumeRequested: lambda s, e: {"status": Status.RESUMING, "restarts": e.epoch, "from_scratch": e.from_scratch},
+    ev.Submitted: lambda s, e: {"status": Status.SUBMITTED, "backend": e.backend,
+                                "slurm": replace(s.slurm, job_id=e.job_id)},
+    ev.SubmitFailed: lambda s, e: {"status": Status.FAILED, "reason": f"sbatch refused the job: {e.reason}"},
+    ev.Cancelled: lambda s, e: {} if s.status in (Status.COMPLETED, Status.FAILED) else {"status": Status.CANCELLED},
+    ev.ControllerStarted: lambda s, e: {"status": Status.RUNNING, "epoch": e.epoch, "restarts": e.epoch, "reason": "",
+                                        **({} if e.total_steps is None else {"total_steps": e.total_steps})},
+    ev.WorkersReady: lambda s, e: {"ranks": e.ranks, "generation": e.generation, "micro_batch_size": e.micro_batch_size},
+    ev.RestartingWorkers: lambda s, e: {"generation": e.generation, **({} if e.step is None else {"step": e.step})},
+    ev.Requeued: lambda s, e: {"status": Status.REQUEUED},
+    ev.Completed: lambda s, e: {"status": Status.COMPLETED, "reason": ""},
+    ev.Stopped: lambda s, e: {"status": Status.STOPPED, "reason": e.reason},
+    ev.Failed: lambda s, e: {"status": Status.FAILED, "reason": e.reason},
+}
+
+
+def apply(state: RunState, event: ev.Event) -> None:
+    """Fold ``event`` into ``state``, in place (a kind that changes nothing leaves it as it is)."""
+    fold = FOLD.get(type(event))
+    for name, value in (fold(state, event) if fold is not None else {}).items():
+        setattr(state, name, value)
+
+
 def state_to_data(state: RunState) -> dict[str, Any]:
     """state.json's content."""
     return to_data(state)  # type: ignore[no-any-return]
@@ -198,6 +216,7 @@ class RunRecord:
         # as it left it skips the parse and the typed build (the controller's per-step update).
         self._last: tuple[bytes, RunState] | None = None
         self._held = False
+        self._state: RunState | None = None  # inside ``update``: the state being changed
 
     # --- reading: no lock ---------------------------------------------------------------------
     def exists(self) -> bool:
@@ -264,29 +283,47 @@ class RunRecord:
 
     @contextlib.contextmanager
     def update(self, *new_events: ev.Event) -> Iterator[RunState]:
-        """Read, let the caller change, write: ``with record.update() as s: s.step = 10``.
+        """Read, fold ``new_events`` in, let the caller change what no event carries, write:
+        ``with record.update(ev.RestartingWorkers(...)) as s: s.step = 10``.
 
-        ``new_events`` are appended to the history under the same lock. A missing state.json
-        starts from a fresh ``RunState``. Nothing is written when the body raises.
+        ``new_events`` are appended to the history under the same lock, after state.json is
+        written. An event ``append``ed inside the body is folded into ``s`` and appended at
+        once. A missing state.json starts from a fresh ``RunState``. Nothing is written when
+        the body raises.
         """
         with self._locked():
             state = self._read_for_update()
-            yield state
+            for e in new_events:
+                apply(state, e)
+            self._state = state
+            try:
+                yield state
+            finally:
+                self._state = None
             self._write(state)
             if new_events:
                 self._append(new_events)
 
     def append(self, *events: ev.Event) -> None:
-        """Add ``events`` to the history (state.json unchanged); also inside ``update``."""
-        if self._held:
+        """Add ``events`` to the history, folding those that change the state into state.json
+        (written first); inside ``update``, into the state being updated."""
+        if self._state is not None:  # inside update
+            for e in events:
+                apply(self._state, e)
             self._append(events)
             return
-        with self._locked():
-            self._append(events)
+        if not any(type(e) in FOLD for e in events):
+            with self._locked():
+                self._append(events)
+            return
+        with self.update(*events):
+            pass
 
     def create(self, state: RunState, *events: ev.Event) -> None:
-        """Write the first state of a new run folder."""
+        """Write the first state of a new run folder, ``events`` folded in."""
         with self._locked():
+            for e in events:
+                apply(state, e)
             self._write(state)
             self._append(events)
 

@@ -1,5 +1,8 @@
 """The run configuration: frozen, keyword-only dataclasses, loaded from YAML.
 
+``RunConfig`` composes the sections (``core.spec.sections``, ``modelcfg``, ``generator``,
+``rl``, ``slurmcfg``: each checks its own values) and checks them against each other here
+(the layout, the generator's, RL's needs): the sections never see the whole config.
 Loading order: the YAML file, then ``key=value`` overrides with dotted paths
 (``parallel.tp=2``), then strict conversion (``core.spec.schema.build``) and validation in
 ``__post_init__``. The resolved config is what the run folder records.
@@ -11,6 +14,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,270 +25,29 @@ from core.errors import ConfigError, LayoutError
 from core.spec import modelcfg, schema
 from core.spec import rl as rl_spec
 from core.spec.dims import ParallelDims
-from core.spec.generator import GeneratorConfig
-from core.spec.generator import validate as validate_generator
-from core.spec.jobspec import SlurmConfig
-from core.spec.layout import validate_layout
+from core.spec.generator import GeneratorConfig, own_workers
 from core.spec.modelcfg import ModelConfig
 from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
+from core.spec.sections import (
+    CheckpointConfig,
+    DataConfig,
+    MetricsConfig,
+    MixedPrecisionConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RecoveryConfig,
+    SyncConfig,
+    TimeoutsConfig,
+    TrainerConfig,
+    TrainingConfig,
+)
+from core.spec.slurmcfg import SlurmConfig
 
-__all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "config_hash"]
-
-Auto = Literal["auto"]
-
-MAX_STEPS = 10**12
-MAX_WORLD = 2**20  # workers in one run
-MAX_TIMEOUT_S = 1e7  # about 116 days: any wait longer than that is a typo
-MAX_COUNT = 10**6  # retries, retained checkpoints, failures per node
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """How many workers and how long."""
-
-    nodes: int = bounded(1, gt=0, le=100_000, why=" (more nodes than any cluster has)")
-    n_gpus_per_node: int = bounded(1, gt=0, le=1024, why=" (more GPUs than any node has)")  # one worker per GPU
-    steps: int = bounded(20, gt=0, le=MAX_STEPS)
-    log_interval_steps: int = bounded(1, gt=0, le=MAX_STEPS)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "trainer")
-        if self.world_size > MAX_WORLD:
-            raise ConfigError(f"trainer: {self.nodes} node(s) × {self.n_gpus_per_node} = {self.world_size} workers "
-                              f"exceed {MAX_WORLD} (2**20); lower trainer.nodes or trainer.n_gpus_per_node")
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.n_gpus_per_node
-
-
-@dataclass(frozen=True, kw_only=True)
-class SyncConfig:
-    """Periodic synchronisation of data-parallel replicas (local SGD): with ``every`` > 1 or
-    ``adaptive_latency_ms``, each replica steps on its own gradients and every ``every``-th
-    step (and before every checkpoint) the replicas average their weights and Adam moments;
-    with ``adaptive_latency_ms`` the controller doubles the period (up to ``max_every``)
-    while the median of the last 3 averaging all-reduces takes longer, and halves it (down
-    to ``every``) once it takes under half of that."""
-
-    every: int = bounded(1, gt=0, le=2**20)
-    adaptive_latency_ms: float | None = bounded(None, gt=0, le=1e7)
-    max_every: int = bounded(64, gt=0, le=2**20)
-    outer: Literal["average", "nesterov"] = "average"  # nesterov: DiLoCo's outer step on the pseudo-gradient
-    outer_lr: float = bounded(0.7, gt=0, le=1e3)
-    outer_momentum: float = bounded(0.9, ge=0, lt=1)
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "parallel.sync")
-        if self.max_every < self.every:
-            raise ConfigError(f"parallel.sync.max_every: {self.max_every} < parallel.sync.every = {self.every}; "
-                              "raise max_every")
-
-    @property
-    def local(self) -> bool:
-        """Replicas step on their own gradients (no all-reduce of gradients)."""
-        return self.every > 1 or self.adaptive_latency_ms is not None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """Tensor and pipeline parallel sizes; data parallel is derived from the worker count.
-    ``sharding`` over data parallelism: ``optimizer`` (ZeRO-1, Megatron's distributed
-    optimizer; the same as ``distributed_optimizer: true``) or ``params`` (ZeRO-3, torch
-    FSDP2: core.model.gpt.fsdp)."""
-
-    tp: int = bounded(1, gt=0, le=MAX_WORLD)
-    pp: int = bounded(1, gt=0, le=MAX_WORLD)
-    sharding: Literal["none", "optimizer", "params"] = "none"
-    distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False  # Megatron's bucketed all-reduce of gradients during backward
-    bucket_size: int | None = bounded(None, gt=0, le=2**40)  # elements per gradient bucket; null: Megatron's
-    sync: SyncConfig = field(default_factory=SyncConfig)
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "parallel")
-        if self.distributed_optimizer and self.sharding == "params":
-            raise ConfigError("parallel.distributed_optimizer: true with parallel.sharding: params; ZeRO-3 shards the "
-                              "optimizer state already: drop distributed_optimizer")
-        if self.distributed_optimizer or self.sharding == "optimizer":  # the two spellings of ZeRO-1 agree
-            object.__setattr__(self, "sharding", "optimizer")
-            object.__setattr__(self, "distributed_optimizer", True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MixedPrecisionConfig:
-    """The three precision levels: parameters (and compute) in ``param_dtype`` over fp32 master
-    weights and Adam moments in the optimizer; the data-parallel gradient reduction in
-    ``reduce_dtype``. ``auto``: bf16 on a GPU, fp32 on a CPU (an explicit dtype wins on both);
-    ``reduce_dtype: auto`` is the parameters' dtype. fp16 trains with dynamic loss scaling
-    from ``initial_loss_scale``. ``enabled: false`` is fp32 throughout.
-
-    Megatron reduces gradients in fp32 or in the parameters' dtype, nothing else: any other
-    pairing is refused at submit. ``buffer_dtype`` was removed (module buffers stay in the
-    parameters' dtype; the communication dtype is ``reduce_dtype``).
-    """
-
-    enabled: bool = True
-    param_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    reduce_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    initial_loss_scale: float = bounded(65536.0, gt=0, le=1e12, why=" (beyond it every gradient overflows)")
-    buffer_dtype: str | None = None  # removed: refused with the reason
-
-    def __post_init__(self) -> None:
-        key = "training.mixed_precision"
-        if self.buffer_dtype is not None:
-            raise ConfigError(f"{key}.buffer_dtype: {self.buffer_dtype!r} is no longer a setting: Megatron keeps module "
-                              f"buffers in the parameters' dtype, and the gradient reduction's dtype is "
-                              f"{key}.reduce_dtype; remove it")
-        check_bounds(self, key)
-        if not self.enabled:
-            for name in ("param_dtype", "reduce_dtype"):
-                if getattr(self, name) not in ("auto", "fp32"):
-                    raise ConfigError(f"{key}.{name}: {getattr(self, name)!r} with {key}.enabled: false (fp32 "
-                                      f"throughout); set {key}.enabled=true or {key}.{name}=fp32")
-            return
-        param, reduce = self.param_dtype, self.reduce_dtype
-        if reduce in ("auto", "fp32") or reduce == param:
-            return
-        if param == "auto":
-            raise ConfigError(f"{key}.reduce_dtype: {reduce!r} needs {key}.param_dtype={reduce} (auto is fp32 on a "
-                              f"CPU); Megatron reduces gradients in fp32 or in the parameters' dtype")
-        raise ConfigError(f"{key}.reduce_dtype: {reduce!r} with {key}.param_dtype {param!r}: Megatron reduces "
-                          f"gradients in fp32 or in the parameters' dtype; use {key}.reduce_dtype=fp32 or "
-                          f"{key}.reduce_dtype={param}")
-
-    def resolved(self, *, on_cuda: bool) -> tuple[str, str]:
-        """(parameter dtype, reduction dtype) as they run on a GPU (``on_cuda``) or a CPU."""
-        if not self.enabled:
-            return "fp32", "fp32"
-        param = ("bf16" if on_cuda else "fp32") if self.param_dtype == "auto" else self.param_dtype
-        return param, param if self.reduce_dtype == "auto" else self.reduce_dtype
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainingConfig:
-    global_batch_size: int = bounded(16, gt=0, le=2**31)
-    micro_batch_size: int | Auto = bounded(4, gt=0, le=2**31)
-    recompute: Literal["none", "full", "selective"] = "none"
-    activation_storage: Literal["plain", "int8"] = "plain"  # int8: saved for backward as int8 (model.gpt.activations)
-    grad_clip: float = bounded(1.0, ge=0)
-    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "training")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    """Adam with warmup and cosine decay. ``lr: auto`` = 3e-6 × sqrt(global_batch / 1024)."""
-
-    lr: float | Auto = bounded(3e-3, gt=0)
-    min_lr: float = bounded(0.0, ge=0)
-    weight_decay: float = bounded(0.0, ge=0)
-    beta1: float = bounded(0.9, ge=0, lt=1)
-    beta2: float = bounded(0.95, ge=0, lt=1)
-    eps: float = bounded(1e-8, gt=0)
-    warmup_steps: int = bounded(0, ge=0, le=MAX_STEPS)
-    schedule: Literal["cosine", "constant"] = "cosine"
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "optimizer")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """``synthetic`` tasks for tests and demos, or an HDF5 token dataset (``baton data build``).
-
-    ``path`` (hdf5) must name an existing file when the config is validated; a relative path
-    is relative to the folder ``baton submit`` runs in, and the run folder stores it resolved.
-    """
-
-    kind: Literal["synthetic", "hdf5"] = "synthetic"
-    task: Literal["increment", "copy", "random"] = "increment"
-    path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind == "hdf5" and not self.path:
-            raise ConfigError("data.path: required when data.kind is 'hdf5' (build one with `baton data build`)")
-        if self.kind == "hdf5":
-            schema.check_file("data.path", str(self.path), "give an HDF5 token file (build one with `baton data build`)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    interval_steps: int = bounded(0, ge=0, le=MAX_STEPS)  # 0: only at the end of the run
-    keep_last: int = bounded(2, le=MAX_COUNT)
-    async_save: bool = field(default=False, metadata={"key": "async"})
-    at_end: bool = True
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "checkpoint")
-        if self.keep_last < 2:
-            raise ConfigError(f"checkpoint.keep_last: {self.keep_last} must be ≥ 2 (the previous good "
-                              "checkpoint is kept until the next one is committed)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TimeoutsConfig:
-    """Every wait has a deadline (each > 0 and ≤ 1e7 s); heartbeats decide when a worker is lost.
-
-    ``heartbeat_timeout_s``: how long a running worker may be silent before it is declared
-    lost. ``startup_heartbeat_timeout_s``: how long a worker may be silent while it starts
-    and sets up (it imports its libraries: torch, Megatron); at least ``heartbeat_timeout_s``.
-    """
-
-    register_s: float = bounded(120.0, gt=0, le=MAX_TIMEOUT_S)
-    setup_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_S)
-    step_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_S)
-    checkpoint_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_S)
-    call_s: float = bounded(60.0, gt=0, le=MAX_TIMEOUT_S)
-    heartbeat_interval_s: float = bounded(0.25, gt=0, le=MAX_TIMEOUT_S)
-    heartbeat_timeout_s: float = bounded(2.0, gt=0, le=MAX_TIMEOUT_S)
-    startup_heartbeat_timeout_s: float = bounded(120.0, gt=0, le=MAX_TIMEOUT_S)
-    controller_lost_s: float = bounded(10.0, gt=0, le=MAX_TIMEOUT_S)
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "timeouts")
-        for key in ("heartbeat_timeout_s", "controller_lost_s"):  # both sides' watchdogs
-            if getattr(self, key) <= 2 * self.heartbeat_interval_s:
-                raise ConfigError(f"timeouts.{key}: {getattr(self, key)} must exceed twice "
-                                  f"timeouts.heartbeat_interval_s = {self.heartbeat_interval_s}")
-        if self.startup_heartbeat_timeout_s < self.heartbeat_timeout_s:
-            raise ConfigError(f"timeouts.startup_heartbeat_timeout_s: {self.startup_heartbeat_timeout_s} must be ≥ "
-                              f"timeouts.heartbeat_timeout_s = {self.heartbeat_timeout_s} (a starting worker may be "
-                              "silent at least as long as a running one); raise it")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecoveryConfig:
-    max_retries: int = bounded(3, ge=0, le=MAX_COUNT)
-    backoff_s: float = bounded(5.0, ge=0, le=MAX_TIMEOUT_S)
-    node_failure_limit: int = bounded(2, gt=0, le=MAX_COUNT)  # failures on one node before a requeue excludes it
-    walltime_margin_s: float = bounded(30.0, ge=0, le=MAX_TIMEOUT_S)  # beyond one step and one save
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "recovery")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MetricsConfig:
-    """The controller's Prometheus endpoint.
-
-    ``port``: 0 (any free port) to 65535, written to the run folder. ``bind``: ``127.0.0.1``
-    (default) this machine, ``0.0.0.0`` all interfaces, or one address of the node.
-    """
-
-    enabled: bool = True
-    port: int = bounded(0, ge=0, le=65535, why=" (a TCP port; 0: any free one)")
-    bind: str = "127.0.0.1"
-
-    def __post_init__(self) -> None:
-        check_bounds(self, "metrics")
-        if not schema.check_text("metrics.bind", self.bind).strip() or any(c.isspace() for c in self.bind):
-            raise ConfigError(f"metrics.bind: {self.bind!r} is not an interface; use an address such as "
-                              "127.0.0.1 (this machine) or 0.0.0.0 (all interfaces)")
-
+__all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "config_hash",
+           # the sections, where RunConfig's users have always found them
+           "CheckpointConfig", "DataConfig", "GeneratorConfig", "MetricsConfig", "MixedPrecisionConfig", "ModelConfig",
+           "OptimizerConfig", "ParallelConfig", "RecoveryConfig", "SlurmConfig", "SyncConfig", "TimeoutsConfig",
+           "TrainerConfig", "TrainingConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -321,9 +84,9 @@ class RunConfig:
         if not self.runs_root.strip():
             raise ConfigError("runs_root: empty; give the folder that holds the run folders, e.g. runs")
         if self.model.kind == "gpt":
-            validate_layout(self)
-        validate_generator(self.generator, self)
-        rl_spec.validate(self)
+            _check_layout(self)
+        _check_generator(self)
+        _check_rl(self)
 
     @property
     def dims(self) -> ParallelDims:
@@ -335,6 +98,115 @@ class RunConfig:
         if self.optimizer.lr == "auto":
             return 3e-6 * math.sqrt(self.training.global_batch_size / 1024)
         return float(self.optimizer.lr)
+
+
+# --- cross-section checks: one line naming the key and the numbers ---------------------------
+def _check_zero3(cfg: RunConfig) -> None:
+    """What ``parallel.sharding: params`` runs with so far; the rest refused in one line."""
+    p, mp = cfg.parallel, cfg.training.mixed_precision
+    why = ("tp and pp of 1" if p.tp != 1 or p.pp != 1 else "program: pretrain" if cfg.program != "pretrain" else
+           "generator.enabled: false" if cfg.generator.enabled else "no fp16 (bf16 or fp32)" if
+           mp.param_dtype == "fp16" else "overlap_grad_reduce: false (FSDP2 overlaps by itself)" if
+           p.overlap_grad_reduce else None)
+    if why:
+        raise LayoutError(f"parallel.sharding: params (ZeRO-3) runs with {why} so far (now tp={p.tp} pp={p.pp}, "
+                          f"program={cfg.program}); use parallel.sharding=optimizer for this run")
+
+
+def _check_layout(cfg: RunConfig) -> None:
+    """Reject layouts Megatron (and FSDP2) cannot run, with the numbers in the message."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    if p.sync.local and (p.sharding != "none" or p.overlap_grad_reduce or cfg.program != "pretrain"):
+        raise LayoutError(f"parallel.sync: periodic synchronisation (every {p.sync.every}) keeps whole replicas "
+                          f"apart: it runs with parallel.sharding: none, overlap_grad_reduce: false and program: "
+                          f"pretrain (now {p.sharding}, {str(p.overlap_grad_reduce).lower()}, {cfg.program})")
+    if m.num_attention_heads % p.tp:
+        raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
+                          f"{m.num_attention_heads}; pick a tp that divides it")
+    if p.bucket_size is not None and not p.overlap_grad_reduce:
+        raise ConfigError(f"parallel.bucket_size: {p.bucket_size} is used only with parallel.overlap_grad_reduce: true "
+                          "(without it the gradients are reduced in one piece); set both or drop bucket_size")
+    if p.sharding == "params":
+        _check_zero3(cfg)
+    if m.query_groups % p.tp:
+        raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_query_groups = {m.query_groups} "
+                          "(each tensor-parallel rank holds whole key/value groups); pick a tp that divides it")
+    if m.num_layers % p.pp:
+        raise LayoutError(f"parallel.pp: {p.pp} does not divide model.num_layers = {m.num_layers}; "
+                          "pick a pp that divides it")
+    try:
+        dims = cfg.dims
+    except LayoutError as exc:
+        raise LayoutError(f"trainer: {cfg.trainer.nodes} node(s) × {cfg.trainer.n_gpus_per_node} = "
+                          f"{cfg.trainer.world_size} workers are not divisible by tp*pp = {p.tp * p.pp}") from exc
+    if t.micro_batch_size != "auto" and t.global_batch_size % (t.micro_batch_size * dims.dp):
+        raise LayoutError(f"training.global_batch_size: {t.global_batch_size} is not divisible by "
+                          f"micro_batch_size × dp = {t.micro_batch_size} × {dims.dp} = {t.micro_batch_size * dims.dp}")
+
+
+def _check_generator(cfg: RunConfig) -> None:
+    """The generator's layout and lengths against the model and the trainer's workers."""
+    gen = cfg.generator
+    if not gen.enabled:
+        return
+    world_size, heads, seq_length, kind = (cfg.trainer.world_size, cfg.model.num_attention_heads,
+                                           cfg.model.seq_length, cfg.model.kind)
+    if kind != "gpt":
+        raise ConfigError(f"generator.enabled: the {kind} model cannot generate; use model.kind=gpt")
+    if gen.split:
+        world_size = own_workers(cfg)
+        where = f"generator.workers = {world_size}"
+    else:
+        where = f"the {world_size} trainer workers it is colocated on"
+        if gen.workers not in (0, world_size):
+            raise ConfigError(f"generator.workers: {gen.workers}, but a colocated generator runs on the trainer's "
+                              f"{world_size} workers; drop generator.workers or use generator.placement=split")
+    if heads % gen.tp or world_size % gen.tp:
+        raise ConfigError(f"generator.tp: {gen.tp} must divide model.num_attention_heads = {heads} and {where}; "
+                          "pick a tp that divides both")
+    if gen.prompt_length + gen.max_new_tokens > seq_length:
+        raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
+                          f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")
+
+
+def _check_rl(cfg: RunConfig) -> None:
+    """``init_from``, ``program`` and what a GRPO or PPO run needs from the rest of the config."""
+    if cfg.init_from is not None and not rl_spec.init_from(cfg.init_from)[0]:
+        raise ConfigError(f"init_from: {cfg.init_from!r} names no run folder; give RUN_DIR or RUN_DIR:STEP")
+    if cfg.init_from is not None and cfg.model.kind != "gpt":
+        raise ConfigError(f"init_from: model.kind {cfg.model.kind!r} has no weights to start from; init_from needs "
+                          "model.kind: gpt")
+    if cfg.program not in rl_spec.PROGRAMS:
+        raise ConfigError(f"program: {cfg.program!r} is not one of {', '.join(rl_spec.PROGRAMS)}")
+    if cfg.program == "pretrain":
+        return
+    rl = cfg.rl
+    if cfg.model.kind != "gpt" or not cfg.generator.enabled:
+        raise ConfigError(f"program: {cfg.program} needs model.kind: gpt and generator.enabled: true "
+                          "(the generator group is the rollout)")
+    if rl.prompt_length + rl.max_response_length - 1 > cfg.model.seq_length:
+        raise ConfigError(f"rl.max_response_length: prompt_length + max_response_length - 1 = "
+                          f"{rl.prompt_length + rl.max_response_length - 1} > model.seq_length = "
+                          f"{cfg.model.seq_length}; shorten them or raise model.seq_length")
+    rows, dp, micro = rl.prompts_per_step * rl.n, cfg.dims.dp, cfg.training.micro_batch_size
+    if rows % dp or (micro != "auto" and (rows // dp) % micro):
+        raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "
+                          f"{dp} data-parallel replica(s) of whole micro-batches of {micro} "
+                          "(training.micro_batch_size); pick sizes that divide")
+    if rl.reward not in rl_spec.BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
+        raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(rl_spec.BUILTIN_REWARDS)}) "
+                          "nor 'module:function' (imported on the controller)")
+    rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size)
+    ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
+                                        ("rl.critic", rl.critic, rl_spec.CriticConfig())) if v != default]
+    if cfg.program != "ppo" and ppo_only:
+        raise ConfigError(f"{ppo_only[0]}: read only with program: ppo (now {cfg.program}): GRPO has no critic; "
+                          "set program=ppo or drop it")
+    if rl.kl.target is not None and rl.kl.coef == 0:
+        raise ConfigError(f"rl.kl.coef: 0 with rl.kl.target: {rl.kl.target:g} stays 0 (the adaptive coefficient "
+                          "scales what it has); give rl.kl.coef a positive start")
+    if rl.warmup_steps > cfg.trainer.steps:
+        raise ConfigError(f"rl.warmup_steps: {rl.warmup_steps} > trainer.steps = {cfg.trainer.steps}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

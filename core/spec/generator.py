@@ -12,18 +12,17 @@ own (0: ``tp``, one replica), on Slurm a component of the job of its own (``slur
 After every sync the run compares both models' log-probs of a probe batch; a gap above
 ``logprob_tolerance`` stops the run.
 ``bucket_mb``: the most a weight sync holds in flight per rank.
+The generator's layout and lengths against the model and the trainer's workers are checked
+by ``core.spec.config``, against the whole config.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
-from core.errors import ConfigError
 from core.spec.dims import ParallelDims
 from core.spec.schema import bounded, check_bounds
-
-if TYPE_CHECKING:  # config imports this module for its section
-    from core.spec.config import RunConfig
+from core.spec.sections import TrainerConfig
 
 MAX_TOKENS = 2**20
 
@@ -54,38 +53,25 @@ class GeneratorConfig:
         return self.enabled and self.placement == "split"
 
 
-def own_workers(cfg: RunConfig) -> int:
+class RunWithGenerator(Protocol):
+    """What the generator's layout reads of a run's config: ``core.spec.config.RunConfig``,
+    which holds this module's section (so it is named by its shape here, not imported)."""
+
+    @property
+    def generator(self) -> GeneratorConfig: ...
+
+    @property
+    def trainer(self) -> TrainerConfig: ...
+
+
+def own_workers(cfg: RunWithGenerator) -> int:
     """The generator's own workers (ranks after the trainer's): 0 unless it runs split."""
     g = cfg.generator
     return (g.workers or g.tp) if g.split else 0
 
 
-def generator_dims(cfg: RunConfig) -> ParallelDims:
+def generator_dims(cfg: RunWithGenerator) -> ParallelDims:
     """The generator's layout: ``tp`` over its workers (its own, or the trainer's), one stage."""
     g = cfg.generator
     workers = own_workers(cfg) or cfg.trainer.world_size
     return ParallelDims(tp=g.tp, pp=1, dp=workers // g.tp)
-
-
-def validate(gen: GeneratorConfig, cfg: RunConfig) -> None:
-    """The generator's layout and lengths against the model and the trainer's workers."""
-    if not gen.enabled:
-        return
-    world_size, heads, seq_length, kind = (cfg.trainer.world_size, cfg.model.num_attention_heads,
-                                           cfg.model.seq_length, cfg.model.kind)
-    if kind != "gpt":
-        raise ConfigError(f"generator.enabled: the {kind} model cannot generate; use model.kind=gpt")
-    if gen.split:
-        world_size = own_workers(cfg)
-        where = f"generator.workers = {world_size}"
-    else:
-        where = f"the {world_size} trainer workers it is colocated on"
-        if gen.workers not in (0, world_size):
-            raise ConfigError(f"generator.workers: {gen.workers}, but a colocated generator runs on the trainer's "
-                              f"{world_size} workers; drop generator.workers or use generator.placement=split")
-    if heads % gen.tp or world_size % gen.tp:
-        raise ConfigError(f"generator.tp: {gen.tp} must divide model.num_attention_heads = {heads} and {where}; "
-                          "pick a tp that divides both")
-    if gen.prompt_length + gen.max_new_tokens > seq_length:
-        raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
-                          f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")

@@ -6,68 +6,28 @@
 
 ``job_spec`` merges the YAML (``slurm.*``) with the CLI's overrides of the workers and
 validates the result once; ``launcher.slurm`` renders, preflights and submits that value.
-Walltimes are whole minutes. The ``slurm:`` section's own schema (``SlurmConfig``) lives
-here too; ``core.spec.config`` holds it in ``RunConfig``. No value that reaches the batch
-script may hold a control character: a newline would start a line of its own.
+Walltimes are whole minutes. The ``slurm:`` section's own schema (``SlurmConfig``) is
+``core.spec.slurmcfg``'s. No value that reaches the batch script may hold a control
+character: a newline would start a line of its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from core.errors import UserError
-from core.spec.schema import bounded, check_bounds, check_strings, check_text, show
-
-if TYPE_CHECKING:  # config imports this module for SlurmConfig
-    from core.spec.config import RunConfig
-    from core.spec.roles import RolePlan
+from core.spec.config import RunConfig
+from core.spec.roles import RolePlan
+from core.spec.schema import check_bounds, check_text, show
+from core.spec.slurmcfg import SlurmComponentConfig
 
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
 DEFAULT_TIME_MIN = 60
 
 Role = Literal["controller", "workers", "generator"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlurmComponentConfig:
-    """sbatch options of one het-job component, under sbatch's own names."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str | None = None
-    nodes: int | None = bounded(None, gt=0, le=100_000, why=" (more nodes than any cluster has)")
-    gpus_per_node: int | None = bounded(None, ge=0, le=1024, why=" (more GPUs than any node has)")
-    cpus_per_task: int | None = bounded(None, gt=0, le=2**16, why=" (more CPUs than any node has)")
-    mem: str | None = None
-    constraint: str | None = None
-    exclude: str | None = None
-    reservation: str | None = None
-    signal: str | None = None
-    extra: list[str] = ()  # type: ignore[assignment]  # raw "--flag=value" pass-through
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlurmConfig:
-    """Every component's sbatch options and the batch script's setup lines (module loads,
-    environment activation, exports), each one line without control characters.
-    ``generator``: the generator's component (``generator.placement: split``); what it
-    leaves unset, it takes from ``workers``, except ``nodes`` (1) and ``gpus_per_node``
-    (one per task)."""
-
-    controller: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
-    workers: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
-    generator: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
-    setup: list[str] = ()  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        check_bounds(self.controller, "slurm.controller")
-        check_bounds(self.workers, "slurm.workers")
-        check_bounds(self.generator, "slurm.generator")
-        check_strings(self, "slurm")
 
 
 def parse_time_min(text: str, what: str) -> int:

@@ -35,19 +35,18 @@ committed checkpoint of another run (its newest without STEP; any layout), with 
 optimizer; under ``grpo`` with no warm start, its weights are the reference policy. ``baton submit``
 checks it and stores it resolved (absolute, with its step), so every allocation of the run
 starts from, and compares against, the same weights.
+
+What these settings need from the rest of the config (a GPT, a generator, lengths within
+the model's) is checked by ``core.spec.config`` against the whole config.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from core.errors import ConfigError
 from core.spec.schema import bounded, check_bounds, check_file
-
-if TYPE_CHECKING:  # config imports this module for its section
-    from core.spec.config import RunConfig
 
 PROGRAMS = ("pretrain", "grpo", "ppo")
 RL_PROGRAMS = ("grpo", "ppo")
@@ -119,51 +118,11 @@ def init_from(value: str) -> tuple[str, int | None]:
     return value, None
 
 
-def validate(cfg: RunConfig) -> None:
-    """What a GRPO run needs from the rest of the config, refused at submit."""
-    if cfg.init_from is not None and not init_from(cfg.init_from)[0]:
-        raise ConfigError(f"init_from: {cfg.init_from!r} names no run folder; give RUN_DIR or RUN_DIR:STEP")
-    if cfg.init_from is not None and cfg.model.kind != "gpt":
-        raise ConfigError(f"init_from: model.kind {cfg.model.kind!r} has no weights to start from; init_from needs "
-                          "model.kind: gpt")
-    if cfg.program not in PROGRAMS:
-        raise ConfigError(f"program: {cfg.program!r} is not one of {', '.join(PROGRAMS)}")
-    if cfg.program == "pretrain":
-        return
-    rl = cfg.rl
-    if cfg.model.kind != "gpt" or not cfg.generator.enabled:
-        raise ConfigError(f"program: {cfg.program} needs model.kind: gpt and generator.enabled: true "
-                          "(the generator group is the rollout)")
-    if rl.prompt_length + rl.max_response_length - 1 > cfg.model.seq_length:
-        raise ConfigError(f"rl.max_response_length: prompt_length + max_response_length - 1 = "
-                          f"{rl.prompt_length + rl.max_response_length - 1} > model.seq_length = "
-                          f"{cfg.model.seq_length}; shorten them or raise model.seq_length")
-    rows, dp, micro = rl.prompts_per_step * rl.n, cfg.dims.dp, cfg.training.micro_batch_size
-    if rows % dp or (micro != "auto" and (rows // dp) % micro):
-        raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "
-                          f"{dp} data-parallel replica(s) of whole micro-batches of {micro} "
-                          "(training.micro_batch_size); pick sizes that divide")
-    if rl.reward not in BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
-        raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
-                          "nor 'module:function' (imported on the controller)")
-    _check_task(cfg)
-    ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
-                                        ("rl.critic", rl.critic, CriticConfig())) if v != default]
-    if cfg.program != "ppo" and ppo_only:
-        raise ConfigError(f"{ppo_only[0]}: read only with program: ppo (now {cfg.program}): GRPO has no critic; "
-                          "set program=ppo or drop it")
-    if rl.kl.target is not None and rl.kl.coef == 0:
-        raise ConfigError(f"rl.kl.coef: 0 with rl.kl.target: {rl.kl.target:g} stays 0 (the adaptive coefficient "
-                          "scales what it has); give rl.kl.coef a positive start")
-    if rl.warmup_steps > cfg.trainer.steps:
-        raise ConfigError(f"rl.warmup_steps: {rl.warmup_steps} > trainer.steps = {cfg.trainer.steps}")
-
-
 TOKENIZER_VOCAB = {"byte": 257, "qwen3": 151669}  # core.data.tokenizer's built-ins
 
 
-def _check_task(cfg: RunConfig) -> None:
-    rl = cfg.rl
+def check_task(rl: RLConfig, *, vocab_size: int) -> None:
+    """``rl.task`` and what it reads: the prompts file and a tokenizer the model's vocabulary holds."""
     if rl.task != "file":
         if rl.prompts is not None:
             raise ConfigError(f"rl.prompts: {rl.prompts!r} is read only with rl.task: file (now {rl.task!r}); "
@@ -176,6 +135,6 @@ def _check_task(cfg: RunConfig) -> None:
     if vocab is None and not Path(rl.tokenizer).exists():
         raise ConfigError(f"rl.tokenizer: {rl.tokenizer!r} is neither byte, qwen3 nor an existing local tokenizer "
                           "path (nothing is downloaded)")
-    if vocab is not None and vocab > cfg.model.vocab_size:
+    if vocab is not None and vocab > vocab_size:
         raise ConfigError(f"rl.tokenizer: {rl.tokenizer} has {vocab} tokens > model.vocab_size = "
-                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {vocab}")
+                          f"{vocab_size}; raise model.vocab_size to at least {vocab}")

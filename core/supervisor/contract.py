@@ -86,28 +86,24 @@ def after_controller(run: RunFolder, exit_code: int, *, max_retries: int, commit
         return Status.FAILED  # this job's controller was refused; the run belongs to the live one
     with record.update() as s:
         if exit_code == ExitCode.USER_ERROR and not s.status.final and s.status is not Status.REQUEUED:
-            s.status, s.reason = Status.FAILED, f"the controller refused to start (bad input); see {run.controller_log}"
-            record.append(ev.Failed(reason=s.reason, step=s.step))
+            record.append(ev.Failed(reason=f"the controller refused to start (bad input); see {run.controller_log}",
+                                    step=s.step))
             return s.status
         if s.status is Status.REQUEUED or s.status.final:
             return s.status
         if ending:
-            s.status, s.reason = Status.STOPPED, (
+            record.append(ev.Stopped(step=s.step, reason=(
                 f"Slurm is ending the job ({ending}; scancel or the time limit) and its controller exited "
-                f"({_how(exit_code)}) at step {s.step}: not requeued; continue with `baton submit --resume`")
-            record.append(ev.Stopped(step=s.step, reason=s.reason))
+                f"({_how(exit_code)}) at step {s.step}: not requeued; continue with `baton submit --resume`")))
             return s.status
         s.recovery = s.recovery.spend(nodes=(), step=s.step, committed_step=committed_step)
         how = _how(exit_code)
         record.append(ev.ControllerDied(exit_code=exit_code, step=s.step, epoch=s.epoch, retry=s.recovery.retries,
                                         max_retries=max_retries))
         if s.recovery.retries > max_retries:
-            s.status = Status.FAILED
-            s.reason = (f"the controller died ({how}) with no retries left ({max_retries} used, "
-                        f"recovery.max_retries); see {run.controller_log}")
-            record.append(ev.Failed(reason=s.reason, step=s.step))
+            record.append(ev.Failed(reason=(f"the controller died ({how}) with no retries left ({max_retries} used, "
+                                            f"recovery.max_retries); see {run.controller_log}"), step=s.step))
         else:
-            s.status = Status.REQUEUED
             record.append(ev.Requeued(by="supervisor", reason=f"the controller died ({how})", step=s.step,
                                       epoch=s.epoch))
         return s.status

@@ -71,9 +71,8 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict
     from core.checkpoint.service import CheckpointedTask
     from core.model.gpt.task import GPTTask
     from core.spec import config as config_mod
-    from core.worker.task import WorkerContext
-
     from core.spec.runplan import plan_run
+    from core.worker.task import WorkerContext
 
     cfg = config_mod.from_data(config)
     ctx = WorkerContext(rank=rank, world_size=world_size, epoch=0, run_dir=Path(run_dir), host="localhost",

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from core.errors import RunFolderError
 from core.record import events as ev
 from core.record import steps
+from core.record.memory import MemoryReport, RankMemory
 from core.record.runfolder import RunFolder
 from core.record.state import (
+    FOLD,
     Budget,
     Goodput,
     RankInfo,
@@ -25,6 +27,7 @@ from core.record.state import (
     RunState,
     SlurmInfo,
     Status,
+    apply,
     state_from_data,
     state_to_data,
 )
@@ -157,6 +160,7 @@ def _field_value(tp: Any) -> st.SearchStrategy[Any]:
         int: st.integers(-5, 10**9), float: _num, str: _text, bool: st.booleans(),
         int | None: _maybe_int, float | None: st.none() | _num, str | None: st.none() | _text,
         tuple[str, ...]: st.lists(_text, max_size=3).map(tuple), dict[str, str]: st.dictionaries(_text, _text, max_size=3),
+        tuple[RankInfo, ...]: st.lists(st.deferred(lambda: _ranks), max_size=2).map(tuple),
     }
     return table.get(tp, st.none() | _text | st.integers(0, 9) | st.lists(st.integers(0, 9), max_size=3))
 
@@ -220,3 +224,87 @@ def test_step_records_skip_a_torn_last_line_and_keep_before_drops_redone_steps(t
     kept = steps.keep_before(path, 3)
     assert [r.step for r in kept] == [0, 1, 2] and [r.step for r in steps.read(path)] == [0, 1, 2]
     assert os.path.getsize(path) == len(path.read_bytes()) and path.read_text().endswith("}\n")
+
+
+# --- the fold: every event that changes the state changes it one way --------------------------
+def test_an_appended_event_is_folded_into_the_state(tmp_path: Path) -> None:
+    run = _folder(tmp_path)
+    record = RunRecord(run)
+    assert record.read().backend == "local"  # create folds `created`
+    record.append(ev.Submitted(backend="slurm", job_id="42", epoch=0))
+    s = record.read()
+    assert (s.status, s.backend, s.slurm.job_id) == (Status.SUBMITTED, "slurm", "42")
+    record.append(ev.ControllerStarted(node="n1", epoch=2, pid=7, total_steps=30))
+    s = record.read()
+    assert (s.status, s.epoch, s.restarts, s.total_steps, s.reason) == (Status.RUNNING, 2, 2, 30, "")
+    ranks = (RankInfo(rank=0, node="n1", host="h", pid=8, device="cpu"),)
+    record.append(ev.WorkersReady(world_size=1, epoch=2, generation=1, micro_batch_size=4, ranks=ranks))
+    s = record.read()
+    assert (s.ranks, s.generation, s.micro_batch_size) == (ranks, 1, 4)
+    record.append(ev.Failed(reason="boom", step=3))
+    assert (record.read().status, record.read().reason) == (Status.FAILED, "boom")
+    record.append(ev.Cancelled(job_id="42"))  # a failed run stays failed
+    assert record.read().status is Status.FAILED
+    record.append(ev.CheckpointCommitted(step=3, folder="step_3", seconds=1.0, bytes=1))  # informs only
+    assert record.read().status is Status.FAILED and len(record.events()) == 7
+
+
+def test_update_folds_its_events_before_the_body_and_an_append_inside_it_at_once(tmp_path: Path) -> None:
+    record = RunRecord(_folder(tmp_path))
+    with record.update(ev.RestartingWorkers(generation=2, backoff_s=0.0, retry=1, max_retries=3)) as s:
+        assert s.generation == 2 and s.step == 0
+        s.step = 7  # what no event carries (an older Baton's restarting_workers has no step)
+        record.append(ev.Stopped(step=7, reason="scancel"))
+        assert (s.status, s.reason) == (Status.STOPPED, "scancel")
+    s = record.read()
+    assert (s.generation, s.step, s.status, s.reason) == (2, 7, Status.STOPPED, "scancel")
+    assert sorted(ev.kind_of(e) for e in record.events()) == ["created", "restarting_workers", "stopped"]
+
+
+def test_events_of_an_older_baton_without_the_newer_fields_still_read() -> None:
+    old = {"time": 1.0, "event": "workers_ready", "world_size": 2, "epoch": 0, "generation": 0}
+    assert ev.from_data(old, "events.jsonl line 1") == ev.WorkersReady(time=1.0, world_size=2, epoch=0, generation=0)
+    started = ev.from_data({"time": 1.0, "event": "controller_started", "node": "n", "epoch": 1, "pid": 3}, "line 2")
+    state = RunState(total_steps=50)
+    apply(state, started)
+    assert (state.status, state.total_steps) == (Status.RUNNING, 50)  # an older event leaves total_steps as it was
+
+
+def test_every_folded_kind_is_a_kind_of_the_history() -> None:
+    assert set(FOLD) <= set(ev.KINDS.values())
+
+
+# --- memory.json ---------------------------------------------------------------------------
+def test_a_memory_report_is_written_in_its_shape_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "memory.json"
+    report = MemoryReport.from_results(0, 4, "cuda", [(1.0, 2.0, 3.0, 4.0), None, (5.0, 6.0)])
+    report.write(path)
+    assert json.loads(path.read_text()) == {"step": 0, "micro_batch_size": 4, "device": "cuda", "ranks": [
+        {"weights_bytes": 1.0, "grads_bytes": 2.0, "optimizer_bytes": 3.0, "activations_bytes": 4.0}, {},
+        {"weights_bytes": 5.0, "grads_bytes": 6.0}]}
+    back = MemoryReport.read(path)
+    assert back == report and back.ranks[1] == RankMemory() and back.ranks[2].optimizer_bytes is None
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "memory.json: missing; the ranks measure"),
+    (b"{not json", "memory.json: unreadable"),
+    (b"[1, 2]", "expected a mapping"),
+    (b'{"step": 0, "micro_batch_size": 4, "device": "cpu"}', "ranks: missing"),
+    (b'{"step": 0, "micro_batch_size": 4, "device": "cpu", "ranks": [{"weights_bytes": "x"}]}', "weights_bytes"),
+])
+def test_a_missing_or_damaged_memory_report_is_one_error_naming_the_file(tmp_path: Path, content: bytes | None,
+                                                                        fragment: str) -> None:
+    path = tmp_path / "memory.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(RunFolderError, match=fragment) as info:
+        MemoryReport.read(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_restarting_workers_records_the_generation_and_the_steps_done(tmp_path: Path) -> None:
+    record = RunRecord(_folder(tmp_path))
+    record.append(ev.RestartingWorkers(generation=3, backoff_s=1.0, retry=2, max_retries=3, step=12))
+    s = record.read()
+    assert (s.generation, s.step) == (3, 12)
