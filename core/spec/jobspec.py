@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import UserError
-from core.spec.schema import bounded, check_bounds, check_strings, check_text, show
+from core.spec.inputs import check_strings, check_text
+from core.spec.schema import bounded, check_bounds, show
 
 if TYPE_CHECKING:  # config imports this module for SlurmConfig
     from core.spec.config import RunConfig

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from core.errors import ConfigError
-from core.spec.schema import bounded, check_bounds, check_file
+from core.spec.inputs import check_file
+from core.spec.schema import bounded, check_bounds
 
 if TYPE_CHECKING:  # config imports this module for its section
     from core.spec.config import RunConfig
