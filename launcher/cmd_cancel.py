@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from core.errors import ExitCode
-from core.spec.schema import arg_number
+from core.spec.inputs import arg_number
 from launcher import slurm_jobs
 
 

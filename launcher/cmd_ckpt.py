@@ -12,7 +12,7 @@ from pathlib import Path
 from core.checkpoint import manifest
 from core.errors import CheckpointError, ExitCode
 from core.record.runfolder import RunFolder
-from core.spec.schema import arg_number
+from core.spec.inputs import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -8,7 +8,7 @@ from pathlib import Path
 from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord
-from core.spec.schema import arg_number
+from core.spec.inputs import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

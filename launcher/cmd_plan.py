@@ -9,8 +9,9 @@ from pathlib import Path
 from core.errors import ExitCode, UserError
 from core.spec import config
 from core.spec.genplan import format_generator, plan_generator
-from core.spec.plan import format_plan, make_plan
-from core.spec.schema import arg_number
+from core.spec.inputs import arg_number
+from core.spec.plan import make_plan
+from core.spec.planview import format_plan
 from launcher.plan_check import run_check
 
 

@@ -9,7 +9,7 @@ from core.checkpoint import manifest
 from core.errors import ExitCode
 from core.record import events as ev
 from core.record.state import RankInfo, RunRecord, RunState
-from core.spec.schema import arg_number
+from core.spec.inputs import arg_number
 from launcher import slurm_jobs
 from launcher.cmd_watch import watch
 

@@ -38,9 +38,9 @@ from core.record import events as ev
 from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord
 from core.spec.config import RunConfig
+from core.spec.inputs import arg_number, arg_text
 from core.spec.jobspec import Component, HetJobSpec, SlurmComponentConfig, job_spec, parse_time_min, signal_lead_s
 from core.spec.roles import plan_roles
-from core.spec.schema import arg_number, arg_text
 from launcher import slurm_jobs
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,8 @@ from typing import Any, Literal
 from core.errors import ConfigError
 from core.spec import config as config_mod
 from core.spec.config import RunConfig, set_dotted
-from core.spec.schema import build, check_name, check_text, field_paths, to_data
+from core.spec.inputs import check_name, check_text
+from core.spec.schema import build, field_paths, to_data
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ look like this from here); when it runs on this host its pid is checked to say w
 
 Generations: after a loss the controller aborts the survivors, ``reset``s the group to
 the next generation of the same epoch and waits for a new set of workers (started by the
-supervisor, core.supervisor.contract). A worker of an older epoch or generation is refused by name.
+supervisor, core.supervisor.contract). A worker of an older epoch or generation is refused by name;
+who may join, at which rank, and what each is welcomed with is core.controller.registration.
 The group knows ranks, not roles: the role groups (core.controller.roles) decide which ranks
 a call goes to and which results come back.
 """
@@ -20,10 +21,10 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from core.controller.diagnose import diagnose, remote_error
+from core.controller.registration import Peer, Registrations, refusal
 from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
@@ -32,27 +33,6 @@ from core.wire import protocol, transport
 from core.wire.contract import Method, Req, Res
 
 log = logging.getLogger(__name__)
-
-HB_SUFFIX = b"/hb"
-
-
-@dataclass
-class Peer:
-    rank: int
-    identity: bytes
-    host: str
-    node: str
-    pid: int
-    last_seen: float
-    rss_mb: float = 0.0
-    busy: str = ""
-    lost: str = ""  # why it was declared lost, "" while alive
-    started: bool = False  # it has answered a call: done importing and setting up
-    rendezvous_port: int = 0  # a free port on its host it offered for a torch.distributed rendezvous
-
-    @property
-    def hb_identity(self) -> bytes:
-        return self.identity + HB_SUFFIX
 
 
 class WorkerGroup:
@@ -98,15 +78,14 @@ class WorkerGroup:
         """Block until every rank has registered, then welcome them all."""
         timeout_s = self.timeouts.register_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        pending: dict[int, tuple[bytes, protocol.Register]] = {}
+        pending = Registrations(world_size=self.world_size, epoch=self.epoch, generation=self.generation)
         with self._lock:
             while len(pending) < self.world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(set(range(self.world_size)) - set(pending))
                     raise RegistrationError(
                         f"{len(pending)} of {self.world_size} workers registered within {timeout_s:.0f} s "
-                        f"(epoch {self.epoch}, generation {self.generation}); missing ranks {missing}; "
+                        f"(epoch {self.epoch}, generation {self.generation}); missing ranks {pending.missing()}; "
                         f"see {self.run.logs}/worker_r*.log"
                     )
                 self.sock.set_timeout(min(remaining, 0.5))
@@ -116,20 +95,11 @@ class WorkerGroup:
                 env = self._decode(*item)
                 if env is not None and isinstance(env.msg, protocol.Register):  # not early heartbeats
                     self._admit(item[0], env, pending)
-            rank0 = pending[min(pending)][1]
-            now = time.monotonic()
-            for rank, (identity, reg) in pending.items():
-                peer = Peer(rank=rank, identity=identity, host=reg.host, node=reg.node, pid=reg.pid, last_seen=now,
-                            rendezvous_port=reg.rendezvous_port)
-                self.peers[rank] = peer
-                self._by_identity[identity] = peer
-                self._by_identity[identity + HB_SUFFIX] = peer
-                self._send(peer, protocol.Welcome(
-                    rank=rank, world_size=self.world_size,
-                    heartbeat_interval_s=self.timeouts.heartbeat_interval_s,
-                    controller_lost_s=self.timeouts.controller_lost_s,
-                    master_addr=rank0.host, master_port=rank0.rendezvous_port,
-                ))
+            for peer, welcome in pending.welcomed(time.monotonic(), self.timeouts):
+                self.peers[peer.rank] = peer
+                self._by_identity[peer.identity] = peer
+                self._by_identity[peer.hb_identity] = peer
+                self._send(peer, welcome)
         log.info("all %d workers registered (epoch %d, generation %d)", self.world_size, self.epoch, self.generation)
         self._pump = threading.Thread(target=self._pump_loop, args=(self._stop,), name="baton-pump", daemon=True)
         self._pump.start()
@@ -158,29 +128,15 @@ class WorkerGroup:
             self._errors.clear()
             self._all_started = False
 
-    def _admit(self, identity: bytes, env: protocol.Envelope, pending: dict[int, tuple[bytes, protocol.Register]]) -> bool:
+    def _admit(self, identity: bytes, env: protocol.Envelope, pending: Registrations) -> bool:
+        reason = pending.refusal(env)
+        if reason is not None:
+            return self._refuse(identity, reason)
         reg = env.msg
         assert isinstance(reg, protocol.Register)
-        if env.epoch != self.epoch:
-            return self._refuse(identity, f"stale epoch {env.epoch}: this run is at epoch {self.epoch}")
-        if reg.generation != self.generation:
-            return self._refuse(identity, self._generation_mismatch(reg.generation))
-        rank = reg.rank_hint
-        if rank == -1:
-            free = sorted(set(range(self.world_size)) - set(pending))
-            rank = free[0] if free else self.world_size
-        if not 0 <= rank < self.world_size:
-            return self._refuse(identity, f"rank {reg.rank_hint} outside the group of {self.world_size}")
-        if rank in pending:
-            return self._refuse(identity, f"rank {rank} already registered by pid {pending[rank][1].pid} on {pending[rank][1].host}")
-        pending[rank] = (identity, reg)
+        rank = pending.admit(identity, reg)
         log.info("rank %d registered from %s pid %d", rank, reg.host, reg.pid)
         return True
-
-    def _generation_mismatch(self, generation: int) -> str:
-        age = "stale" if generation < self.generation else "unexpected"
-        return (f"{age} generation {generation} of epoch {self.epoch}: "
-                f"this run is at generation {self.generation}")
 
     def _refuse(self, identity: bytes, reason: str) -> bool:
         log.warning("refused a worker (%s): %s", identity.decode(errors="replace"), reason)
@@ -328,13 +284,8 @@ class WorkerGroup:
         msg = env.msg
         if peer is None:
             if isinstance(msg, protocol.Register):
-                if env.epoch != self.epoch:
-                    reason = f"stale epoch {env.epoch}: this run is at epoch {self.epoch}"
-                elif msg.generation != self.generation:
-                    reason = self._generation_mismatch(msg.generation)
-                else:
-                    reason = f"the group of {self.world_size} is complete"
-                self._refuse(identity, reason)
+                self._refuse(identity, refusal(env, epoch=self.epoch, generation=self.generation)
+                             or f"the group of {self.world_size} is complete")
             return
         if env.epoch != self.epoch:
             log.warning("dropped a message of epoch %d from rank %d (run is at %d)", env.epoch, peer.rank, self.epoch)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from core.errors import ConfigError, LayoutError
-from core.spec import modelcfg, schema
+from core.spec import inputs, modelcfg, schema
 from core.spec import rl as rl_spec
 from core.spec.dims import ParallelDims
 from core.spec.generator import GeneratorConfig, own_workers
@@ -78,9 +78,9 @@ class RunConfig:
     rl: rl_spec.RLConfig = field(default_factory=rl_spec.RLConfig)
 
     def __post_init__(self) -> None:
-        schema.check_strings(self, "")
+        inputs.check_strings(self, "")
         check_bounds(self, "")
-        schema.check_name("name", self.name)
+        inputs.check_name("name", self.name)
         if not self.runs_root.strip():
             raise ConfigError("runs_root: empty; give the folder that holds the run folders, e.g. runs")
         if self.model.kind == "gpt":
@@ -274,14 +274,14 @@ def read_yaml(path: str | Path, *, kind: FileKind = "experiment") -> tuple[dict[
     """A file's non-empty YAML mapping and its text; anything else is a one-line ConfigError naming
     the file: unreadable, not UTF-8, bad syntax, a duplicate key, empty, not a mapping."""
     p = Path(path)
-    text = schema.read_text(p)
+    text = inputs.read_text(p)
     try:
         data = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: an integer beyond the digit limit
-        raise ConfigError(f"{p}: not valid YAML{schema.parse_problem(exc)}") from None
-    if schema.too_many_values(data):  # first: the checks below walk it
-        raise ConfigError(f"{p}: more than {schema.MAX_VALUES} values once its aliases are expanded; check the file")
-    if schema.sets_nothing(data):
+        raise ConfigError(f"{p}: not valid YAML{inputs.parse_problem(exc)}") from None
+    if inputs.too_many_values(data):  # first: the checks below walk it
+        raise ConfigError(f"{p}: more than {inputs.MAX_VALUES} values once its aliases are expanded; check the file")
+    if inputs.sets_nothing(data):
         raise ConfigError(f"{p}: empty; {_NEEDS[kind]}")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a YAML mapping at the top level, got {type(data).__name__}")

@@ -20,8 +20,9 @@ from typing import Literal
 
 from core.errors import UserError
 from core.spec.config import RunConfig
+from core.spec.inputs import check_text
 from core.spec.roles import RolePlan
-from core.spec.schema import check_bounds, check_text, show
+from core.spec.schema import check_bounds, show
 from core.spec.slurmcfg import SlurmComponentConfig
 
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption

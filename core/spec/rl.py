@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Literal
 
 from core.errors import ConfigError
-from core.spec.schema import bounded, check_bounds, check_file
+from core.spec.inputs import check_file
+from core.spec.schema import bounded, check_bounds
 
 PROGRAMS = ("pretrain", "grpo", "ppo")
 RL_PROGRAMS = ("grpo", "ppo")

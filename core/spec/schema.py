@@ -12,27 +12,20 @@ Types understood: bool, int, float, str, None, ``Any`` (taken as it is), Literal
 
 User input (configs, sweep files) is built with ``finite=True``: NaN and the infinities
 are refused in every float. Records and messages keep them (a diverged loss, the grad norm
-of a skipped step). The checks the config's dataclasses share live here too: ranges
-declared on fields (``bounded``, ``check_bounds``), control characters in strings
-(``check_text``, ``check_strings``), the same ranges for command-line numbers
-(``arg_number``), and the strict reading of an input file (``read_text``: a regular file
-of UTF-8 text, at most 1 MiB).
+of a skipped step). Ranges declared on fields (``bounded``, ``check_bounds``) live here
+too, and so does how a value reads in a one-line error (``show``, ``escaped``); the checks
+of text, command-line arguments and input files are ``core.spec.inputs``.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import enum
 import functools
 import math
-import os
 import re
 import reprlib
-import stat
 import types
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from core.errors import ConfigError
@@ -47,9 +40,6 @@ _REPR.maxstring, _REPR.maxother, _REPR.maxlevel = _SHOW_MAX, _SHOW_MAX, 3
 # C0 and C1 controls (newline, carriage return, NUL, escape, ...) and the Unicode line and
 # paragraph separators: each can end or corrupt a line of the batch script or a log.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a run's or sweep's name: a folder, a Slurm job
-MAX_FILE_BYTES = 1 << 20  # an experiment or sweep file: a few hundred lines
-MAX_VALUES = 100_000  # values in one such file once its aliases are expanded
 
 
 def yaml_key(field: dataclasses.Field[Any]) -> str:
@@ -57,7 +47,8 @@ def yaml_key(field: dataclasses.Field[Any]) -> str:
     return str(field.metadata.get("key", field.name))
 
 
-def _join(path: str, key: str) -> str:
+def join_path(path: str, key: str) -> str:
+    """``path.key``, or ``key`` at the top."""
     return f"{path}.{key}" if path else key
 
 
@@ -68,6 +59,17 @@ def show(value: Any) -> str:
     except ValueError:  # an integer beyond Python's digit limit for str()
         return f"an integer of about {value.bit_length() * 3 // 10} digits"
     return text if len(text) <= _SHOW_MAX else text[: _SHOW_MAX - 3] + "..."
+
+
+def control_char(text: str) -> str | None:
+    """The first control character of ``text`` as an escape (``\\n``, ``\\x00``), or None."""
+    m = _CONTROL.search(text)
+    return None if m is None else repr(m.group())[1:-1]
+
+
+def escaped(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``): safe on one line."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _describe(tp: Any) -> str:
@@ -142,7 +144,7 @@ def _convert(tp: Any, value: Any, path: str, error: ErrorType = ConfigError, fin
         if not isinstance(value, dict):
             raise error(f"{path}: {show(value)} is not a mapping")
         _, val_tp = get_args(tp)
-        return {str(k): _convert(val_tp, v, _join(path, str(k)), error, finite) for k, v in value.items()}
+        return {str(k): _convert(val_tp, v, join_path(path, str(k)), error, finite) for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path, error=error, finite=finite)  # type: ignore[arg-type]
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -198,16 +200,16 @@ def build(cls: type[T], data: Any, path: str = "", *, error: ErrorType = ConfigE
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
+            hint = f"; did you mean {join_path(path, close[0])!r}?" if close else ""
             valid = ", ".join(sorted(fields))
-            raise error(f"{_join(path, show(key) if not isinstance(key, str) else escaped(key))}: unknown key{hint} "
+            raise error(f"{join_path(path, show(key) if not isinstance(key, str) else escaped(key))}: unknown key{hint} "
                         f"(valid keys: {valid})")
     kwargs = {}
     for key, field in fields.items():
         if key in data:
-            kwargs[field.name] = _convert(hints[field.name], data[key], _join(path, key), error, finite)
+            kwargs[field.name] = _convert(hints[field.name], data[key], join_path(path, key), error, finite)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING and field.init:
-            raise error(f"{_join(path, key)}: missing (required)")
+            raise error(f"{join_path(path, key)}: missing (required)")
     try:
         return cls(**kwargs)
     except (ConfigError, error):
@@ -234,7 +236,7 @@ def field_paths(cls: type, prefix: str = "") -> list[str]:
     out: list[str] = []
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        p = _join(prefix, yaml_key(f))
+        p = join_path(prefix, yaml_key(f))
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             out.extend(field_paths(tp, p))  # type: ignore[arg-type]
@@ -256,7 +258,7 @@ def set_dotted(data: dict[str, Any], parts: list[str], value: Any, *, where: str
     node[parts[-1]] = value
 
 
-# --- ranges and text ------------------------------------------------------------------------
+# --- ranges -------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,151 +298,4 @@ def check_bounds(obj: Any, section: str) -> None:
         if rng is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
             problem = range_problem(value, rng)
             if problem is not None:
-                raise ConfigError(f"{_join(section, yaml_key(f))}: {show(value)} {problem}")
-
-
-def control_char(text: str) -> str | None:
-    """The first control character of ``text`` as an escape (``\\n``, ``\\x00``), or None."""
-    m = _CONTROL.search(text)
-    return None if m is None else repr(m.group())[1:-1]
-
-
-def escaped(text: str) -> str:
-    """``text`` with its control characters written as escapes (``\\n``): safe on one line."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
-def check_text(path: str, value: str, *, error: ErrorType = ConfigError) -> str:
-    """``value`` when it holds no control character, else ``error`` naming ``path``."""
-    bad = control_char(value)
-    if bad is not None:
-        raise error(f"{path}: {show(value)} contains the control character {bad}; "
-                    "write the value on one line, without control characters")
-    return value
-
-
-def check_strings(data: Any, path: str, *, error: ErrorType = ConfigError) -> None:
-    """``check_text`` on every string (keys included) of a dataclass, mapping or list, recursively."""
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        for f in dataclasses.fields(data):
-            check_strings(getattr(data, f.name), _join(path, yaml_key(f)), error=error)
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            if isinstance(key, str):
-                check_text(_join(path, escaped(key)), key, error=error)
-            check_strings(value, _join(path, escaped(str(key))), error=error)
-    elif isinstance(data, (list, tuple)):
-        for i, value in enumerate(data):
-            check_strings(value, f"{path}[{i}]", error=error)
-    elif isinstance(data, str):
-        check_text(path, data, error=error)
-
-
-def arg_number(kind: type[int] | type[float], *, gt: float | None = None, ge: float | None = None,
-               le: float | None = None) -> Callable[[str], Any]:
-    """An argparse ``type=``: ``kind`` from the text, finite and in range, else ArgumentTypeError."""
-    name = "an integer" if kind is int else "a number"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{show(text)} is not {name}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{show(text)} is not a finite number; give a finite value")
-        problem = range_problem(value, Range(gt=gt, ge=ge, le=le))
-        if problem is not None:
-            raise argparse.ArgumentTypeError(f"{show(value)} {problem}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its own messages
-    return parse
-
-
-def arg_text(text: str) -> str:
-    """An argparse ``type=``: ``text`` when it holds no control character."""
-    bad = control_char(text)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"{show(text)} contains the control character {bad}; "
-                                          "give the value on one line, without control characters")
-    return text
-
-
-def check_name(path: str, name: str, *, error: ErrorType = ConfigError) -> str:
-    """``name`` if it can name a folder and a Slurm job (``NAME``), else ``error`` naming ``path``."""
-    if not NAME.fullmatch(name):
-        raise error(f"{path}: {show(name)} must be 1 to 128 of A-Z a-z 0-9 . _ - starting with a letter "
-                    "or digit (it names a folder and a Slurm job)")
-    return name
-
-
-def check_file(path: str, value: str, hint: str, *, error: ErrorType = ConfigError) -> None:
-    """Raise ``error`` naming ``path`` unless ``value`` is an existing regular file; ``hint`` is the fix."""
-    try:
-        found = os.stat(check_text(path, value, error=error))
-    except (OSError, ValueError) as exc:
-        why = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc})"
-        raise error(f"{path}: {value!r} {why}; {hint}") from None
-    if not stat.S_ISREG(found.st_mode):
-        raise error(f"{path}: {value!r} is not a file; {hint}")
-
-
-def read_text(path: str | Path, *, error: ErrorType = ConfigError) -> str:
-    """The text of a config or sweep file: a regular file of UTF-8 text, at most 1 MiB; else a
-    one-line ``error`` naming the file."""
-    p = Path(path)
-    try:
-        found = os.stat(p)  # before open: opening a FIFO would wait for a writer
-        raw = p.read_bytes() if stat.S_ISREG(found.st_mode) and found.st_size <= MAX_FILE_BYTES else b""
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        raise error(f"{p}: cannot read config ({getattr(exc, 'strerror', None) or exc}); check the path") from None
-    if not stat.S_ISREG(found.st_mode):
-        raise error(f"{p}: not a regular file; give a YAML file")
-    if found.st_size > MAX_FILE_BYTES:
-        raise error(f"{p}: {found.st_size} bytes, more than a config holds (1 MiB); check the path")
-    if b"\x00" in raw:
-        raise error(f"{p}: not UTF-8 text (a NUL byte at offset {raw.index(0)}: UTF-16 or binary?); save it as UTF-8")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(f"{p}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                    "save it as UTF-8") from None
-
-
-def parse_problem(exc: Exception) -> str:
-    """Where and what of a parser's error (yaml's, by its attributes), on one line."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem, context = getattr(exc, "problem", None), getattr(exc, "context", None)
-    if mark is not None:
-        what = problem or context or "syntax error"
-        if problem and context:
-            context_mark = getattr(exc, "context_mark", None)
-            what += f" ({context}" + (f" at line {context_mark.line + 1})" if context_mark else ")")
-        return f" at line {mark.line + 1}, column {mark.column + 1}: {what}"
-    character = getattr(exc, "character", None)
-    if isinstance(character, int):  # yaml's ReaderError: a character YAML refuses
-        where = getattr(exc, "position", "?")
-        return f" at character {where}: the control character #x{character:02x} is not allowed; remove it"
-    if isinstance(exc, RecursionError):
-        return ": nested too deeply"
-    if isinstance(exc, ValueError) and "digits" in str(exc):  # Python's limit on the digits of an integer
-        return ": a number of more than 4300 digits; use a smaller one"
-    return f": {escaped(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}"
-
-
-def sets_nothing(data: Any) -> bool:
-    """Whether ``data`` is None or a mapping of only such values (a file of comments, ``trainer:``)."""
-    return data is None or (isinstance(data, dict) and all(sets_nothing(v) for v in data.values()))
-
-
-def too_many_values(data: Any, limit: int = MAX_VALUES) -> bool:
-    """Whether ``data`` holds more than ``limit`` values, shared ones counted each time (YAML aliases)."""
-    stack, count = [data], 0
-    while stack and count <= limit:
-        item = stack.pop()
-        count += 1
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return count > limit
+                raise ConfigError(f"{join_path(section, yaml_key(f))}: {show(value)} {problem}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.errors import ConfigError
-from core.spec import schema
+from core.spec import inputs
 from core.spec.schema import bounded, check_bounds
 
 Auto = Literal["auto"]
@@ -190,7 +190,7 @@ class DataConfig:
         if self.kind == "hdf5" and not self.path:
             raise ConfigError("data.path: required when data.kind is 'hdf5' (build one with `baton data build`)")
         if self.kind == "hdf5":
-            schema.check_file("data.path", str(self.path), "give an HDF5 token file (build one with `baton data build`)")
+            inputs.check_file("data.path", str(self.path), "give an HDF5 token file (build one with `baton data build`)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,6 +263,6 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "metrics")
-        if not schema.check_text("metrics.bind", self.bind).strip() or any(c.isspace() for c in self.bind):
+        if not inputs.check_text("metrics.bind", self.bind).strip() or any(c.isspace() for c in self.bind):
             raise ConfigError(f"metrics.bind: {self.bind!r} is not an interface; use an address such as "
                               "127.0.0.1 (this machine) or 0.0.0.0 (all interfaces)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.spec.schema import bounded, check_bounds, check_strings
+from core.spec.inputs import check_strings
+from core.spec.schema import bounded, check_bounds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,6 @@ from core.controller.group import WorkerGroup
 from core.controller.main import publish_address
 from core.errors import RegistrationError
 from core.spec.config import TimeoutsConfig
-from core.spec.dims import ParallelDims
 from core.wire.protocol import Refuse, Register, decode, encode
 from core.wire.transport import ControllerSocket, WorkerSocket
 from tests.helpers import REPO, baton, history, make_run, wait_for
@@ -251,7 +250,7 @@ def test_a_worker_of_an_older_generation_is_refused_by_name(tmp_path: Path) -> N
     r = make_run(tmp_path, "toy.yaml", [])
     sock = ControllerSocket(r.run.keys)
     info = publish_address(r.run, sock, host="127.0.0.1", epoch=0)
-    group = WorkerGroup(sock, world_size=4, epoch=0, dims=ParallelDims(tp=1, pp=1, dp=4),
+    group = WorkerGroup(sock, world_size=4, epoch=0,
                         timeouts=TimeoutsConfig(), run=r.run)
     group.reset(1)
     errors: list[BaseException] = []

@@ -17,12 +17,12 @@ from core.spec.plan import (
     GIB,
     RankPlan,
     count_params,
-    format_plan,
     make_plan,
     memory_per_sample,
     resolve_micro_batch,
     static_bytes,
 )
+from core.spec.planview import format_plan
 from launcher import cmd_plan
 
 REPO = Path(__file__).resolve().parents[2]
