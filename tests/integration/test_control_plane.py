@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,17 +29,9 @@ FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=1.5",
 
 
 @pytest.fixture
-def toy(tmp_path: Path):
-    runs: list[LocalRun] = []
-
-    def start(*overrides: str, epoch: int = 0, **kw: bool) -> LocalRun:
-        r = make_run(tmp_path, "toy.yaml", [*FAST, *overrides]).start(epoch=epoch, **kw)
-        runs.append(r)
-        return r
-
-    yield start
-    for r in runs:
-        r.cleanup()
+def toy(local_runs: Callable[..., LocalRun]) -> Callable[..., LocalRun]:
+    """``toy(*overrides, epoch=0, controller=True, workers=True)``: a toy run with FAST timeouts."""
+    return lambda *overrides, **kw: local_runs("toy.yaml", *FAST, *overrides, **kw)
 
 
 def test_local_run_with_four_workers_completes(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_recovery_local import Submitted
+from tests.helpers import Submitted
 
 pytestmark = pytest.mark.timeout(600)
 
