@@ -57,6 +57,7 @@ def _gpt_run(*args: str) -> Path:
     return submit_local("experiments/tiny_gpt.yaml", *GPT, *args)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_tiny_gpt_trains_in_bf16_on_a_gpu_and_an_async_checkpoint_resumes_its_curve(tmp_path: Path) -> None:
     full = _gpt_run(f"runs_root={tmp_path}/full", "trainer.steps=20", "checkpoint.interval_steps=0")
@@ -74,6 +75,7 @@ def test_the_tiny_gpt_trains_in_bf16_on_a_gpu_and_an_async_checkpoint_resumes_it
     assert max(diffs) <= 1e-2, list(zip(want, got, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bf16_state_after_a_resume_is_the_saved_state_bit_for_bit(tmp_path: Path) -> None:
     """On a GPU with whatever Adam Megatron picks there (Transformer Engine's or Apex's fused one

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import baton
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 RUN = ("parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=2", "trainer.steps=20",
        "checkpoint.interval_steps=0")
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.helpers import GENERATOR_RUN, Submitted, json_lines, same_samples
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _start(root: Path, *overrides: str) -> Submitted:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import Submitted
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_goodput_across_a_requeue_is_step_time_over_every_epoch_s_wall_time(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers import GRPO_NUMBERS, Submitted, baton, checkpoint_weights, metrics, numbers
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = "experiments/grpo_tiny.yaml"
 PHASES = {"sync", "generate", "reward", "old", "ref", "update"}
 

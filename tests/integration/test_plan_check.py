@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import baton, submit_local
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DP2 = ("parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=2")
 CASES = {  # six runs that cover every option the plan accounts for
     "dp2": DP2,

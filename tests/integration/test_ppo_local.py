@@ -25,7 +25,7 @@ import pytest
 from core.checkpoint.hdf5 import CheckpointReader
 from tests.helpers import Submitted, baton, checkpoint_weights, metrics, numbers
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = "experiments/ppo_tiny.yaml"
 KEYS = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl", "entropy",
         "ratio_max", "sync_logprob_maxdiff", "value_loss", "values_mean")

@@ -61,6 +61,7 @@ def _pid_gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_worker_mid_run_is_recovered_without_a_human(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=100")
     r.wait_step(300)
@@ -81,6 +82,7 @@ def test_kill_9_of_a_worker_mid_run_is_recovered_without_a_human(submit, referen
     assert "worker_lost (failure=worker_lost, rank=2" in shown and "restarting_workers (generation=1" in shown
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_detected_as_hung_killed_by_pid_and_replaced(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=100")
     r.wait_step(300)
@@ -105,6 +107,7 @@ def test_a_deterministic_error_fails_at_once_with_the_reason(submit) -> None:
     assert "toy failure at step 250" in baton("status", str(r.run_dir)).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2"])
 def test_a_preemption_signal_to_the_controller_checkpoints_requeues_and_loses_no_step(
         submit, reference, signum) -> None:
@@ -127,6 +130,7 @@ def test_a_preemption_signal_to_the_controller_checkpoints_requeues_and_loses_no
     assert state["status"] == "completed" and state["restarts"] == 1
 
 
+@pytest.mark.slow
 def test_retries_exhausted_fail_with_a_reason_naming_the_node(submit) -> None:
     r = submit("checkpoint.interval_steps=0", "recovery.max_retries=1")
     r.wait_step(200)
@@ -141,6 +145,7 @@ def test_retries_exhausted_fail_with_a_reason_naming_the_node(submit) -> None:
     assert [e["rank"] for e in r.events("worker_lost")] == [0, 3]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_during_a_checkpoint_write_resumes_from_the_previous_one(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=200", env={"BATON_TOY_SAVE_DELAY_S": "0.5"})
     ckpts = r.run_dir / "checkpoints"
@@ -156,6 +161,7 @@ def test_a_worker_killed_during_a_checkpoint_write_resumes_from_the_previous_one
     assert not list(ckpts.glob("*.tmp-*")), "debris of the interrupted save is left"
 
 
+@pytest.mark.slow
 def test_a_controller_killed_9_is_relaunched_by_the_supervisor(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=100")
     r.wait_step(300)
@@ -168,6 +174,7 @@ def test_a_controller_killed_9_is_relaunched_by_the_supervisor(submit, reference
     assert r.state()["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_worker_of_an_older_generation_is_refused_by_name(tmp_path: Path) -> None:
     r = make_run(tmp_path, "toy.yaml", [])
     sock = ControllerSocket(r.run.keys)

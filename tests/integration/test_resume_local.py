@@ -12,6 +12,7 @@ from tests.helpers import baton, history, losses, submit_local
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_curve_exactly(tmp_path: Path) -> None:
     full = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}/a", "trainer.steps=20")
     half = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}/b", "trainer.steps=10")
@@ -39,6 +40,7 @@ def test_async_checkpoints_commit_and_resume(tmp_path: Path) -> None:
     assert [e["step"] for e in history(run, "checkpoint_started")] == [4, 8]
 
 
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> None:
     run = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=10", "checkpoint.interval_steps=5")
     shard = run / "checkpoints" / "step_00000010" / "rank_00001.h5"

@@ -37,6 +37,7 @@ def _refused(res: subprocess.CompletedProcess[str], *fragments: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_refuses_the_resume_unless_from_scratch_and_keeps_them(tmp_path: Path) -> None:
     run = _toy_run(tmp_path)
     for step in (10, 20):
@@ -54,6 +55,7 @@ def test_every_checkpoint_damaged_refuses_the_resume_unless_from_scratch_and_kee
     assert all((p / "rank_00001.h5").stat().st_size == 100 for p in kept)
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_named_everywhere_and_the_previous_one_resumes(tmp_path: Path) -> None:
     run = _toy_run(tmp_path)
     newest = run / "checkpoints" / "step_00000020" / "rank_00002.h5"
@@ -73,6 +75,7 @@ def test_a_damaged_newest_checkpoint_is_named_everywhere_and_the_previous_one_re
     assert "damaged" in listing.stdout and listing.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_bit_flip_in_the_only_checkpoint_fails_the_resume_with_exit_2_and_keeps_it(tmp_path: Path) -> None:
     run = _toy_run(tmp_path, "trainer.steps=10")
     shard = run / "checkpoints" / "step_00000010" / "rank_00000.h5"
@@ -85,6 +88,7 @@ def test_a_bit_flip_in_the_only_checkpoint_fails_the_resume_with_exit_2_and_keep
     assert [p.name.split(".")[0] for p in manifest.damaged(run / "checkpoints")] == ["step_00000010"]
 
 
+@pytest.mark.slow
 def test_a_torn_last_metrics_line_is_cut_and_the_resume_goes_on(tmp_path: Path) -> None:
     run = _toy_run(tmp_path)
     with (run / "metrics.jsonl").open("a") as f:
@@ -103,6 +107,7 @@ def test_a_dry_run_resume_writes_nothing(tmp_path: Path) -> None:
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_the_model_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     run = submit_local("experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", "trainer.steps=2", *FAST,
                   "parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=1", "checkpoint.interval_steps=0")
@@ -112,6 +117,7 @@ def test_a_resume_that_changes_the_model_is_refused_before_anything_is_written(t
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_second_controller_on_a_running_run_is_refused_naming_the_first(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={tmp_path}", *FAST,
             "trainer.steps=100000000", "--backend", "local"]

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import REPO, baton, sweep_ledger, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 SWEEP = "experiments/sweep_toy.yaml"
 SMALL = ["trainer.n_gpus_per_node=2", "trainer.steps=8"]
 
