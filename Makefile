@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv demo test test-unit test-integration bench lint clean
+.PHONY: venv demo test test-fast test-unit test-integration bench lint clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: venv
 
 test: venv
 	$(PYTEST) -q --durations=25 tests
+
+test-fast: venv
+	$(PYTEST) -q -m "not slow" tests
 
 test-unit: venv
 	$(PYTEST) -q tests/unit

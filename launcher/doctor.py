@@ -108,15 +108,18 @@ def data_loading(records: Sequence[StepRecord], state: RunState) -> list[Finding
 
 
 def gradient_sync(records: Sequence[StepRecord], state: RunState) -> list[Finding]:
-    """Gradient all-reduce takes over GRAD_SYNC_S per step."""
-    syncs = [max(s) for rec in _steady(records) if (s := _floats(rec.grad_sync_s)) is not None]
+    """Gradient all-reduce takes over GRAD_SYNC_S per step by itself: a step counts the rank that
+    spent least in it (the last to arrive waits for no one), so peers waiting there for a
+    straggler are the straggler rule's finding, not this one."""
+    per_step = [s for rec in _steady(records) if (s := _floats(rec.grad_sync_s)) is not None]
+    syncs = [min(s) for s in per_step]
     if len(syncs) < MIN_STEPS or statistics.median(syncs) <= GRAD_SYNC_S:
         return []
     return [Finding(
         severity=WARNING,
         title="gradient synchronisation is slow",
-        evidence=(f"gradient all-reduce took {statistics.median(syncs) * 1000:.0f} ms per step (median of the "
-                  f"slowest rank over {len(syncs)} steps; max {max(syncs) * 1000:.0f} ms), "
+        evidence=(f"gradient all-reduce took {statistics.median(syncs) * 1000:.0f} ms per step (median over "
+                  f"{len(syncs)} steps of the rank that waited least; max {max(map(max, per_step)) * 1000:.0f} ms), "
                   f"over {GRAD_SYNC_S * 1000:.0f} ms"),
         advice=("tune the all-reduce bucket size (Megatron DDP bucket_size: larger buckets, fewer all-reduces) "
                 "and overlap the reduce with the backward pass (overlap_grad_reduce); check the interconnect"),

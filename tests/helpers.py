@@ -1,6 +1,10 @@
-"""Shared test helpers: deadline polling and local runs whose processes we own by pid."""
+"""Shared test helpers: deadline polling, the CLI, runs whose processes the test owns by pid,
+and readers of what a run folder holds. Test modules import from here (``from tests.helpers
+import ...``), never from one another; the Slurm tests' own helpers are in
+tests/integration/slurm_helpers.py, the GPT rank harness in tests/integration/gpt_harness.py."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
+from core.checkpoint.hdf5 import CheckpointReader
 from core.record.runfolder import RunFolder
 from core.spec import config as config_mod
 from launcher import local, runprep
@@ -113,3 +120,154 @@ def scrape(address: str) -> dict[str, list[Any]]:
         for s in family.samples:
             out.setdefault(s.name, []).append(s)
     return out
+
+
+def running_in_ci() -> bool:
+    """CI=true: a missing tool or cluster is a failure there, a skip elsewhere."""
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+# --- the CLI's runs ---------------------------------------------------------------------------
+def run_folder(res: subprocess.CompletedProcess[str]) -> Path:
+    """The run folder ``baton submit`` names on its last line (``run folder: PATH``)."""
+    return Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+
+
+def submit_local(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> Path:
+    """``baton submit ARGS --backend local`` to its end; it must exit 0. Returns the run folder."""
+    res = baton("submit", *args, "--backend", "local", env=env, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return run_folder(res)
+
+
+class Submitted:
+    """A ``baton submit --backend local`` run started from a test; everything it started is
+    ended by pid at the end (SIGINT to the CLI first: it ends its children itself).
+
+    ``common``: the overrides before ``overrides`` (each test module's shared ones)."""
+
+    def __init__(self, root: Path, overrides: list[str], env: dict[str, str] | None = None, *,
+                 experiment: str = "experiments/toy.yaml", common: tuple[str, ...] | list[str] = ()) -> None:
+        self.root = root
+        args = [sys.executable, "-m", "launcher.cli", "submit", experiment, f"runs_root={root}",
+                *common, *overrides, "--backend", "local"]
+        self.proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.seen_pids: set[int] = set()
+        self.output = ""
+
+    @property
+    def run_dir(self) -> Path:
+        return wait_for(lambda: next((p for p in self.root.glob("*/*") if (p / "state.json").exists()), None),
+                        30, "the run folder")
+
+    def state(self) -> dict[str, Any]:
+        return read_state(self.run_dir)
+
+    def wait_step(self, step: int) -> dict[str, Any]:
+        return wait_for(lambda: (s := self.state()).get("step", 0) >= step and s, 60, f"step {step}")
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return history(self.run_dir, kind)
+
+    def worker_pid(self, rank: int, generation: int = 0) -> int:
+        def current() -> int | None:
+            ready = self.events("workers_ready")
+            if not ready or ready[-1].get("generation") != generation:
+                return None
+            return int(self.state()["ranks"][rank]["pid"])
+
+        pid = wait_for(current, 30, f"rank {rank} of generation {generation}")
+        self.seen_pids.add(pid)
+        return pid
+
+    def controller_pid(self) -> int:
+        pid = int(json.loads((self.run_dir / "controller.json").read_text())["pid"])
+        self.seen_pids.add(pid)
+        return pid
+
+    def finish(self, timeout: float = 120) -> int:
+        self.output, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+        state = self.state()
+        pids = self.seen_pids | {int(r["pid"]) for r in state.get("ranks", [])}
+        for pid in pids:  # only our own entrypoint processes, checked before the kill
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"core.entrypoint" in cmdline:
+                os.kill(pid, signal.SIGKILL)
+
+
+# --- what a run folder holds ------------------------------------------------------------------
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """Every line of a JSON-lines file (metrics.jsonl, samples.jsonl), parsed."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's step records (metrics.jsonl) as plain dicts."""
+    return json_lines(run_dir / "metrics.jsonl")
+
+
+def losses(run_dir: Path, *, every_step_once: bool = False) -> list[float]:
+    """The loss of each record in metrics.jsonl. ``every_step_once``: first assert that the
+    records are steps 0, 1, 2, ... with none missing or repeated."""
+    records = metrics(run_dir)
+    if every_step_once:
+        assert [r["step"] for r in records] == list(range(len(records))), "steps missing or repeated in metrics"
+    return [r["loss"] for r in records]
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    """state.json as plain JSON, {} while it cannot be read (missing, or mid-replace)."""
+    try:
+        return json.loads((Path(run_dir) / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def checkpoint_weights(run_dir: Path, step: int) -> dict[str, np.ndarray]:
+    """The model weights of a committed checkpoint (every tensor but the optimizer state)."""
+    with CheckpointReader(run_dir / "checkpoints" / f"step_{step:08d}") as reader:
+        return {n: reader.read(n) for n in reader.manifest.tensors if not n.startswith("optim.")}
+
+
+def sweep_ledger(sweep_dir: Path) -> dict[str, Any]:
+    """A sweep folder's sweep.json."""
+    return json.loads((sweep_dir / "sweep.json").read_text())
+
+
+# --- references the RL and generator tests share ----------------------------------------------
+# experiments/tiny_gpt_generate.yaml for 30 steps, the generator synced and sampling every 10:
+# the uninterrupted colocated run that the split and Slurm generator tests compare with.
+GENERATOR_RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkpoint.interval_steps=10",
+                 "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3",
+                 "timeouts.controller_lost_s=6")
+# The numbers of a GRPO step that a resumed or re-placed run must reproduce bit for bit.
+GRPO_NUMBERS = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl",
+                "kl_coef", "entropy", "ratio_max", "sync_logprob_maxdiff")
+
+
+def numbers(run_dir: Path, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each step record's ``keys`` (None where a record lacks one)."""
+    return [{k: m.get(k) for k in keys} for m in metrics(run_dir)]
+
+
+def same_samples(got: list[dict], want: list[dict]) -> None:
+    """The same rows, tokens and all; log-probs within 1e-5 (another generator layout)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert {k: v for k, v in g.items() if k not in ("replica", "logprobs")} == \
+            {k: v for k, v in w.items() if k not in ("replica", "logprobs")}
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) <= 1e-5, (g, w)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import baton
+from tests.helpers import baton, losses, submit_local
+from tests.integration.gpt_harness import RankGroup, assert_state_is_the_checkpoints, gpt_config
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_check.sh)")]
@@ -52,26 +53,21 @@ GPT = ["parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=1", "trainer.d
        "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
 
 
-def _run(*args: str) -> Path:
-    res = baton("submit", "experiments/tiny_gpt.yaml", *GPT, *args, "--backend", "local", timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+def _gpt_run(*args: str) -> Path:
+    return submit_local("experiments/tiny_gpt.yaml", *GPT, *args)
 
 
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_tiny_gpt_trains_in_bf16_on_a_gpu_and_an_async_checkpoint_resumes_its_curve(tmp_path: Path) -> None:
-    full = _run(f"runs_root={tmp_path}/full", "trainer.steps=20", "checkpoint.interval_steps=0")
-    half = _run(f"runs_root={tmp_path}/half", "trainer.steps=10", "checkpoint.interval_steps=5",
-                "checkpoint.async=true")
+    full = _gpt_run(f"runs_root={tmp_path}/full", "trainer.steps=20", "checkpoint.interval_steps=0")
+    half = _gpt_run(f"runs_root={tmp_path}/half", "trainer.steps=10", "checkpoint.interval_steps=5",
+                    "checkpoint.async=true")
     state = json.loads((half / "state.json").read_text())
     assert state["status"] == "completed", state.get("reason")
     res = baton("submit", "--resume", str(half), "trainer.steps=20", "--backend", "local", timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    want, got = _losses(full), _losses(half)
+    want, got = losses(full), losses(half)
     assert len(got) == 20 and want[-1] < want[0] * 0.8, want  # it learns
     diffs = [abs(a - b) for a, b in zip(want, got, strict=True)]
     print("max |loss diff| before / after the resume:", max(diffs[:10]), max(diffs[10:]))
@@ -79,17 +75,12 @@ def test_the_tiny_gpt_trains_in_bf16_on_a_gpu_and_an_async_checkpoint_resumes_it
     assert max(diffs) <= 1e-2, list(zip(want, got, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bf16_state_after_a_resume_is_the_saved_state_bit_for_bit(tmp_path: Path) -> None:
     """On a GPU with whatever Adam Megatron picks there (Transformer Engine's or Apex's fused one
     when installed: it keeps its step in the param groups): after a load in new processes, every
     tensor, step counter, the RNG streams (CUDA ones included) equal the checkpoint's."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-    from gpt_harness import RankGroup, gpt_config
-    from test_precision import _assert_state_is_the_checkpoints
-
     cfg = gpt_config(trainer={"device": "cuda"}, model={"hidden_dropout": 0.1, "attention_dropout": 0.1},
                      training={"global_batch_size": 16, "micro_batch_size": 4,
                                "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}})
@@ -100,5 +91,5 @@ def test_bf16_state_after_a_resume_is_the_saved_state_bit_for_bit(tmp_path: Path
     with RankGroup(cfg, world_size=1, run_dir=tmp_path) as g:
         g.setup()
         g.load(step_dir)
-        _assert_state_is_the_checkpoints(g, step_dir, 5)
+        assert_state_is_the_checkpoints(g, step_dir, 5)
         assert all(loss == loss for loss in g.train(range(5, 8)))  # and it trains on

@@ -1,27 +1,19 @@
-"""Fixtures for integration tests that need the local Slurm cluster (tests/cluster/)."""
+"""Fixtures of the integration tests: the local Slurm cluster (tests/cluster/), runs started
+from a test and ended by pid, and the session's reference runs that several modules compare with."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers  # noqa: E402
+from tests.helpers import GENERATOR_RUN, LocalRun, baton, make_run, running_in_ci
+from tests.integration import slurm_helpers
 
 START_HINT = "start one with `bash tests/cluster/slurm-cluster.sh install && bash tests/cluster/slurm-cluster.sh start`"
-
-
-def running_in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() == "true"
 
 
 @pytest.fixture(scope="session")
@@ -71,19 +63,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-# experiments/tiny_gpt_generate.yaml for 30 steps, the generator synced and sampling every 10:
-# the uninterrupted colocated run that the split and Slurm generator tests compare with.
-GENERATOR_RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkpoint.interval_steps=10",
-                 "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3",
-                 "timeouts.controller_lost_s=6")
+@pytest.fixture
+def local_runs(tmp_path: Path) -> Iterator[Callable[..., LocalRun]]:
+    """``start(EXPERIMENT, *overrides, epoch=0, controller=True, workers=True)``: a run in
+    tmp_path whose controller and workers are this test's child processes (tests.helpers.LocalRun);
+    every one is ended by pid at teardown."""
+    runs: list[LocalRun] = []
+
+    def start(experiment: str, *overrides: str, epoch: int = 0, **kw: bool) -> LocalRun:
+        r = make_run(tmp_path, experiment, list(overrides)).start(epoch=epoch, **kw)
+        runs.append(r)
+        return r
+
+    yield start
+    for r in runs:
+        r.cleanup()
 
 
 @pytest.fixture(scope="session")
 def grpo_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """experiments/grpo_tiny.yaml as a newcomer runs it, on the local backend (once per
     session: the local GRPO tests and the Slurm one compare against it)."""
-    from tests.helpers import baton
-
     root = tmp_path_factory.mktemp("grpo")
     res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={root}", "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -92,9 +92,8 @@ def grpo_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def generator_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run folder of that reference run (once per session: both generator tests use it)."""
-    from tests.helpers import baton
-
+    """experiments/tiny_gpt_generate.yaml with GENERATOR_RUN, uninterrupted, its generator colocated:
+    the run folder the split and the Slurm generator tests compare with (once per session)."""
     root = tmp_path_factory.mktemp("generator-reference")
     res = baton("submit", "experiments/tiny_gpt_generate.yaml", f"runs_root={root}", *GENERATOR_RUN,
                 "--backend", "local", timeout=600)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from core.checkpoint.hdf5 import CheckpointReader
 from core.checkpoint.spec import TensorSlice
 
 Items = list[tuple[TensorSlice, np.ndarray]]
@@ -279,6 +280,34 @@ def check_groups_against(task: Any, *, tp: int, pp: int, dp: int) -> str:
     return "no error"
 
 
+def record_reductions_on_rank(task: Any) -> None:
+    """Wrap the collectives Megatron's DDP reduces gradients with: note each big one's dtype."""
+    import torch
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    seen = task.__dict__.setdefault("_reduced", [])
+    all_reduce, reduce_scatter = torch.distributed.all_reduce, buffers.dist_reduce_scatter_func
+
+    def note(t: Any) -> None:
+        if t.numel() >= 1000:  # a gradient bucket (the loss, norms and inf checks are scalars)
+            seen.append(str(t.dtype).removeprefix("torch."))
+
+    def ar(tensor: Any, *a: Any, **k: Any) -> Any:
+        note(tensor)
+        return all_reduce(tensor, *a, **k)
+
+    def rs(output: Any, tensor: Any, *a: Any, **k: Any) -> Any:
+        note(tensor)
+        return reduce_scatter(output, tensor, *a, **k)
+
+    torch.distributed.all_reduce, buffers.dist_reduce_scatter_func = ar, rs
+
+
+def reductions_on_rank(task: Any) -> list[str]:
+    """The dtypes ``record_reductions_on_rank`` noted on this rank, in order."""
+    return list(task.__dict__.get("_reduced", []))
+
+
 # --- test-process helpers -------------------------------------------------------------------
 def assemble_exact(items: Items) -> dict[str, np.ndarray]:
     """Global arrays from every rank's slices; asserts each element was written exactly once."""
@@ -306,3 +335,20 @@ def import_group(group: RankGroup, path: Path, blobs: list[dict[str, Any]]) -> l
     """Import into ``group``: each rank takes its own saved blobs if that rank existed, else rank 0's."""
     per_rank = [{"blobs": blobs[r] if r < len(blobs) else blobs[0]} for r in range(group.world_size)]
     return group.apply(import_on_rank, arrays_path=str(path), per_rank=per_rank)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_state_is_the_checkpoints(group: RankGroup, step_dir: Path, step: int) -> None:
+    """Right after a load, every tensor this rank would save, its step counters, loss scaler and
+    RNG streams equal the checkpoint's, bit for bit."""
+    with CheckpointReader(step_dir) as reader:
+        for rank, (items, blobs) in enumerate(group.apply(export_on_rank, step=step)):
+            for s, data in items:
+                saved = reader.read(s.name, s.offset, s.shape)
+                assert np.array_equal(_bits(data), _bits(saved)), f"rank {rank}: {s.name} at {s.offset} differs"
+            want = reader.blobs(rank)
+            assert blobs["optimizer"] == want["optimizer"], (rank, blobs["optimizer"], want["optimizer"])
+            assert blobs["rng"] == want["rng"], f"rank {rank}: the RNG streams are not the saved ones"

@@ -6,11 +6,17 @@ what was last seen. Nothing sleeps to synchronise outside such a poll loop.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from tests.helpers import REPO, read_state
 
 T = TypeVar("T")
 
@@ -208,3 +214,45 @@ def read_env_file(path: Path) -> dict[str, str]:
         if sep:
             env[key] = value
     return env
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def submit(root: Path, jobs: list[int], experiment: str, *args: str,
+           env: dict[str, str] | None = None) -> tuple[int, Path]:
+    """``baton submit EXPERIMENT runs_root=ROOT ARGS --backend slurm``; the job id is added
+    to ``jobs`` (the slurm_jobs fixture scancels them). Returns (job id, run folder)."""
+    cmd = [sys.executable, "-m", "launcher.cli", "submit", experiment, f"runs_root={root}", *args,
+           "--backend", "slurm"]
+    # The job inherits this environment (sbatch --export=ALL), test knobs included.
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = int(re.search(r"submitted job (\d+)", res.stdout).group(1))  # type: ignore[union-attr]
+    jobs.append(job)
+    return job, Path(re.search(r"^run folder: (.+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
+
+
+def finished(run: Path, job: int, within_s: float) -> dict[str, Any]:
+    """Waits until the run's state.json says completed, failed or stopped; returns that state."""
+    return wait_until(lambda: read_state(run), lambda s: s.get("status") in ("completed", "failed", "stopped"),
+                      within_s, awaited=f"job {job} to finish its run in {run}")
+
+
+def preempt_node2(shared_tmp: Path, jobs: list[int]) -> None:
+    """Submit a job on ``high`` that needs all of node2: Slurm preempts what runs there on ``low``."""
+    high = shared_tmp / "high.sbatch"
+    high.write_text(textwrap.dedent("""\
+        #!/bin/bash
+        #SBATCH --job-name=baton-test-high
+        #SBATCH --partition=high
+        #SBATCH --nodes=1
+        #SBATCH --ntasks=16
+        #SBATCH --gpus-per-node=8
+        #SBATCH --exclusive
+        #SBATCH --time=5
+        #SBATCH --output=/dev/null
+        sleep 1
+        """))
+    jobs.append(sbatch(high))

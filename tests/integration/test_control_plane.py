@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,17 +30,9 @@ FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=1.5",
 
 
 @pytest.fixture
-def toy(tmp_path: Path):
-    runs: list[LocalRun] = []
-
-    def start(*overrides: str, epoch: int = 0, **kw: bool) -> LocalRun:
-        r = make_run(tmp_path, "toy.yaml", [*FAST, *overrides]).start(epoch=epoch, **kw)
-        runs.append(r)
-        return r
-
-    yield start
-    for r in runs:
-        r.cleanup()
+def toy(local_runs: Callable[..., LocalRun]) -> Callable[..., LocalRun]:
+    """``toy(*overrides, epoch=0, controller=True, workers=True)``: a toy run with FAST timeouts."""
+    return lambda *overrides, **kw: local_runs("toy.yaml", *FAST, *overrides, **kw)
 
 
 def test_local_run_with_four_workers_completes(tmp_path: Path) -> None:
@@ -61,6 +54,7 @@ def _wait_progress(r: LocalRun) -> None:
     wait_for(lambda: r.state().get("step", 0) >= 5, 60, "the run to pass step 5")
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_worker_is_reported_naming_its_rank(toy) -> None:
     r = toy("trainer.steps=1000000")
     _wait_progress(r)
@@ -89,6 +83,7 @@ def _in_setup(r: LocalRun) -> None:
              "rank 1 registered, the group not yet set up")
 
 
+@pytest.mark.slow
 def test_a_worker_silent_while_it_starts_is_given_the_startup_allowance(toy, monkeypatch) -> None:
     monkeypatch.setenv("BATON_TOY_SETUP_S", "8")  # rank 1 sets up, as a worker importing its libraries
     monkeypatch.setenv("BATON_TOY_SETUP_RANK", "1")  # the others are done: rank 1 holds the group back
@@ -113,6 +108,7 @@ def test_a_worker_that_dies_while_it_starts_is_named_at_once(toy, monkeypatch) -
     assert history(r.run.path)[-1]["time"] - killed < 3.0 + 1.0  # not the 600 s start-up allowance
 
 
+@pytest.mark.slow
 def test_a_worker_whose_controller_is_killed_exits_by_itself(toy) -> None:
     r = toy("trainer.steps=1000000")
     _wait_progress(r)
@@ -133,6 +129,7 @@ def _raw_dealer(address: str, *, public: bytes | None = None, secret: bytes | No
     return ctx, s
 
 
+@pytest.mark.slow
 def test_clients_without_the_run_keys_get_nothing_and_the_run_is_unaffected(toy, tmp_path: Path) -> None:
     r = toy("trainer.steps=400")
     info = wait_for(lambda: r.run.controller.exists() and __import__("json").loads(r.run.controller.read_text()), 30,

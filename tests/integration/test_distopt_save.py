@@ -4,22 +4,16 @@ during the save (Linux: VmHWM after resetting it through /proc/self/clear_refs),
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, gpt_config  # noqa: E402
-
-from core.checkpoint import manifest  # noqa: E402
-from core.checkpoint.commit import commit, tmp_step_dir  # noqa: E402
-from core.checkpoint.hdf5 import CheckpointReader  # noqa: E402
+from core.checkpoint import manifest
+from core.checkpoint.commit import commit, tmp_step_dir
+from core.checkpoint.hdf5 import CheckpointReader
+from tests.integration.gpt_harness import RankGroup, gpt_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 

@@ -17,7 +17,7 @@ from core.flows import reshard
 from core.wire.contract import NO_ARGS
 from tests.integration.gpt_harness import RankGroup, gpt_config
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 PROMPTS = ((3, 4, 5, 6), (20, 21, 22, 23), (50, 51, 52, 53), (7, 9, 11, 13))
 
 

@@ -21,36 +21,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import GENERATOR_RUN
-from tests.integration.test_recovery_local import Submitted
+from tests.helpers import GENERATOR_RUN, Submitted, json_lines, same_samples
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _start(root: Path, *overrides: str) -> Submitted:
     return Submitted(root, list(overrides), experiment="experiments/tiny_gpt_generate.yaml", common=GENERATOR_RUN)
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def same_samples(got: list[dict], want: list[dict]) -> None:
-    """The same rows, tokens and all; log-probs within 1e-5 (another generator layout)."""
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert {k: v for k, v in g.items() if k not in ("replica", "logprobs")} == \
-            {k: v for k, v in w.items() if k not in ("replica", "logprobs")}
-        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) <= 1e-5, (g, w)
-
-
 def test_split_generator_matches_colocated_and_survives_a_killed_generator_worker(
         tmp_path: Path, generator_reference: Path) -> None:
-    samples = _lines(generator_reference / "samples.jsonl")
+    samples = json_lines(generator_reference / "samples.jsonl")
     assert [(s["version"], s["kind"]) for s in samples[::4]] == [
         (10, "greedy"), (10, "sampled"), (20, "greedy"), (20, "sampled"), (30, "greedy"), (30, "sampled")]
     assert all(len(s["tokens"]) == 8 and len(s["prompt"]) == 8 for s in samples)
-    metrics = _lines(generator_reference / "metrics.jsonl")
+    metrics = json_lines(generator_reference / "metrics.jsonl")
     gaps = {m["step"]: m["sync_logprob_maxdiff"] for m in metrics if "sync_logprob_maxdiff" in m}
     assert sorted(gaps) == [9, 19, 29] and max(gaps.values()) < 1e-5, gaps
 
@@ -63,11 +49,11 @@ def test_split_generator_matches_colocated_and_survives_a_killed_generator_worke
         r.cleanup()
     assert [e["rank"] for e in r.events("worker_lost")] == [4]
     assert r.events("resumed")[-1]["step"] == 10
-    assert [m["loss"] for m in _lines(r.run_dir / "metrics.jsonl")] == [m["loss"] for m in metrics]
-    same_samples(_lines(r.run_dir / "samples.jsonl"), samples)  # re-synced from the restored trainer
+    assert [m["loss"] for m in json_lines(r.run_dir / "metrics.jsonl")] == [m["loss"] for m in metrics]
+    same_samples(json_lines(r.run_dir / "samples.jsonl"), samples)  # re-synced from the restored trainer
     manifests = {d.name: json.loads((d / "manifest.json").read_text()) for d in (r.run_dir / "checkpoints").glob("step_*")}
     assert {k: m["meta"]["loop"]["policy_version"] for k, m in manifests.items()} == {"step_00000020": 20, "step_00000030": 30}
-    split_gaps = [m["sync_logprob_maxdiff"] for m in _lines(r.run_dir / "metrics.jsonl") if "sync_logprob_maxdiff" in m]
+    split_gaps = [m["sync_logprob_maxdiff"] for m in json_lines(r.run_dir / "metrics.jsonl") if "sync_logprob_maxdiff" in m]
     assert len(split_gaps) == 3 and max(split_gaps) < 1e-5, split_gaps
     log = (r.run_dir / "logs" / "controller.log").read_text()
     assert log.count("generator synced to version 10") == 2, "the restarted workers were not re-synced at step 10"

@@ -11,30 +11,15 @@ prompt (the samples' log-probs agree to 1e-5: another generator layout).
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
-from test_generator_local import same_samples  # noqa: E402
-from test_recovery_slurm import _events, _finished, _losses, _preempt_node2, _state, _submit  # noqa: E402
-
-from tests.integration.conftest import GENERATOR_RUN  # noqa: E402
+from tests.helpers import GENERATOR_RUN, history, json_lines, losses, read_state, same_samples
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 GEN = [*GENERATOR_RUN, "checkpoint.interval_steps=0", "generator.placement=split", "generator.workers=2"]
 EXPERIMENT = "experiments/tiny_gpt_generate.yaml"
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+RUN_S = 240.0
 
 
 @pytest.mark.timeout(900)
@@ -45,18 +30,18 @@ def test_a_split_generator_job_of_three_components_is_preempted_and_resumes_the_
         pytest.fail(f"the local cluster needs node3 for the generator's component: {problem}")
     ref = generator_reference
 
-    job, run = _submit(shared_tmp, slurm_jobs, "--partition", "low", "slurm.generator.partition=multi",
-                       "slurm.generator.exclude=node2", experiment=EXPERIMENT, common=GEN)
-    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 5, 600, awaited=f"job {job} at step 5")
-    _preempt_node2(shared_tmp, slurm_jobs)
-    done = _finished(run, job)
+    job, run = sh.submit(shared_tmp, slurm_jobs, EXPERIMENT, *GEN, "slurm.controller.partition=cpu",
+                         "--partition", "low", "slurm.generator.partition=multi", "slurm.generator.exclude=node2")
+    sh.wait_until(lambda: read_state(run), lambda s: s.get("step", 0) >= 5, 600, awaited=f"job {job} at step 5")
+    sh.preempt_node2(shared_tmp, slurm_jobs)
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "completed", done.get("reason")
-    assert done["restarts"] >= 1 and _events(run, "preempted"), "the run finished before the preemption"
+    assert done["restarts"] >= 1 and history(run, "preempted"), "the run finished before the preemption"
     roles = {r["rank"]: (r["role"], r["node"]) for r in done["ranks"]}
     assert roles == {**{r: ("trainer", "node2") for r in range(4)}, 4: ("generator", "node3"),
                      5: ("generator", "node3")}, roles
     assert sorted(s for s, _ in sh.sacct_states(job)) == [f"{job}+0", f"{job}+1", f"{job}+2"]
-    resumed = _events(run, "resumed")
-    assert resumed and resumed[0]["step"] == _events(run, "preempted")[0]["step"]
-    assert _losses(run) == _losses(ref)
-    same_samples(_lines(run / "samples.jsonl"), _lines(ref / "samples.jsonl"))
+    resumed = history(run, "resumed")
+    assert resumed and resumed[0]["step"] == history(run, "preempted")[0]["step"]
+    assert losses(run, every_step_once=True) == losses(ref, every_step_once=True)
+    same_samples(json_lines(run / "samples.jsonl"), json_lines(ref / "samples.jsonl"))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_recovery_local import Submitted
+from tests.helpers import Submitted
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_goodput_across_a_requeue_is_step_time_over_every_epoch_s_wall_time(tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
 """Checkpoint/resume of the tiny GPT through the real controller and Megatron workers."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -10,17 +9,11 @@ import pytest
 
 from core.checkpoint import manifest
 from core.checkpoint.hdf5 import CheckpointReader
-from tests.helpers import baton, history
+from tests.helpers import baton, history, losses, submit_local
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 # A constant schedule, so a run of 10 steps and one of 20 share the learning rate of every step.
 BASE = ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]
-
-
-def _submit(*args: str) -> Path:
-    res = baton("submit", *args, "--backend", "local")
-    assert res.returncode == 0, res.stdout + res.stderr
-    return Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
 
 
 def _resume(run: Path, *overrides: str) -> None:
@@ -28,15 +21,11 @@ def _resume(run: Path, *overrides: str) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One run of 20 steps that checkpoints at 10 and 20; its copies resume from step 10."""
     root = tmp_path_factory.mktemp("gpt")
-    full = _submit("experiments/tiny_gpt.yaml", f"runs_root={root}/full", "trainer.steps=20",
+    full = submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}/full", "trainer.steps=20",
                    "checkpoint.interval_steps=10", *BASE)
     return {"full": full, "root": root}
 
@@ -55,7 +44,7 @@ def test_resume_is_exact_in_the_same_layout(runs: dict[str, Path]) -> None:
     run = _copy_half(runs, "same")
     assert manifest.committed_steps(run / "checkpoints") == [10]
     _resume(run, "trainer.steps=20")
-    full, resumed = _losses(runs["full"]), _losses(run)
+    full, resumed = losses(runs["full"]), losses(run)
     assert len(resumed) == 20
     assert max(abs(a - b) for a, b in zip(full, resumed, strict=True)) <= 1e-7, list(zip(full, resumed, strict=True))[10:]
 
@@ -66,7 +55,7 @@ def test_resume_in_another_layout_continues_the_curve(runs: dict[str, Path], lay
     run = _copy_half(runs, f"tp{tp}pp{pp}")
     workers = str(int(tp) * int(pp))
     _resume(run, "trainer.steps=20", f"parallel.tp={tp}", f"parallel.pp={pp}", f"trainer.n_gpus_per_node={workers}")
-    full, resumed = _losses(runs["full"]), _losses(run)
+    full, resumed = losses(runs["full"]), losses(run)
     assert len(resumed) == 20
     assert max(abs(a - b) for a, b in zip(full[10:], resumed[10:], strict=True)) <= 1e-6, list(zip(full, resumed, strict=True))[10:]
     resumed_ev = history(run, "resumed")[-1]
@@ -76,10 +65,10 @@ def test_resume_in_another_layout_continues_the_curve(runs: dict[str, Path], lay
 def test_async_checkpoints_taken_while_training_goes_on_hold_the_state_of_their_step(runs: dict[str, Path]) -> None:
     """The async snapshot is read on the writer thread during the next step: its fence must
     hold the optimizer step until the copy is done, or step 10's file would hold step 11."""
-    run = _submit("experiments/tiny_gpt.yaml", f"runs_root={runs['root']}/async", "trainer.steps=20", *BASE,
+    run = submit_local("experiments/tiny_gpt.yaml", f"runs_root={runs['root']}/async", "trainer.steps=20", *BASE,
                   "checkpoint.interval_steps=5", "checkpoint.keep_last=4", "checkpoint.async=true")
     assert manifest.committed_steps(run / "checkpoints") == [5, 10, 15, 20]
-    assert _losses(run) == _losses(runs["full"])  # training itself is unchanged by the saves beside it
+    assert losses(run) == losses(runs["full"])  # training itself is unchanged by the saves beside it
     sync, overlapped = runs["full"] / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010"
     with CheckpointReader(sync) as want, CheckpointReader(overlapped) as got:
         assert got.names() == want.names()

@@ -17,11 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, check_groups_against, export_group, gpt_config, import_group  # noqa: E402
+from tests.integration.gpt_harness import RankGroup, check_groups_against, export_group, gpt_config, import_group
 
 STEPS = 10
 RESUME_AT = 5

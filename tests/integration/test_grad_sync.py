@@ -4,24 +4,19 @@ bit for bit: every step's loss and gradient norm and the final weights are equal
 plain optimizer and with the distributed one (dp2 on CPU, gloo)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, gpt_config  # noqa: E402
+from tests.integration.gpt_harness import RankGroup, gpt_config, record_reductions_on_rank, reductions_on_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 STEPS = 6
 
 
-def _run(work: Path, tag: str, **parallel: object) -> tuple[list[tuple[float, float]], Path]:
+def _train_and_save(work: Path, tag: str, **parallel: object) -> tuple[list[tuple[float, float]], Path]:
     cfg = gpt_config(world_size=2, parallel={"tp": 1, "pp": 1, **parallel})
     weights = work / f"{tag}.npz"
     with RankGroup(cfg, world_size=2, run_dir=work) as g:
@@ -41,41 +36,14 @@ def _run(work: Path, tag: str, **parallel: object) -> tuple[list[tuple[float, fl
 @pytest.mark.parametrize(("distributed_optimizer", "bucket_size"), [(False, 20000), (True, None)])
 def test_overlapped_gradient_reduction_gives_the_same_gradients_bit_for_bit(
         tmp_path: Path, distributed_optimizer: bool, bucket_size: int | None) -> None:
-    plain, plain_w = _run(tmp_path, "sync", distributed_optimizer=distributed_optimizer)
-    over, over_w = _run(tmp_path, "overlap", distributed_optimizer=distributed_optimizer, overlap_grad_reduce=True,
+    plain, plain_w = _train_and_save(tmp_path, "sync", distributed_optimizer=distributed_optimizer)
+    over, over_w = _train_and_save(tmp_path, "overlap", distributed_optimizer=distributed_optimizer, overlap_grad_reduce=True,
                         bucket_size=bucket_size)
     assert over == plain
     with np.load(plain_w) as a, np.load(over_w) as b:
         assert sorted(a.files) == sorted(b.files)
         for name in a.files:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-
-
-def record_reductions_on_rank(task: Any) -> None:
-    """Wrap the collectives Megatron's DDP reduces gradients with: note each big one's dtype."""
-    import torch
-    from megatron.core.distributed import param_and_grad_buffer as buffers
-
-    seen = task.__dict__.setdefault("_reduced", [])
-    all_reduce, reduce_scatter = torch.distributed.all_reduce, buffers.dist_reduce_scatter_func
-
-    def note(t: Any) -> None:
-        if t.numel() >= 1000:  # a gradient bucket (the loss, norms and inf checks are scalars)
-            seen.append(str(t.dtype).removeprefix("torch."))
-
-    def ar(tensor: Any, *a: Any, **k: Any) -> Any:
-        note(tensor)
-        return all_reduce(tensor, *a, **k)
-
-    def rs(output: Any, tensor: Any, *a: Any, **k: Any) -> Any:
-        note(tensor)
-        return reduce_scatter(output, tensor, *a, **k)
-
-    torch.distributed.all_reduce, buffers.dist_reduce_scatter_func = ar, rs
-
-
-def reductions_on_rank(task: Any) -> list[str]:
-    return list(task.__dict__.get("_reduced", []))
 
 
 NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

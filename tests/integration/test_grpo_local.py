@@ -25,29 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.checkpoint.hdf5 import CheckpointReader
-from tests.helpers import baton
-from tests.integration.test_recovery_local import Submitted
+from tests.helpers import GRPO_NUMBERS, Submitted, baton, checkpoint_weights, metrics, numbers
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = "experiments/grpo_tiny.yaml"
-KEYS = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl", "kl_coef",
-        "entropy", "ratio_max", "sync_logprob_maxdiff")
 PHASES = {"sync", "generate", "reward", "old", "ref", "update"}
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _numbers(run_dir: Path) -> list[dict]:
-    return [{k: m.get(k) for k in KEYS} for m in _metrics(run_dir)]
-
-
-def _actor(run_dir: Path, step: int) -> dict[str, np.ndarray]:
-    """The model weights of a committed checkpoint (no optimizer state)."""
-    with CheckpointReader(run_dir / "checkpoints" / f"step_{step:08d}") as reader:
-        return {n: reader.read(n) for n in reader.manifest.tensors if not n.startswith("optim.")}
 
 
 @pytest.fixture
@@ -56,7 +38,7 @@ def demo(grpo_demo: Path) -> Path:
 
 
 def test_the_grpo_demo_learns_to_count(demo: Path) -> None:
-    rows = _metrics(demo)
+    rows = metrics(demo)
     assert [r["step"] for r in rows] == list(range(130))
     rl = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rl] == list(range(30, 130)) and all(r["policy_version"] == r["step"] for r in rl)
@@ -90,8 +72,8 @@ def test_grpo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path:
         r.cleanup()
     (pre,) = r.events("preempted")
     assert 50 <= pre["step"] < 130 and r.events("resumed")[0]["step"] == pre["step"]
-    assert _numbers(r.run_dir) == _numbers(demo)
-    mine, theirs = _actor(r.run_dir, 130), _actor(demo, 130)
+    assert numbers(r.run_dir, GRPO_NUMBERS) == numbers(demo, GRPO_NUMBERS)
+    mine, theirs = checkpoint_weights(r.run_dir, 130), checkpoint_weights(demo, 130)
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
     log = (r.run_dir / "logs" / "controller.log").read_text()
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout
@@ -105,7 +87,7 @@ def test_grpo_with_the_rollout_on_workers_of_its_own_gives_the_same_numbers(demo
                 "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     run = next((tmp_path / "grpo-tiny").glob("*"))
-    assert _numbers(run) == _numbers(demo)
+    assert numbers(run, GRPO_NUMBERS) == numbers(demo, GRPO_NUMBERS)
     status = baton("status", str(run)).stdout
     assert "generator: 1 on 1 node: local (rank 2)" in status, status
 
@@ -119,7 +101,7 @@ def test_an_actor_in_tp2_and_a_rollout_in_tp1_dp2_agree_on_every_log_prob(tmp_pa
                 "trainer.steps=40", "generator.sync_interval_steps=40", "rl.kl.target=0.01", "rl.ppo_epochs=1",
                 "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
-    rl = [r for r in _metrics(next((tmp_path / "grpo-tiny").glob("*"))) if "reward_mean" in r]
+    rl = [r for r in metrics(next((tmp_path / "grpo-tiny").glob("*"))) if "reward_mean" in r]
     assert [r["step"] for r in rl] == list(range(30, 40))
     assert all(0 < r["sync_logprob_maxdiff"] <= 1e-5 for r in rl), [r["sync_logprob_maxdiff"] for r in rl]
     coefs = [r["kl_coef"] for r in rl]
@@ -158,12 +140,12 @@ def test_grpo_from_a_supervised_run_by_init_from_starts_at_its_weights_and_learn
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [(e["checkpoint"], e["step"]) for e in events if e["event"] == "initialised_from"] == [
         (str(sft / "checkpoints" / "step_00000030"), 30)]
-    rl = _metrics(run)
+    rl = metrics(run)
     assert [r["step"] for r in rl] == list(range(100)) and rl[0]["kl"] == 0.0
     first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
     assert first <= 0.45 and last >= 0.85, (first, last)
     # The reference: the run's own pinned checkpoint of step 0, which holds the supervised run's weights.
-    mine, theirs = _actor(run, 0), _actor(sft, 30)
+    mine, theirs = checkpoint_weights(run, 0), checkpoint_weights(sft, 30)
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
@@ -200,5 +182,5 @@ def test_grpo_on_prompts_from_a_jsonl_file_asks_each_once_per_epoch_with_text_fo
         mine = [a for a in asked if a["epoch"] == epoch]
         assert sorted({a["prompt"] for a in mine}) == [r["prompt"] for r in rows] and len(mine) == 6 * 8
     assert all(a["answer"] == a["prompt"][1] and 1 <= a["tokens"] <= 8 and len(a["response"]) <= 8 for a in asked)
-    rl = _metrics(next((tmp_path / "runs" / "grpo-tiny").glob("*")))
+    rl = metrics(next((tmp_path / "runs" / "grpo-tiny").glob("*")))
     assert [r["step"] for r in rl] == [0, 1, 2, 3] and all(r["kl"] >= 0 and r["response_length"] <= 8 for r in rl)

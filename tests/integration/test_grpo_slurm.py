@@ -9,22 +9,15 @@ sampling are keyed by seed and step, so no prompt is repeated or skipped.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
-from test_grpo_local import _actor, _numbers  # noqa: E402
-from test_recovery_slurm import _events, _finished, _preempt_node2, _state, _submit  # noqa: E402
+from tests.helpers import GRPO_NUMBERS, checkpoint_weights, history, numbers, read_state
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 SPLIT = ["checkpoint.interval_steps=0", "generator.placement=split", "generator.workers=1"]
+RUN_S = 240.0
 
 
 @pytest.mark.timeout(900)
@@ -33,19 +26,20 @@ def test_grpo_split_on_slurm_preempted_mid_rl_resumes_to_the_demo_numbers(
     problem = sh.cluster_problem(("node1", "node2", "node3"))
     if problem is not None:
         pytest.fail(f"the local cluster needs node3 for the rollout's component: {problem}")
-    job, run = _submit(shared_tmp, slurm_jobs, "--partition", "low", "slurm.generator.partition=multi",
-                       "slurm.generator.exclude=node2", experiment="experiments/grpo_tiny.yaml", common=SPLIT)
-    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 31, 600, awaited=f"job {job} in its RL phase")
-    _preempt_node2(shared_tmp, slurm_jobs)
-    done = _finished(run, job)
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/grpo_tiny.yaml", *SPLIT,
+                         "slurm.controller.partition=cpu", "--partition", "low", "slurm.generator.partition=multi",
+                         "slurm.generator.exclude=node2")
+    sh.wait_until(lambda: read_state(run), lambda s: s.get("step", 0) >= 31, 600, awaited=f"job {job} in its RL phase")
+    sh.preempt_node2(shared_tmp, slurm_jobs)
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "completed", done.get("reason")
-    (pre,) = _events(run, "preempted") or [{"step": None}]
+    (pre,) = history(run, "preempted") or [{"step": None}]
     assert pre["step"] is not None and 31 <= pre["step"] < 130, "the preemption did not land in the RL phase"
-    assert done["restarts"] >= 1 and _events(run, "resumed")[0]["step"] == pre["step"]
+    assert done["restarts"] >= 1 and history(run, "resumed")[0]["step"] == pre["step"]
     roles = {r["rank"]: (r["role"], r["node"]) for r in done["ranks"]}
     assert roles == {0: ("trainer", "node2"), 1: ("trainer", "node2"), 2: ("generator", "node3")}, roles
-    assert _numbers(run) == _numbers(grpo_demo)
-    mine, theirs = _actor(run, 130), _actor(grpo_demo, 130)
+    assert numbers(run, GRPO_NUMBERS) == numbers(grpo_demo, GRPO_NUMBERS)
+    mine, theirs = checkpoint_weights(run, 130), checkpoint_weights(grpo_demo, 130)
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
     log = (run / "logs" / "controller.log").read_text()
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout

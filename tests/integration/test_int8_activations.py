@@ -8,18 +8,13 @@ two pipeline stages it trains the same way.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, gpt_config, initial_weights  # noqa: E402
+from tests.integration.gpt_harness import RankGroup, gpt_config, initial_weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 STEPS = 50

@@ -14,22 +14,15 @@ records each change as an event.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, gpt_config  # noqa: E402
-from test_grad_sync import record_reductions_on_rank, reductions_on_rank  # noqa: E402
-
-from core.controller.sync_policy import SyncPolicy  # noqa: E402
-from core.spec.config import SyncConfig  # noqa: E402
-from tests.helpers import baton  # noqa: E402
+from core.controller.sync_policy import SyncPolicy
+from core.spec.config import SyncConfig
+from tests.helpers import baton
+from tests.integration.gpt_harness import RankGroup, gpt_config, record_reductions_on_rank, reductions_on_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 STEPS = 20

@@ -3,30 +3,21 @@ Prometheus endpoint answers and carries the run's numbers."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.helpers import LocalRun, make_run, scrape, wait_for
+from tests.helpers import LocalRun, scrape, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3", "timeouts.controller_lost_s=5"]
 
 
 @pytest.fixture
-def toy(tmp_path: Path) -> Iterator[Any]:
-    runs: list[LocalRun] = []
-
-    def start(*overrides: str) -> LocalRun:
-        r = make_run(tmp_path, "toy.yaml", [*FAST, *overrides]).start()
-        runs.append(r)
-        return r
-
-    yield start
-    for r in runs:
-        r.cleanup()
+def toy(local_runs: Callable[..., LocalRun]) -> Callable[..., LocalRun]:
+    """``toy(*overrides)``: a toy run with FAST timeouts."""
+    return lambda *overrides: local_runs("toy.yaml", *FAST, *overrides)
 
 
 def _published(r: LocalRun) -> str | None:

@@ -12,17 +12,14 @@ over two data-parallel replicas bit for bit and continues the same loss curve.
 """
 from __future__ import annotations
 
-import sys
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, export_group, gpt_config, import_group  # noqa: E402
+from tests.helpers import baton
+from tests.integration.gpt_harness import RankGroup, export_group, gpt_config, import_group
 
 STEPS, RESUME_AT = 10, 5
 LAYOUT_TOL, RESUME_TOL = 1e-5, 1e-6
@@ -107,10 +104,6 @@ def test_the_rollout_of_a_modern_shaped_policy_agrees_with_its_actor(tmp_path: P
     """GRPO with the actor in tp2 and the rollout in tp1 (KV cache, rotary positions, key/value
     groups): after every weight sync the rollout's log-probs of its own samples are the
     actor's within 1e-5."""
-    import json
-
-    from tests.helpers import baton
-
     res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={tmp_path}", "trainer.steps=34",
                 *(f"model.{k}={str(v).lower()}" for k, v in MODEL.items()), "parallel.tp=2", "generator.tp=1",
                 "--backend", "local", timeout=600)

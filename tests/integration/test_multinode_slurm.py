@@ -7,24 +7,16 @@ worker process on that node" is found through the run record (rank, node, pid).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
-
-from tests.helpers import REPO, baton, history  # noqa: E402
+from tests.helpers import baton, history, losses, read_state, running_in_ci, submit_local
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 MULTI = ["trainer.nodes=2", "trainer.n_gpus_per_node=2", "slurm.workers.partition=multi",
@@ -42,41 +34,14 @@ def nodes_up(slurm_cluster: str) -> None:
     """The four-node cluster (an older two-node one is a skip here, a failure in CI)."""
     problem = sh.cluster_problem(NODES)
     if problem is not None:
-        if os.environ.get("CI", "").strip().lower() == "true":
+        if running_in_ci():
             pytest.fail(f"the local cluster lacks nodes in CI: {problem}", pytrace=False)
         pytest.skip(f"restart the local cluster (bash tests/cluster/slurm-cluster.sh start): {problem}")
 
 
-def _losses(run: Path) -> list[float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(len(records))), "steps missing or repeated in metrics"
-    return [r["loss"] for r in records]
-
-
-def _state(run: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run / "state.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _submit(root: Path, jobs: list[int], experiment: str, *args: str,
-            env: dict[str, str] | None = None) -> tuple[int, Path]:
-    cmd = [sys.executable, "-m", "launcher.cli", "submit", f"experiments/{experiment}", f"runs_root={root}",
-           *MULTI, *args, "--backend", "slurm"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})  # the job inherits it
-    assert res.returncode == 0, res.stdout + res.stderr
-    job = int(re.search(r"submitted job (\d+)", res.stdout).group(1))  # type: ignore[union-attr]
-    jobs.append(job)
-    return job, Path(re.search(r"^run folder: (.+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
-
-
 def _local(root: Path, experiment: str, *args: str) -> list[float]:
-    res = baton("submit", f"experiments/{experiment}", f"runs_root={root}", *MULTI, *args, "--backend", "local",
-                timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return _losses(Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1]))
+    run = submit_local(f"experiments/{experiment}", f"runs_root={root}", *MULTI, *args, timeout=300)
+    return losses(run, every_step_once=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +51,10 @@ def toy_reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return _local(tmp_path_factory.mktemp("local-toy"), "toy.yaml", *TOY)
 
 
-def _finished(run: Path, job: int, within_s: float = RUN_S) -> dict[str, Any]:
-    return sh.wait_until(lambda: _state(run), lambda s: s.get("status") in ("completed", "failed", "stopped"),
-                         within_s, awaited=f"job {job} to finish its run in {run}")
-
-
 def _kill_node(run: Path, node: str) -> list[int]:
     """SIGKILL every worker of ``node`` at once (the node's processes die together)."""
-    pids = [int(r["pid"]) for r in _state(run)["ranks"] if r["node"] == node]
-    assert pids, f"no worker on {node}: {_state(run)['ranks']}"
+    pids = [int(r["pid"]) for r in read_state(run)["ranks"] if r["node"] == node]
+    assert pids, f"no worker on {node}: {read_state(run)['ranks']}"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)  # every node is this host
     return pids
@@ -112,14 +72,14 @@ def _at_step(run: Path, job: int, step: int, generation: int = 0) -> None:
     def ready(s: dict[str, Any]) -> bool:
         gens = [e["generation"] for e in history(run, "workers_ready")]
         return s.get("step", 0) >= step and bool(gens) and gens[-1] == generation and s.get("status") == "running"
-    sh.wait_until(lambda: _state(run), ready, RUN_S, awaited=f"job {job} at step {step}, generation {generation}")
+    sh.wait_until(lambda: read_state(run), ready, RUN_S, awaited=f"job {job} at step {step}, generation {generation}")
 
 
 @pytest.mark.timeout(420)
 def test_a_gpt_over_two_nodes_matches_the_local_backend(nodes_up, slurm_jobs, shared_tmp) -> None:
     gpt = ["parallel.tp=2", "parallel.pp=1", "trainer.steps=8", "checkpoint.interval_steps=0"]
-    job, run = _submit(shared_tmp, slurm_jobs, "tiny_gpt.yaml", *gpt)
-    done = _finished(run, job)
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/tiny_gpt.yaml", *MULTI, *gpt)
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "completed", done.get("reason")
     ranks = sorted(done["ranks"], key=lambda r: r["rank"])
     nodes = [r["node"] for r in ranks]
@@ -129,7 +89,7 @@ def test_a_gpt_over_two_nodes_matches_the_local_backend(nodes_up, slurm_jobs, sh
     assert f"workers:  4 on 2 nodes: {nodes[0]} (ranks 0-1), {nodes[2]} (ranks 2-3)" in status.stdout, status.stdout
     logs = baton("logs", str(run), "--rank", "2")
     assert f"[worker r2@{nodes[2]}]" in logs.stdout, logs.stdout[-2000:]
-    assert _losses(run) == _local(shared_tmp / "local", "tiny_gpt.yaml", *gpt)
+    assert losses(run, every_step_once=True) == _local(shared_tmp / "local", "tiny_gpt.yaml", *gpt)
 
 
 @pytest.mark.timeout(600)
@@ -139,24 +99,24 @@ def test_a_node_losing_every_worker_is_named_and_recovered_then_excluded_when_it
     inside the allocation. Second failure of the same node (recovery.node_failure_limit=2): a
     requeue excludes it, beside the user's own exclusion; the run completes on the other nodes
     with the curve of an uninterrupted run."""
-    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *TOY, "recovery.node_failure_limit=2",
-                       "slurm.workers.exclude=node1")
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/toy.yaml", *MULTI, *TOY,
+                         "recovery.node_failure_limit=2", "slurm.workers.exclude=node1")
     _at_step(run, job, 200)
-    node = _state(run)["ranks"][2]["node"]
+    node = read_state(run)["ranks"][2]["node"]
     pids = _kill_node(run, node)
     _at_step(run, job, 400, generation=1)
     lost = history(run, "worker_lost")
     assert lost and {e["node"] for e in lost} == {node} and {e["pid"] for e in lost} <= set(pids), lost
-    assert _state(run)["restarts"] == 0, "the first failure was recovered by a requeue, not inside the allocation"
-    assert _state(run)["ranks"][2]["node"] == node, "the restart inside the allocation moved nodes"
+    assert read_state(run)["restarts"] == 0, "the first failure was recovered by a requeue, not inside the allocation"
+    assert read_state(run)["ranks"][2]["node"] == node, "the restart inside the allocation moved nodes"
     _kill_node(run, node)
-    done = _finished(run, job)
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "completed", done.get("reason")
     (requeue,) = history(run, "requeue_decided")
     assert node in requeue["exclude"], requeue
     assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
     assert {"node1", node} <= _excluded(job)
-    assert _losses(run) == toy_reference
+    assert losses(run, every_step_once=True) == toy_reference
 
 
 @pytest.mark.timeout(420)
@@ -166,13 +126,13 @@ def test_a_node_slurm_sets_down_is_named_and_excluded_and_the_run_resumes_with_n
     job: Slurm kills and requeues the job itself. The controller checkpoints at the step
     boundary, names the node and its reason, counts the failure (recovery.node_failure_limit=1:
     excluded at once, beside the user's own exclusion) and the run resumes with no lost step."""
-    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *TOY, "recovery.node_failure_limit=1",
-                       "slurm.workers.exclude=node1")
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/toy.yaml", *MULTI, *TOY,
+                         "recovery.node_failure_limit=1", "slurm.workers.exclude=node1")
     _at_step(run, job, 200)
-    node = _state(run)["ranks"][2]["node"]
+    node = read_state(run)["ranks"][2]["node"]
     try:
         sh.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=baton-test-down"])
-        done = _finished(run, job)
+        done = sh.finished(run, job, RUN_S)
     finally:
         sh.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
     assert done["status"] == "completed", done.get("reason")
@@ -185,7 +145,7 @@ def test_a_node_slurm_sets_down_is_named_and_excluded_and_the_run_resumes_with_n
     assert {"node1", node} <= _excluded(job)
     (stopped_at,) = [e["step"] for e in history(run, "preempted")]
     assert [e["step"] for e in history(run, "resumed")] == [stopped_at], "a step was lost or redone"
-    assert _losses(run) == toy_reference
+    assert losses(run, every_step_once=True) == toy_reference
 
 
 @pytest.mark.timeout(420)
@@ -194,14 +154,14 @@ def test_a_drained_node_keeps_training_until_its_workers_fail_then_the_requeue_l
     """Draining a node (a health check, maintenance) leaves running jobs alone: the run trains
     on. When that node's workers then die, no restart inside the allocation can help: the
     first failure requeues the job without the node (recovery.node_failure_limit is 2)."""
-    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *TOY, "slurm.workers.exclude=node1")
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/toy.yaml", *MULTI, *TOY, "slurm.workers.exclude=node1")
     _at_step(run, job, 200)
-    node = _state(run)["ranks"][2]["node"]
+    node = read_state(run)["ranks"][2]["node"]
     try:
         sh.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=baton-test-drain"])
         _at_step(run, job, 350)  # drained: still training
         _kill_node(run, node)
-        done = _finished(run, job)
+        done = sh.finished(run, job, RUN_S)
     finally:
         sh.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
     assert done["status"] == "completed", done.get("reason")
@@ -212,7 +172,7 @@ def test_a_drained_node_keeps_training_until_its_workers_fail_then_the_requeue_l
     assert history(run, "restarting_workers") == [], "restarted on a drained node"
     assert done["restarts"] == 1 and node not in {r["node"] for r in done["ranks"]}, done["ranks"]
     assert {"node1", node} <= _excluded(job)
-    assert _losses(run) == toy_reference
+    assert losses(run, every_step_once=True) == toy_reference
 
 
 @pytest.mark.timeout(540)
@@ -223,9 +183,9 @@ def test_a_run_near_its_time_limit_saves_and_requeues_before_slurm_kills_it(
     # Slurm's own warning comes 10 s before the end (up to a minute early): after that save.
     timed = ["model.kind=toy", "trainer.steps=2500", "optimizer.lr=0.002", "trainer.log_interval_steps=50",
              "checkpoint.interval_steps=0", "recovery.walltime_margin_s=40"]
-    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", *timed, "--time", "2", "--signal", "USR2@10",
-                       "slurm.controller.signal=USR2@10", env={"BATON_TOY_STEP_S": "0.01"})
-    done = _finished(run, job, within_s=420)
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/toy.yaml", *MULTI, *timed, "--time", "2",
+                         "--signal", "USR2@10", "slurm.controller.signal=USR2@10", env={"BATON_TOY_STEP_S": "0.01"})
+    done = sh.finished(run, job, 420)
     assert done["status"] == "completed", done.get("reason")
     early = history(run, "time_running_out")
     assert early and all(0 < e["step"] < 2500 and e["time_left_s"] > 0 for e in early), early
@@ -233,7 +193,7 @@ def test_a_run_near_its_time_limit_saves_and_requeues_before_slurm_kills_it(
     assert done["restarts"] == len(early) and not history(run, "preempted"), "Slurm had to signal: too late"
     resumed = [e["step"] for e in history(run, "resumed")]
     assert all(e["step"] in resumed for e in early), (early, resumed)
-    assert _losses(run) == _local(shared_tmp / "local-timed", "toy.yaml", *timed)  # no step lost or redone
+    assert losses(run, every_step_once=True) == _local(shared_tmp / "local-timed", "toy.yaml", *timed)  # no step lost or redone
 
 
 @pytest.mark.timeout(300)
@@ -241,9 +201,9 @@ def test_a_time_limit_too_short_to_train_fails_once_instead_of_requeueing_foreve
         nodes_up, slurm_jobs, shared_tmp) -> None:
     # Two minutes, a 100 s margin beyond an unmeasured save (60 s): never time to train. Slurm's
     # warning is moved to 10 s before the end (it may come a minute early): after the start.
-    job, run = _submit(shared_tmp, slurm_jobs, "toy.yaml", "model.kind=toy", "trainer.steps=1000",
-                       "recovery.walltime_margin_s=100", "--time", "2", "--signal", "USR2@10",
-                       "slurm.controller.signal=USR2@10")
-    done = _finished(run, job)
+    job, run = sh.submit(shared_tmp, slurm_jobs, "experiments/toy.yaml", *MULTI, "model.kind=toy",
+                         "trainer.steps=1000", "recovery.walltime_margin_s=100", "--time", "2", "--signal", "USR2@10",
+                         "slurm.controller.signal=USR2@10")
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "failed" and "recovery.walltime_margin_s" in done["reason"], done.get("reason")
     assert done["restarts"] == 0 and not history(run, "requeued"), history(run)

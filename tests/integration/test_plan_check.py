@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import baton
+from tests.helpers import baton, submit_local
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DP2 = ("parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=2")
 CASES = {  # six runs that cover every option the plan accounts for
     "dp2": DP2,
@@ -27,16 +27,13 @@ CASES = {  # six runs that cover every option the plan accounts for
 }
 
 
-def _run(root: Path, overrides: tuple[str, ...]) -> Path:
-    res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={root}", "trainer.steps=2", *overrides,
-                "--backend", "local", timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return next((root / "tiny-gpt").glob("*"))
+def _measured_run(root: Path, overrides: tuple[str, ...]) -> Path:
+    return submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}", "trainer.steps=2", *overrides)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_plan_is_within_15_percent_of_what_the_ranks_measured(tmp_path: Path, case: str) -> None:
-    run = _run(tmp_path, CASES[case])
+    run = _measured_run(tmp_path, CASES[case])
     res = baton("plan", "--check", str(run))
     assert res.returncode == 0, res.stdout + res.stderr
     ratios = dict(re.findall(r"^\s+(weights|gradients|optimizer|activations)\s+\S+\s+\S+\s+([\d.]+)$", res.stdout,
@@ -45,7 +42,7 @@ def test_the_plan_is_within_15_percent_of_what_the_ranks_measured(tmp_path: Path
 
 
 def test_a_measurement_the_plan_misses_exits_1_and_a_run_without_one_is_refused(tmp_path: Path) -> None:
-    run = _run(tmp_path, DP2)
+    run = _measured_run(tmp_path, DP2)
     memory = json.loads((run / "memory.json").read_text())
     memory["ranks"][0]["activations_bytes"] *= 2
     (run / "memory.json").write_text(json.dumps(memory))

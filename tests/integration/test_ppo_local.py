@@ -14,7 +14,6 @@ and values included) bit for bit, ending with the same actor and critic weights.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -24,24 +23,13 @@ import numpy as np
 import pytest
 
 from core.checkpoint.hdf5 import CheckpointReader
-from tests.helpers import baton
-from tests.integration.test_recovery_local import Submitted
+from tests.helpers import Submitted, baton, checkpoint_weights, metrics, numbers
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = "experiments/ppo_tiny.yaml"
 KEYS = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl", "entropy",
         "ratio_max", "sync_logprob_maxdiff", "value_loss", "values_mean")
 PHASES = {"sync", "generate", "reward", "old", "ref", "values", "critic", "update"}
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(run_dir: Path, step: int) -> dict[str, np.ndarray]:
-    """The actor's and the critic's weights in a committed checkpoint (no optimizer state)."""
-    with CheckpointReader(run_dir / "checkpoints" / f"step_{step:08d}") as reader:
-        return {n: reader.read(n) for n in reader.manifest.tensors if not n.startswith("optim.")}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +41,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_ppo_demo_learns_to_count_and_its_critic_learns_the_rewards(demo: Path) -> None:
-    rl = [r for r in _metrics(demo) if "reward_mean" in r]
+    rl = [r for r in metrics(demo) if "reward_mean" in r]
     assert [r["step"] for r in rl] == list(range(30, 130)) and all(set(r["phase_s"]) == PHASES for r in rl)
     first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
     assert first <= 0.45 and last >= 0.85, (first, last)
@@ -62,7 +50,7 @@ def test_the_ppo_demo_learns_to_count_and_its_critic_learns_the_rewards(demo: Pa
     # the values follow the rewards up (the head starts near 0)
     assert abs(rl[0]["values_mean"]) < 0.2 and statistics.fmean(r["values_mean"] for r in rl[-10:]) > 0.6
     assert max(r["sync_logprob_maxdiff"] for r in rl) <= 1e-5
-    weights = _weights(demo, 130)
+    weights = checkpoint_weights(demo, 130)
     actor_head, critic_head = weights["output_layer.weight"], weights["critic.output_layer.weight"]
     assert actor_head.shape == (32, 64) and critic_head.shape == (1, 64) and weights["critic.output_layer.bias"].shape == (1,)
     # the critic's transformer started as the actor's at step 30 and has trained apart from it since
@@ -86,9 +74,9 @@ def test_ppo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path: 
         r.cleanup()
     (pre,) = r.events("preempted")
     assert 50 <= pre["step"] < 130 and r.events("resumed")[0]["step"] == pre["step"]
-    mine, theirs = ([{k: m.get(k) for k in KEYS} for m in _metrics(run)] for run in (r.run_dir, demo))
+    mine, theirs = numbers(r.run_dir, KEYS), numbers(demo, KEYS)
     assert mine == theirs
-    a, b = _weights(r.run_dir, 130), _weights(demo, 130)
+    a, b = checkpoint_weights(r.run_dir, 130), checkpoint_weights(demo, 130)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert any(k.startswith("critic.") for k in a)
 
@@ -104,7 +92,7 @@ def test_a_ppo_run_resumed_where_its_rl_phase_begins_gives_the_critic_the_actor_
     run = next((tmp_path / "ppo-tiny").glob("*"))
     res = baton("submit", "--resume", str(run), "trainer.steps=40", "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
-    mine, theirs = ([{k: m.get(k) for k in KEYS} for m in _metrics(r)] for r in (run, demo))
+    mine, theirs = numbers(run, KEYS), numbers(demo, KEYS)
     assert len(mine) == 40 and mine == theirs[:40]
 
 
@@ -118,7 +106,7 @@ def test_a_critic_trained_in_tp2_resumes_in_tp1(tmp_path: Path) -> None:
     run = next((tmp_path / "ppo-tiny").glob("*"))
     res = baton("submit", "--resume", str(run), "parallel.tp=1", "trainer.steps=36", "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
-    rl = [r for r in _metrics(run) if "reward_mean" in r]
+    rl = [r for r in metrics(run) if "reward_mean" in r]
     assert [r["step"] for r in rl] == list(range(30, 36))
     assert all(0 < r["value_loss"] < 1 and r["ratio_max"] == 1.0 for r in rl[:4]), rl
     assert all(0 < r["value_loss"] < 1 for r in rl)
@@ -126,5 +114,5 @@ def test_a_critic_trained_in_tp2_resumes_in_tp1(tmp_path: Path) -> None:
         assert reader.manifest.layout == "tp2pp1dp1"
         head = reader.read("critic.output_layer.weight")
     # the critic at step 34 went on from that checkpoint: its head moved on from the tp2 one, by a little
-    after = _weights(run, 36)["critic.output_layer.weight"]
+    after = checkpoint_weights(run, 36)["critic.output_layer.weight"]
     assert after.shape == head.shape == (1, 64) and 0 < np.abs(after - head).max() < 0.1

@@ -5,20 +5,12 @@ Each resume runs in fresh processes: nothing survives but the checkpoint files.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, export_on_rank, gpt_config  # noqa: E402
-
-from core.checkpoint.hdf5 import CheckpointReader  # noqa: E402
+from tests.integration.gpt_harness import RankGroup, assert_state_is_the_checkpoints, gpt_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 STEPS, HALF = 12, 6
@@ -32,23 +24,6 @@ def _config(dtype: str, *, tp: int, pp: int, dropout: bool = True, steps: int = 
     return gpt_config(tp=tp, pp=pp, world_size=tp * pp, steps=steps, model=model,
                       training={"global_batch_size": 16, "micro_batch_size": 2,
                                 "mixed_precision": {"param_dtype": dtype}})
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def _assert_state_is_the_checkpoints(group: RankGroup, step_dir: Path, step: int) -> None:
-    """Right after a load, every tensor this rank would save, its step counters, loss scaler and
-    RNG streams equal the checkpoint's, bit for bit."""
-    with CheckpointReader(step_dir) as reader:
-        for rank, (items, blobs) in enumerate(group.apply(export_on_rank, step=step)):
-            for s, data in items:
-                saved = reader.read(s.name, s.offset, s.shape)
-                assert np.array_equal(_bits(data), _bits(saved)), f"rank {rank}: {s.name} at {s.offset} differs"
-            want = reader.blobs(rank)
-            assert blobs["optimizer"] == want["optimizer"], (rank, blobs["optimizer"], want["optimizer"])
-            assert blobs["rng"] == want["rng"], f"rank {rank}: the RNG streams are not the saved ones"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +42,7 @@ def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, list
         with RankGroup(cfg, world_size=2, run_dir=root) as g:
             g.setup()
             g.load(step_dir)
-            _assert_state_is_the_checkpoints(g, step_dir, HALF)
+            assert_state_is_the_checkpoints(g, step_dir, HALF)
             second = g.train(range(HALF, STEPS))
         out[dtype] = {"full": full, "resumed": first + second}
     return out

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 RUN = ("trainer.steps=8", "checkpoint.interval_steps=0")
 
 
+@pytest.mark.slow
 def test_without_a_terminal_the_run_prints_plain_progress_lines(tmp_path: Path) -> None:
     res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", *RUN, "--backend", "local",
                 timeout=600)
@@ -30,6 +31,7 @@ def test_without_a_terminal_the_run_prints_plain_progress_lines(tmp_path: Path) 
     assert "\x1b[" not in res.stdout  # no terminal codes in a pipe
 
 
+@pytest.mark.slow
 def test_on_a_terminal_the_run_draws_a_live_bar(tmp_path: Path) -> None:
     leader, follower = os.openpty()
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120", "TERM": "xterm"}

@@ -16,11 +16,9 @@ from typing import Any
 import pytest
 
 from core.job.process import free_port
-from tests.helpers import REPO, wait_for
-from tests.integration.conftest import running_in_ci
-from tests.integration.test_recovery_local import Submitted
+from tests.helpers import REPO, Submitted, running_in_ci, wait_for
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # Set only on a GPU, or only by an RL program: absent from a CPU pretraining run by design.
 CONDITIONAL = {"baton_rank_cuda_peak_bytes", "baton_rl_phase_seconds"}
 

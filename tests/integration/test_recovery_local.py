@@ -7,11 +7,8 @@ an uninterrupted run's loss at every step, exactly.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +23,7 @@ from core.errors import RegistrationError
 from core.spec.config import TimeoutsConfig
 from core.wire.protocol import Refuse, Register, decode, encode
 from core.wire.transport import ControllerSocket, WorkerSocket
-from tests.helpers import REPO, baton, history, make_run, wait_for
+from tests.helpers import Submitted, baton, losses, make_run, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 1200
@@ -36,82 +33,12 @@ COMMON = [
 ]
 
 
-class Submitted:
-    """A ``baton submit --backend local`` run started from a test; everything it started is
-    ended by pid at the end (SIGINT to the CLI first: it ends its children itself)."""
-
-    def __init__(self, root: Path, overrides: list[str], env: dict[str, str] | None = None,
-                 experiment: str = "experiments/toy.yaml", common: tuple[str, ...] = tuple(COMMON)) -> None:
-        self.root = root
-        args = [sys.executable, "-m", "launcher.cli", "submit", experiment, f"runs_root={root}",
-                *common, *overrides, "--backend", "local"]
-        self.proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.seen_pids: set[int] = set()
-        self.output = ""
-
-    @property
-    def run_dir(self) -> Path:
-        return wait_for(lambda: next((p for p in self.root.glob("*/*") if (p / "state.json").exists()), None),
-                        30, "the run folder")
-
-    def state(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.run_dir / "state.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def wait_step(self, step: int) -> dict[str, Any]:
-        return wait_for(lambda: (s := self.state()).get("step", 0) >= step and s, 60, f"step {step}")
-
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return history(self.run_dir, kind)
-
-    def worker_pid(self, rank: int, generation: int = 0) -> int:
-        def current() -> int | None:
-            ready = self.events("workers_ready")
-            if not ready or ready[-1].get("generation") != generation:
-                return None
-            return int(self.state()["ranks"][rank]["pid"])
-
-        pid = wait_for(current, 30, f"rank {rank} of generation {generation}")
-        self.seen_pids.add(pid)
-        return pid
-
-    def controller_pid(self) -> int:
-        pid = int(json.loads((self.run_dir / "controller.json").read_text())["pid"])
-        self.seen_pids.add(pid)
-        return pid
-
-    def finish(self, timeout: float = 120) -> int:
-        self.output, _ = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-        state = self.state()
-        pids = self.seen_pids | {int(r["pid"]) for r in state.get("ranks", [])}
-        for pid in pids:  # only our own entrypoint processes, checked before the kill
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"core.entrypoint" in cmdline:
-                os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture
 def submit(tmp_path: Path) -> Iterator[Any]:
     runs: list[Submitted] = []
 
     def start(*overrides: str, env: dict[str, str] | None = None) -> Submitted:
-        r = Submitted(tmp_path / f"r{len(runs)}", list(overrides), env)
+        r = Submitted(tmp_path / f"r{len(runs)}", list(overrides), env, common=COMMON)
         runs.append(r)
         return r
 
@@ -126,19 +53,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     root = tmp_path_factory.mktemp("reference")
     res = baton("submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON, "--backend", "local", timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    return _losses(next((root / "toy").glob("*")))
-
-
-def _losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(len(records))), "steps missing or repeated in metrics"
-    return [r["loss"] for r in records]
+    return losses(next((root / "toy").glob("*")), every_step_once=True)
 
 
 def _pid_gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_worker_mid_run_is_recovered_without_a_human(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=100")
     r.wait_step(300)
@@ -147,7 +69,7 @@ def test_kill_9_of_a_worker_mid_run_is_recovered_without_a_human(submit, referen
     assert r.finish() == 0, r.output
     state = r.state()
     assert state["status"] == "completed" and state["step"] == STEPS
-    assert _losses(r.run_dir) == reference
+    assert losses(r.run_dir, every_step_once=True) == reference
     lost = r.events("worker_lost")
     assert [(e["rank"], e["pid"], e["node"]) for e in lost] == [(2, victim, "local")]
     assert "process exited" in lost[0]["why"]
@@ -159,13 +81,14 @@ def test_kill_9_of_a_worker_mid_run_is_recovered_without_a_human(submit, referen
     assert "worker_lost (failure=worker_lost, rank=2" in shown and "restarting_workers (generation=1" in shown
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_detected_as_hung_killed_by_pid_and_replaced(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=100")
     r.wait_step(300)
     victim = r.worker_pid(1)
     os.kill(victim, signal.SIGSTOP)
     assert r.finish() == 0, r.output
-    assert _losses(r.run_dir) == reference
+    assert losses(r.run_dir, every_step_once=True) == reference
     lost = r.events("worker_lost")
     assert [e["rank"] for e in lost] == [1] and "stopped (SIGSTOP)" in lost[0]["why"]
     assert _pid_gone(victim), "the stopped worker was left behind"
@@ -183,6 +106,7 @@ def test_a_deterministic_error_fails_at_once_with_the_reason(submit) -> None:
     assert "toy failure at step 250" in baton("status", str(r.run_dir)).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2"])
 def test_a_preemption_signal_to_the_controller_checkpoints_requeues_and_loses_no_step(
         submit, reference, signum) -> None:
@@ -190,7 +114,7 @@ def test_a_preemption_signal_to_the_controller_checkpoints_requeues_and_loses_no
     r.wait_step(300)
     os.kill(r.controller_pid(), signum)
     assert r.finish() == 0, r.output
-    assert _losses(r.run_dir) == reference
+    assert losses(r.run_dir, every_step_once=True) == reference
     (pre,) = r.events("preempted")
     assert pre["signal"] == signal.Signals(signum).name and pre["cause"] == "signal"
     step = pre["step"]
@@ -205,6 +129,7 @@ def test_a_preemption_signal_to_the_controller_checkpoints_requeues_and_loses_no
     assert state["status"] == "completed" and state["restarts"] == 1
 
 
+@pytest.mark.slow
 def test_retries_exhausted_fail_with_a_reason_naming_the_node(submit) -> None:
     r = submit("checkpoint.interval_steps=0", "recovery.max_retries=1")
     r.wait_step(200)
@@ -219,6 +144,7 @@ def test_retries_exhausted_fail_with_a_reason_naming_the_node(submit) -> None:
     assert [e["rank"] for e in r.events("worker_lost")] == [0, 3]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_during_a_checkpoint_write_resumes_from_the_previous_one(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=200", env={"BATON_TOY_SAVE_DELAY_S": "0.5"})
     ckpts = r.run_dir / "checkpoints"
@@ -226,7 +152,7 @@ def test_a_worker_killed_during_a_checkpoint_write_resumes_from_the_previous_one
     wait_for(lambda: list(ckpts.glob("step_00000400.tmp-*")), 60, "the save of step 400 to start")
     os.kill(r.worker_pid(1), signal.SIGKILL)
     assert r.finish() == 0, r.output
-    assert _losses(r.run_dir) == reference
+    assert losses(r.run_dir, every_step_once=True) == reference
     resumed = r.events("resumed")
     assert [e["step"] for e in resumed] == [200], "not resumed from the previous committed checkpoint"
     committed = [e["step"] for e in r.events("checkpoint_committed")]
@@ -234,18 +160,20 @@ def test_a_worker_killed_during_a_checkpoint_write_resumes_from_the_previous_one
     assert not list(ckpts.glob("*.tmp-*")), "debris of the interrupted save is left"
 
 
+@pytest.mark.slow
 def test_a_controller_killed_9_is_relaunched_by_the_supervisor(submit, reference) -> None:
     r = submit("checkpoint.interval_steps=100")
     r.wait_step(300)
     os.kill(r.controller_pid(), signal.SIGKILL)
     assert r.finish() == 0, r.output
-    assert _losses(r.run_dir) == reference
+    assert losses(r.run_dir, every_step_once=True) == reference
     (died,) = r.events("controller_died")
     assert died["exit_code"] == -signal.SIGKILL and died["retry"] == 1
     assert [e["epoch"] for e in r.events("controller_started")] == [0, 1]
     assert r.state()["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_worker_of_an_older_generation_is_refused_by_name(tmp_path: Path) -> None:
     r = make_run(tmp_path, "toy.yaml", [])
     sock = ControllerSocket(r.run.keys)

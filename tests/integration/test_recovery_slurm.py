@@ -10,36 +10,23 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
-
-from tests.helpers import REPO, baton, history  # noqa: E402
+from tests.helpers import REPO, baton, history, losses, make_run, read_state
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 STEPS = 1000
 COMMON = ["model.kind=toy", "trainer.n_gpus_per_node=4", f"trainer.steps={STEPS}", "optimizer.lr=0.002",
           "trainer.log_interval_steps=20", "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1",
           "timeouts.heartbeat_timeout_s=1.5", "timeouts.controller_lost_s=5"]
+# Each test's job: the toy on 4 workers, its controller on partition cpu.
+JOB = ("experiments/toy.yaml", *COMMON, "slurm.controller.partition=cpu")
 RUN_S = 240.0
-
-
-def _losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(len(records))), "steps missing or repeated in metrics"
-    return [r["loss"] for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -47,109 +34,61 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     root = tmp_path_factory.mktemp("reference")
     res = baton("submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON, "--backend", "local", timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
-    return _losses(next((root / "toy").glob("*")))
-
-
-def _submit(root: Path, jobs: list[int], *args: str, env: dict[str, str] | None = None,
-            experiment: str = "experiments/toy.yaml", common: list[str] = COMMON) -> tuple[int, Path]:
-    cmd = [sys.executable, "-m", "launcher.cli", "submit", experiment, f"runs_root={root}", *common,
-           "--backend", "slurm", "slurm.controller.partition=cpu", *args]
-    # The job inherits this environment (sbatch --export=ALL), test knobs included.
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-    assert res.returncode == 0, res.stdout + res.stderr
-    job = int(re.search(r"submitted job (\d+)", res.stdout).group(1))  # type: ignore[union-attr]
-    jobs.append(job)
-    return job, Path(re.search(r"^run folder: (.+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
-
-
-def _state(run: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run / "state.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _events(run: Path, kind: str) -> list[dict[str, Any]]:
-    return history(run, kind)
-
-
-def _finished(run: Path, job: int) -> dict[str, Any]:
-    return sh.wait_until(lambda: _state(run), lambda s: s.get("status") in ("completed", "failed", "stopped"),
-                         RUN_S, awaited=f"job {job} to finish its run in {run}")
-
-
-def _preempt_node2(shared_tmp: Path, jobs: list[int]) -> None:
-    """Submit a job on ``high`` that needs all of node2: Slurm preempts what runs there on ``low``."""
-    high = shared_tmp / "high.sbatch"
-    high.write_text(textwrap.dedent("""\
-        #!/bin/bash
-        #SBATCH --job-name=baton-test-high
-        #SBATCH --partition=high
-        #SBATCH --nodes=1
-        #SBATCH --ntasks=16
-        #SBATCH --gpus-per-node=8
-        #SBATCH --exclusive
-        #SBATCH --time=5
-        #SBATCH --output=/dev/null
-        sleep 1
-        """))
-    jobs.append(sh.sbatch(high))
+    return losses(next((root / "toy").glob("*")), every_step_once=True)
 
 
 @pytest.mark.timeout(480)
 def test_a_preempted_run_checkpoints_requeues_and_resumes_with_no_lost_step(
         slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
     # 10 ms more per step: ~10 s of training after step 300, so the preemption lands mid-run.
-    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=0", "--partition", "low",
-                       env={"BATON_TOY_STEP_S": "0.01"})
-    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
-    _preempt_node2(shared_tmp, slurm_jobs)
-    done = _finished(run, job)
+    job, run = sh.submit(shared_tmp, slurm_jobs, *JOB, "checkpoint.interval_steps=0", "--partition", "low",
+                         env={"BATON_TOY_STEP_S": "0.01"})
+    sh.wait_until(lambda: read_state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+    sh.preempt_node2(shared_tmp, slurm_jobs)
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "completed", done.get("reason")
     assert done["restarts"] >= 1
-    (pre, *_) = _events(run, "preempted")
+    (pre, *_) = history(run, "preempted")
     assert (pre["cause"], pre["signal"]) == ("preemption", "SIGUSR2")
     assert pre["time_left_s"] is not None and pre["time_left_s"] <= 25  # GraceTime=20 on partition low
-    assert any(e["step"] == pre["step"] for e in _events(run, "checkpoint_committed"))
-    (req, *_) = _events(run, "requeued")
+    assert any(e["step"] == pre["step"] for e in history(run, "checkpoint_committed"))
+    (req, *_) = history(run, "requeued")
     assert req["step"] == pre["step"] and req["backend"] == "slurm"
-    resumed = _events(run, "resumed")
+    resumed = history(run, "resumed")
     assert resumed[0]["step"] == pre["step"], "steps were lost between the preemption and the resume"
-    assert _losses(run) == reference
+    assert losses(run, every_step_once=True) == reference
     assert sh.job_field(job, "Restarts") == str(done["restarts"])
-
 
 
 @pytest.mark.timeout(420)
 def test_a_controller_killed_on_slurm_is_requeued_by_the_batch_script(
         slurm_cluster, slurm_jobs, shared_tmp, reference) -> None:
-    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=100", "--partition", "gpu",
-                       env={"BATON_TOY_STEP_S": "0.005"})
-    sh.wait_until(lambda: _state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
+    job, run = sh.submit(shared_tmp, slurm_jobs, *JOB, "checkpoint.interval_steps=100", "--partition", "gpu",
+                         env={"BATON_TOY_STEP_S": "0.005"})
+    sh.wait_until(lambda: read_state(run), lambda s: s.get("step", 0) >= 300, RUN_S, awaited=f"job {job} at step 300")
     controller = json.loads((run / "controller.json").read_text())
     assert controller["node"] == "node1"
     os.kill(int(controller["pid"]), signal.SIGKILL)  # node1 is this host
-    done = _finished(run, job)
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "completed", done.get("reason")
-    (died,) = _events(run, "controller_died")
+    (died,) = history(run, "controller_died")
     assert died["retry"] == 1 and died["epoch"] == 0
-    assert [e["epoch"] for e in _events(run, "controller_started")] == [0, 1]
-    assert _events(run, "resumed")[0]["step"] % 100 == 0
-    assert _losses(run) == reference
+    assert [e["epoch"] for e in history(run, "controller_started")] == [0, 1]
+    assert history(run, "resumed")[0]["step"] % 100 == 0
+    assert losses(run, every_step_once=True) == reference
     assert sh.job_field(job, "Restarts") == "1"
 
 
 @pytest.mark.timeout(420)
 def test_a_deterministic_error_on_slurm_fails_the_job_once_with_the_reason_and_no_requeue(
         slurm_cluster, slurm_jobs, shared_tmp) -> None:
-    job, run = _submit(shared_tmp, slurm_jobs, "checkpoint.interval_steps=100", "--partition", "gpu",
-                       env={"BATON_TOY_FAIL_AT_STEP": "250"})
-    done = _finished(run, job)
+    job, run = sh.submit(shared_tmp, slurm_jobs, *JOB, "checkpoint.interval_steps=100", "--partition", "gpu",
+                         env={"BATON_TOY_FAIL_AT_STEP": "250"})
+    done = sh.finished(run, job, RUN_S)
     assert done["status"] == "failed" and done["step"] == 250, done.get("reason")
     assert "toy failure at step 250" in done["reason"] and "the same on all 4 ranks" in done["reason"]
     assert "not retried" in done["reason"]
-    assert _events(run, "requeued") == [] and _events(run, "restarting_workers") == []
+    assert history(run, "requeued") == [] and history(run, "restarting_workers") == []
     # the controller component ends FAILED (its exit code), once: sacct -D lists no earlier run
     sh.wait_for_sacct(job, {f"{job}+0": "FAILED"}, 60)
     assert [jid for jid, _ in sh.sacct_states(job, duplicates=True)].count(f"{job}+0") == 1
@@ -164,8 +103,6 @@ def test_a_controller_that_dies_while_scancel_ends_the_job_is_not_requeued(
     """The batch script's last word (``core.supervisor after-controller``) after a controller
     that exited without one, in a job that ``scancel`` is ending: the run stops, not requeued.
     The script stands in for a controller that scancel reached while it was starting."""
-    from tests.helpers import make_run
-
     local_run = make_run(shared_tmp, "toy.yaml", [])
     run = local_run.run.path
     started, out = shared_tmp / "started", shared_tmp / "after.out"
@@ -183,8 +120,8 @@ def test_a_controller_that_dies_while_scancel_ends_the_job_is_not_requeued(
     sh.wait_until(lambda: started.exists(), bool, 60, awaited=f"job {job} to start")
     sh.scancel([job])
     assert sh.wait_for_file(out, 60, awaited="stop").strip() == "stop"
-    done = _state(run)
+    done = read_state(run)
     assert done["status"] == "stopped" and "scancel" in done["reason"], done
-    assert _events(run, "controller_died") == [] and _events(run, "requeued") == []
+    assert history(run, "controller_died") == [] and history(run, "requeued") == []
     sh.wait_for_sacct(job, "CANCELLED", 60)
     assert sh.job_field(job, "Restarts") in ("0", None)

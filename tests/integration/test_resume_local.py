@@ -7,35 +7,26 @@ from pathlib import Path
 import pytest
 
 from core.checkpoint import manifest
-from tests.helpers import baton, history
+from tests.helpers import baton, history, losses, submit_local
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _submit(*args: str) -> Path:
-    res = baton("submit", *args, "--backend", "local")
-    assert res.returncode == 0, res.stdout + res.stderr
-    return Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
+@pytest.mark.slow
 def test_resume_continues_the_same_curve_exactly(tmp_path: Path) -> None:
-    full = _submit("experiments/toy.yaml", f"runs_root={tmp_path}/a", "trainer.steps=20")
-    half = _submit("experiments/toy.yaml", f"runs_root={tmp_path}/b", "trainer.steps=10")
+    full = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}/a", "trainer.steps=20")
+    half = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}/b", "trainer.steps=10")
     assert manifest.committed_steps(half / "checkpoints") == [10]
     res = baton("submit", "--resume", str(half), "trainer.steps=20", "--backend", "local")
     assert res.returncode == 0, res.stderr
-    assert _losses(half) == _losses(full)  # bit-identical: same data, same state
+    assert losses(half) == losses(full)  # bit-identical: same data, same state
     state = json.loads((half / "state.json").read_text())
     assert state["restarts"] == 1 and state["step"] == 20
     assert any(e["step"] == 10 for e in history(half, "resumed"))
 
 
 def test_interval_checkpoints_keep_the_last_n_and_latest_points_to_the_newest(tmp_path: Path) -> None:
-    run = _submit("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20",
+    run = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20",
                   "checkpoint.interval_steps=4", "checkpoint.keep_last=3")
     assert manifest.committed_steps(run / "checkpoints") == [12, 16, 20]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000020"
@@ -43,14 +34,15 @@ def test_interval_checkpoints_keep_the_last_n_and_latest_points_to_the_newest(tm
 
 
 def test_async_checkpoints_commit_and_resume(tmp_path: Path) -> None:
-    run = _submit("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=12",
+    run = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=12",
                   "checkpoint.interval_steps=4", "checkpoint.async=true")
     assert manifest.committed_steps(run / "checkpoints") == [8, 12]
     assert [e["step"] for e in history(run, "checkpoint_started")] == [4, 8]
 
 
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> None:
-    run = _submit("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=10", "checkpoint.interval_steps=5")
+    run = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=10", "checkpoint.interval_steps=5")
     shard = run / "checkpoints" / "step_00000010" / "rank_00001.h5"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -13,20 +13,14 @@ from pathlib import Path
 import pytest
 
 from core.checkpoint import manifest
-from tests.helpers import REPO, baton, history, wait_for
+from tests.helpers import REPO, baton, history, submit_local, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 FAST = ["timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=1.5", "timeouts.controller_lost_s=3"]
 
 
-def _submit(*args: str, env: dict[str, str] | None = None) -> Path:
-    res = baton("submit", *args, "--backend", "local", env=env)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return Path(res.stdout.strip().splitlines()[-1].split(": ", 1)[1])
-
-
-def _run(tmp_path: Path, *overrides: str) -> Path:
-    return _submit("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20", "checkpoint.interval_steps=10",
+def _toy_run(tmp_path: Path, *overrides: str) -> Path:
+    return submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20", "checkpoint.interval_steps=10",
                    *FAST, *overrides)
 
 
@@ -43,15 +37,16 @@ def _refused(res: subprocess.CompletedProcess[str], *fragments: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_refuses_the_resume_unless_from_scratch_and_keeps_them(tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = _toy_run(tmp_path)
     for step in (10, 20):
         os.truncate(run / "checkpoints" / manifest.step_dir_name(step) / "rank_00001.h5", 100)
     before = _snapshot(run)
     _refused(baton("submit", "--resume", str(run), "trainer.steps=30", "--backend", "local"),
              "no checkpoint to resume from", "step_00000020", "rank_00001.h5", "--from-scratch")
     assert _snapshot(run) == before  # nothing written, nothing deleted
-    _submit("--resume", str(run), "trainer.steps=30", "--from-scratch")
+    submit_local("--resume", str(run), "trainer.steps=30", "--from-scratch")
     state = json.loads((run / "state.json").read_text())
     assert state["status"] == "completed" and state["step"] == 30 and not state["from_scratch"]
     assert [e["reason"] for e in history(run, "restart_from_scratch")] == ["--from-scratch"]
@@ -60,8 +55,9 @@ def test_every_checkpoint_damaged_refuses_the_resume_unless_from_scratch_and_kee
     assert all((p / "rank_00001.h5").stat().st_size == 100 for p in kept)
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_named_everywhere_and_the_previous_one_resumes(tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = _toy_run(tmp_path)
     newest = run / "checkpoints" / "step_00000020" / "rank_00002.h5"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
@@ -79,8 +75,9 @@ def test_a_damaged_newest_checkpoint_is_named_everywhere_and_the_previous_one_re
     assert "damaged" in listing.stdout and listing.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_bit_flip_in_the_only_checkpoint_fails_the_resume_with_exit_2_and_keeps_it(tmp_path: Path) -> None:
-    run = _run(tmp_path, "trainer.steps=10")
+    run = _toy_run(tmp_path, "trainer.steps=10")
     shard = run / "checkpoints" / "step_00000010" / "rank_00000.h5"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01
@@ -91,26 +88,28 @@ def test_a_bit_flip_in_the_only_checkpoint_fails_the_resume_with_exit_2_and_keep
     assert [p.name.split(".")[0] for p in manifest.damaged(run / "checkpoints")] == ["step_00000010"]
 
 
+@pytest.mark.slow
 def test_a_torn_last_metrics_line_is_cut_and_the_resume_goes_on(tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = _toy_run(tmp_path)
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 20, "loss": 0.1')  # a node crash mid-append
-    _submit("--resume", str(run), "trainer.steps=30")
+    submit_local("--resume", str(run), "trainer.steps=30")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(30))
     assert "torn last line" in (run / "logs" / "controller.log").read_text()
 
 
 def test_a_dry_run_resume_writes_nothing(tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = _toy_run(tmp_path)
     before = _snapshot(run)
     res = baton("submit", "--resume", str(run), "trainer.steps=30", "--backend", "slurm", "--dry-run")
     assert res.returncode == 0 and "#SBATCH" in res.stdout, res.stderr
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_the_model_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    run = _submit("experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", "trainer.steps=2", *FAST,
+    run = submit_local("experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", "trainer.steps=2", *FAST,
                   "parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=1", "checkpoint.interval_steps=0")
     before = _snapshot(run)
     _refused(baton("submit", "--resume", str(run), "model.hidden_size=128", "--backend", "local"),
@@ -118,6 +117,7 @@ def test_a_resume_that_changes_the_model_is_refused_before_anything_is_written(t
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_second_controller_on_a_running_run_is_refused_naming_the_first(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={tmp_path}", *FAST,
             "trainer.steps=100000000", "--backend", "local"]
@@ -147,7 +147,7 @@ def test_a_second_controller_on_a_running_run_is_refused_naming_the_first(tmp_pa
 
 
 def test_a_storage_fault_in_a_checkpoint_write_is_retried_not_taken_for_a_user_error(tmp_path: Path) -> None:
-    run = _submit("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20", "checkpoint.interval_steps=10",
+    run = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20", "checkpoint.interval_steps=10",
                   "recovery.backoff_s=0.1", *FAST, env={"BATON_TOY_SAVE_ENOSPC_ONCE": "1"})
     state = json.loads((run / "state.json").read_text())
     assert state["status"] == "completed" and state["step"] == 20, state.get("reason")

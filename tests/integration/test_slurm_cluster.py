@@ -5,17 +5,12 @@ Needs the cluster from tests/cluster/slurm-cluster.sh (skipped without it, excep
 
 from __future__ import annotations
 
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 

@@ -10,20 +10,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
-
-from tests.helpers import baton, history  # noqa: E402
+from tests.helpers import baton, history
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 RUN_S = 180.0  # queue + start + 30 toy steps, with room for one requeue after a preemption

@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, baton, wait_for
+from tests.helpers import REPO, baton, sweep_ledger, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 SWEEP = "experiments/sweep_toy.yaml"
 SMALL = ["trainer.n_gpus_per_node=2", "trainer.steps=8"]
-
-
-def _ledger(sweep_dir: Path) -> dict:
-    return json.loads((sweep_dir / "sweep.json").read_text())
 
 
 def _state(run_dir: str | Path) -> dict:
@@ -29,7 +25,7 @@ def test_local_2x2_grid_completes_with_status_and_results(tmp_path: Path) -> Non
     res = baton("sweep", "submit", SWEEP, "--backend", "local", f"runs_root={tmp_path}", *SMALL)
     assert res.returncode == 0, res.stdout + res.stderr
     sweep_dir = tmp_path / "sweep_toy"
-    ledger = _ledger(sweep_dir)
+    ledger = sweep_ledger(sweep_dir)
     dirs = {p["run_dir"] for p in ledger["points"]}
     assert len(dirs) == 4 and all(Path(d).parent == sweep_dir for d in dirs)
     assert [p["state"] for p in ledger["points"]] == ["completed"] * 4
@@ -69,7 +65,7 @@ def test_interrupted_local_sweep_resumes_only_the_unfinished_points(tmp_path: Pa
     try:
         def point1_running() -> bool:
             try:
-                p1 = _ledger(sweep_dir)["points"][1]
+                p1 = sweep_ledger(sweep_dir)["points"][1]
                 return p1["state"] == "running" and _state(p1["run_dir"]).get("status") == "running"
             except (FileNotFoundError, ValueError, KeyError):
                 return False
@@ -82,7 +78,7 @@ def test_interrupted_local_sweep_resumes_only_the_unfinished_points(tmp_path: Pa
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, out
-    ledger = _ledger(sweep_dir)
+    ledger = sweep_ledger(sweep_dir)
     assert [p["state"] for p in ledger["points"]] == ["completed", "cancelled", "unsubmitted", "unsubmitted"]
     done = _state(ledger["points"][0]["run_dir"])
 
@@ -91,7 +87,7 @@ def test_interrupted_local_sweep_resumes_only_the_unfinished_points(tmp_path: Pa
     res = baton("sweep", "resume", str(sweep_dir))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "resuming 3 point(s)" in res.stdout and ": 1, 2, 3" in res.stdout
-    ledger = _ledger(sweep_dir)
+    ledger = sweep_ledger(sweep_dir)
     assert [p["state"] for p in ledger["points"]] == ["completed"] * 4
     assert [p["submissions"] for p in ledger["points"]] == [1, 2, 1, 1]
     assert _state(ledger["points"][0]["run_dir"]) == done  # the completed point was left alone

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-import slurm_helpers as sh  # noqa: E402
-
-from tests.helpers import REPO, baton  # noqa: E402
+from tests.helpers import REPO, baton, sweep_ledger
+from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
 DONE_S = 240.0  # generous: the cluster is shared with other tests
@@ -37,12 +31,8 @@ def _sweep_file(root: Path, name: str, **body: object) -> Path:
     return path
 
 
-def _ledger(sweep_dir: Path) -> dict:
-    return json.loads((sweep_dir / "sweep.json").read_text())
-
-
 def _jobs(sweep_dir: Path) -> list[str]:
-    return [p["job_id"] for p in _ledger(sweep_dir)["points"]]
+    return [p["job_id"] for p in sweep_ledger(sweep_dir)["points"]]
 
 
 def _track(sweep_dir: Path, slurm_jobs: list[int]) -> None:
@@ -51,7 +41,7 @@ def _track(sweep_dir: Path, slurm_jobs: list[int]) -> None:
         slurm_jobs.extend(int(j) for j in _jobs(sweep_dir) if j and int(j) not in slurm_jobs)
 
 
-def _submit(path: Path, root: Path, slurm_jobs: list[int], *extra: str) -> Path:
+def _submit_sweep(path: Path, root: Path, slurm_jobs: list[int], *extra: str) -> Path:
     sweep_dir = root / path.stem
     try:
         res = baton("sweep", "submit", str(path), "--backend", "slurm", *_overrides(root), *extra, timeout=120)
@@ -80,8 +70,8 @@ def _intervals(job_ids: list[str]) -> list[tuple[datetime.datetime, datetime.dat
 
 @pytest.mark.timeout(420)
 def test_2x2_grid_runs_as_four_het_jobs_with_status_and_results(slurm_cluster, slurm_jobs, shared_tmp) -> None:
-    sweep_dir = _submit(REPO / "experiments" / "sweep_toy.yaml", shared_tmp, slurm_jobs, "trainer.steps=20")
-    ledger = _ledger(sweep_dir)
+    sweep_dir = _submit_sweep(REPO / "experiments" / "sweep_toy.yaml", shared_tmp, slurm_jobs, "trainer.steps=20")
+    ledger = sweep_ledger(sweep_dir)
     jobs = _jobs(sweep_dir)
     assert len(set(jobs)) == 4 and len({p["run_dir"] for p in ledger["points"]}) == 4
     for p in ledger["points"]:
@@ -108,7 +98,7 @@ def test_2x2_grid_runs_as_four_het_jobs_with_status_and_results(slurm_cluster, s
 @pytest.mark.timeout(420)
 def test_cancelled_point_is_the_only_one_resume_submits_and_it_completes(slurm_cluster, slurm_jobs, shared_tmp) -> None:
     path = _sweep_file(shared_tmp, "cancel_resume", grid={"seed": [1, 2]})
-    sweep_dir = _submit(path, shared_tmp, slurm_jobs, "trainer.steps=4000", "trainer.log_interval_steps=100")
+    sweep_dir = _submit_sweep(path, shared_tmp, slurm_jobs, "trainer.steps=4000", "trainer.log_interval_steps=100")
     first, second = _jobs(sweep_dir)
     sh.wait_for_squeue(int(first), "RUNNING", DONE_S)
     sh.scancel([int(first)])
@@ -123,7 +113,7 @@ def test_cancelled_point_is_the_only_one_resume_submits_and_it_completes(slurm_c
         _track(sweep_dir, slurm_jobs)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "resuming 1 point(s)" in res.stdout and ": 0" in res.stdout
-    ledger = _ledger(sweep_dir)
+    ledger = sweep_ledger(sweep_dir)
     resubmitted, kept = ledger["points"][0]["job_id"], ledger["points"][1]["job_id"]
     assert resubmitted not in (first, second) and kept == second
     assert [p["submissions"] for p in ledger["points"]] == [2, 1]
@@ -137,8 +127,8 @@ def test_cancelled_point_is_the_only_one_resume_submits_and_it_completes(slurm_c
 @pytest.mark.timeout(420)
 def test_max_running_1_never_runs_two_points_at_once(slurm_cluster, slurm_jobs, shared_tmp) -> None:
     path = _sweep_file(shared_tmp, "one_at_a_time", grid={"seed": [1, 2, 3]}, max_running=1)
-    sweep_dir = _submit(path, shared_tmp, slurm_jobs, "trainer.steps=300")
-    ledger = _ledger(sweep_dir)
+    sweep_dir = _submit_sweep(path, shared_tmp, slurm_jobs, "trainer.steps=300")
+    ledger = sweep_ledger(sweep_dir)
     jobs = _jobs(sweep_dir)
     assert [p["after"] for p in ledger["points"]] == [None, jobs[0], jobs[1]]
     most = 0

@@ -6,17 +6,12 @@ loads into it, the weights equal bit for bit, and training continues on the same
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # works under any --import-mode
-    sys.path.insert(0, _HERE)
-
-from gpt_harness import RankGroup, export_group, gpt_config, import_group, initial_weights  # noqa: E402
+from tests.integration.gpt_harness import RankGroup, export_group, gpt_config, import_group, initial_weights
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 STEPS, SAVE_AT = 20, 10

@@ -8,6 +8,7 @@ import pytest
 from core.errors import ConfigError, LayoutError
 from core.spec import config
 from core.spec.dims import ParallelDims
+from tests.helpers import baton
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,8 +119,6 @@ MP = "training.mixed_precision"
 ])
 def test_a_precision_or_dropout_the_engine_cannot_honour_is_one_line_at_submit(
         tmp_path: Path, overrides: list[str], key: str, value: str) -> None:
-    from tests.helpers import baton
-
     res = baton("submit", "experiments/tiny_gpt.yaml", f"runs_root={tmp_path}", *overrides, "--backend", "local",
                 timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr

@@ -94,6 +94,17 @@ def test_slow_gradient_sync_advises_bucket_size() -> None:
     assert "800 ms" in findings[0].evidence  # the worst step's slowest rank
 
 
+def test_peers_waiting_in_the_reduction_for_a_straggler_are_not_a_slow_gradient_sync() -> None:
+    def compute(step: int, rng: random.Random) -> list[float]:  # rank 3 computes 1 s longer every step
+        return [0.09 + rng.uniform(0, 0.01) + (1.0 if r == 3 else 0.0) for r in range(WORLD)]
+
+    def waits(step: int, rng: random.Random) -> list[float]:  # its peers wait for it; it arrives last
+        return [0.02 if r == 3 else 1.0 + rng.uniform(0, 0.01) for r in range(WORLD)]
+
+    findings = doctor.diagnose(_records(compute_s=compute, grad_sync_s=waits), STATE)
+    assert _titles(findings) == ["straggler: rank 3 (node node2, host host2)"]
+
+
 def test_memory_differing_across_ranks_points_at_uneven_micro_batches() -> None:
     findings = doctor.diagnose(_records(cuda_peak_mb=lambda s, rng: [10_000.0, 10_000.0, 16_000.0, 10_000.0]), STATE)
     assert _titles(findings) == ["memory varies strongly across ranks or steps"]

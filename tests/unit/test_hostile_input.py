@@ -55,7 +55,7 @@ def _plan(*overrides: str) -> list[str]:
     return ["plan", "exp.yaml", "runs_root=runs", *overrides]
 
 
-def _submit(*args: str) -> list[str]:
+def _submit_argv(*args: str) -> list[str]:
     return ["submit", "toy.yaml", "--backend", "local", "runs_root=runs", *args]
 
 
@@ -120,7 +120,7 @@ def test_values_outside_their_domain_are_refused(tmp_path: Path, overrides: list
 
 
 def test_a_missing_token_file_suggests_building_one(tmp_path: Path) -> None:
-    line = refused(tmp_path, _submit("data.kind=hdf5", "data.path=tokens.h5"), "data.path")
+    line = refused(tmp_path, _submit_argv("data.kind=hdf5", "data.path=tokens.h5"), "data.path")
     assert "'tokens.h5' does not exist" in line and "baton data build" in line
 
 
@@ -231,7 +231,7 @@ CONTROL_ARGS = [
 
 @pytest.mark.parametrize(("args", "named"), CONTROL_ARGS)
 def test_control_characters_in_arguments_are_refused(tmp_path: Path, args: list[str], named: str) -> None:
-    refused(tmp_path, _submit(*args), named)
+    refused(tmp_path, _submit_argv(*args), named)
 
 
 def test_the_slurm_backend_refuses_control_characters_before_rendering(tmp_path: Path) -> None:
@@ -299,9 +299,9 @@ OPTIONS = [
     (["status", "nowhere", "--watch", "--interval", "nan"], "--interval"),
     (["cancel", "nowhere", "--timeout", "0"], "--timeout"),
     (["cancel", "nowhere", "--timeout", "inf"], "--timeout"),
-    (_submit("--nodes", "0"), "--nodes"),
-    (_submit("--gpus-per-node", "5000"), "--gpus-per-node"),
-    (_submit("--cpus-per-task", "0"), "--cpus-per-task"),
+    (_submit_argv("--nodes", "0"), "--nodes"),
+    (_submit_argv("--gpus-per-node", "5000"), "--gpus-per-node"),
+    (_submit_argv("--cpus-per-task", "0"), "--cpus-per-task"),
 ]
 
 
@@ -368,7 +368,7 @@ SUBMIT = [
 
 @pytest.mark.parametrize(("overrides", "key"), SUBMIT)
 def test_submit_refuses_bad_values_before_anything_starts(tmp_path: Path, overrides: list[str], key: str) -> None:
-    refused(tmp_path, _submit(*overrides), f"{key}:")
+    refused(tmp_path, _submit_argv(*overrides), f"{key}:")
 
 
 def test_init_from_is_checked_on_the_login_node(tmp_path: Path) -> None:
@@ -382,4 +382,4 @@ def test_init_from_is_checked_on_the_login_node(tmp_path: Path) -> None:
     refused(tmp_path, [*gpt, f"init_from={tmp_path / 'nowhere'}"], ["init_from:", "nowhere", "RUN_DIR:STEP"])
     refused(tmp_path, [*gpt, f"init_from={src}:7"], ["init_from:", "step_00000007", "committed steps: 2"])
     refused(tmp_path, [*gpt, f"init_from={src}"], ["init_from:", "another model"])  # a toy's checkpoint
-    refused(tmp_path, _submit(f"init_from={src}"), ["init_from:", "model.kind 'toy'", "model.kind: gpt"])
+    refused(tmp_path, _submit_argv(f"init_from={src}"), ["init_from:", "model.kind 'toy'", "model.kind: gpt"])

@@ -100,7 +100,7 @@ def test_deterministic_remote_errors_are_not_retried(exc: RemoteError, previous:
     assert signature(exc, 10) == (exc.rank, exc.exc_type, "train_step", 10)
 
 
-def _run(tmp_path: Path, status: str) -> RunFolder:
+def _run_folder(tmp_path: Path, status: str) -> RunFolder:
     run = RunFolder(tmp_path)
     (tmp_path / "logs").mkdir(exist_ok=True)
     RunRecord(run).create(RunState(status=Status(status), step=40, epoch=0))
@@ -108,7 +108,7 @@ def _run(tmp_path: Path, status: str) -> RunFolder:
 
 
 def test_a_controller_that_died_is_requeued_within_the_budget_then_failed(tmp_path: Path) -> None:
-    run = _run(tmp_path, "running")
+    run = _run_folder(tmp_path, "running")
     record = RunRecord(run)
     assert after_controller(run, -9, max_retries=1, committed_step=None) is Status.REQUEUED
     state = record.read()
@@ -122,7 +122,7 @@ def test_a_controller_that_died_is_requeued_within_the_budget_then_failed(tmp_pa
 
 
 def test_a_controller_that_died_while_slurm_ends_the_job_stops_without_a_retry(tmp_path: Path) -> None:
-    run = _run(tmp_path, "running")
+    run = _run_folder(tmp_path, "running")
     record = RunRecord(run)
     assert after_controller(run, 1, max_retries=3, committed_step=None, ending="job state CANCELLED") is Status.STOPPED
     state = record.read()
@@ -133,7 +133,7 @@ def test_a_controller_that_died_while_slurm_ends_the_job_stops_without_a_retry(t
 @pytest.mark.parametrize(("status", "decision"), [("requeued", Status.REQUEUED), ("completed", Status.COMPLETED),
                                                   ("failed", Status.FAILED), ("stopped", Status.STOPPED)])
 def test_a_controller_that_had_its_last_word_is_followed(tmp_path: Path, status: str, decision: Status) -> None:
-    assert after_controller(_run(tmp_path, status), 0, max_retries=3, committed_step=None) is decision
+    assert after_controller(_run_folder(tmp_path, status), 0, max_retries=3, committed_step=None) is decision
 
 
 def test_worker_requests_round_trip(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from core.record.steps import StepRecord, to_data
 from launcher import cmd_watch
 
 
-def _run(tmp_path: Path, status: Status, steps: int, total: int = 100) -> Path:
+def _run_folder(tmp_path: Path, status: Status, steps: int, total: int = 100) -> Path:
     (tmp_path / "config.yaml").write_text("name: t\n")
     RunRecord(RunFolder(tmp_path)).create(RunState(status=status, step=steps, total_steps=total))
     (tmp_path / "metrics.jsonl").write_text("".join(
@@ -31,12 +31,12 @@ def test_render_shows_progress_eta_rate_and_loss() -> None:
 
 def test_watch_returns_when_the_run_ends_and_reads_only_whole_lines(tmp_path: Path) -> None:
     out = io.StringIO()
-    assert cmd_watch.watch(_run(tmp_path, Status.FAILED, 30), 0.0, stream=out, sleep=lambda s: None) == 1
+    assert cmd_watch.watch(_run_folder(tmp_path, Status.FAILED, 30), 0.0, stream=out, sleep=lambda s: None) == 1
     assert "failed" in out.getvalue() and "step 30/100" in out.getvalue()
 
 
 def test_watch_stops_after_max_iterations_and_tails_incrementally(tmp_path: Path) -> None:
-    run = _run(tmp_path, Status.RUNNING, 10)
+    run = _run_folder(tmp_path, Status.RUNNING, 10)
     out = io.StringIO()
     assert cmd_watch.watch(run, 0.0, stream=out, max_iterations=3, sleep=lambda s: None) == 0
     assert len(out.getvalue().splitlines()) == 3
@@ -48,7 +48,7 @@ def test_watch_stops_after_max_iterations_and_tails_incrementally(tmp_path: Path
 
 
 def test_watch_shows_unknown_while_state_is_unreadable_and_skips_lines_that_are_not_records(tmp_path: Path) -> None:
-    run = _run(tmp_path, Status.RUNNING, 3)
+    run = _run_folder(tmp_path, Status.RUNNING, 3)
     (run / "state.json").write_text('{"status": "runn')  # caught mid-replace
     with (run / "metrics.jsonl").open("a") as f:
         f.write('ss": 1.0}\n[1, 2]\n{"step": "x", "loss": 1.0}\n')

@@ -1,0 +1,14 @@
+"""Marks shared by the whole suite: a test marked ``megatron`` or ``slurm`` is also ``slow``,
+so ``pytest -m "not slow"`` (make test-fast) never starts Megatron-core or a Slurm job."""
+from __future__ import annotations
+
+import pytest
+
+IMPLY_SLOW = ("megatron", "slurm")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in IMPLY_SLOW) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
