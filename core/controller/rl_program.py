@@ -48,6 +48,7 @@ from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
 from core.spec.config import RunConfig
 from core.spec.plan import count_params
+from core.wire import rl_calls
 from core.wire.contract import NoArgs
 
 Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advantage per response token
@@ -114,7 +115,7 @@ class RLStep:
         self._reference_loaded = True
 
     # --- one step ----------------------------------------------------------------------------
-    def run(self, step: int) -> tuple[list[gen_calls.PolicyResult], dict[str, Any]]:
+    def run(self, step: int) -> tuple[list[rl_calls.PolicyResult], dict[str, Any]]:
         """One iteration at policy version ``step``: the last epoch's results by rank, and the
         step's RL numbers."""
         cfg, rl = self.cfg, self.cfg.rl
@@ -167,7 +168,7 @@ class RLStep:
         token), ``ppo_epochs`` critic updates; the actor's rows and the step's critic numbers."""
         rl, dims = self.cfg.rl, self.group.dims
         if step == rl.warmup_steps:  # the RL phase begins: the critic starts as the actor
-            self._each(gen_calls.CRITIC_INIT, lambda _r: NoArgs())
+            self._each(rl_calls.CRITIC_INIT, lambda _r: NoArgs())
         with _timed(phases, "values"):
             values, _ = self._score("critic", sequences)
         mask = np.zeros((len(lengths), max(lengths)))
@@ -176,18 +177,18 @@ class RLStep:
             mask[i, :n], reward[i, n - 1], old[i, :n] = 1.0, scores[i], values[i]
         adv, returns = advantages.gae(reward, old, mask, gamma=rl.gamma, lam=rl.lam)
 
-        def batch(rank: int) -> gen_calls.CriticBatch:
+        def batch(rank: int) -> rl_calls.CriticBatch:
             d = dims.coords(rank).dp
-            return gen_calls.CriticBatch(
+            return rl_calls.CriticBatch(
                 step=step, prompt_length=rl.prompt_length, sequences=tuple(sequences[d::dims.dp]),
                 returns=tuple(tuple(float(x) for x in returns[i, :lengths[i]]) for i in range(d, len(lengths), dims.dp)),
                 old_values=tuple(values[d::dims.dp]))
 
         shares = {r: batch(r) for r in range(dims.world_size)}
-        first: list[gen_calls.CriticResult] = []
+        first: list[rl_calls.CriticResult] = []
         with _timed(phases, "critic"):
             for epoch in range(rl.ppo_epochs):
-                answers = self._each(gen_calls.CRITIC_STEP, shares.__getitem__)
+                answers = self._each(rl_calls.CRITIC_STEP, shares.__getitem__)
                 if epoch == 0:
                     first = [answers[r] for r in dims.loss_owners()]
         rows = [(sequences[i], tuple(float(x) for x in adv[i, :n])) for i, n in enumerate(lengths)]
@@ -212,24 +213,24 @@ class RLStep:
         return {**meta, "response_text": text}
 
     def _update(self, step: int, rows: list[Row], old: list[tuple[float, ...]], ref: list[tuple[float, ...]]
-                ) -> tuple[list[gen_calls.PolicyResult], list[gen_calls.PolicyResult]]:
+                ) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
         """``ppo_epochs`` actor updates; (the first epoch's loss owners' results, the last
         epoch's results by rank)."""
         dims, rl = self.group.dims, self.cfg.rl
         coef = self.kl.value if ref else 0.0
 
-        def batch(rank: int) -> gen_calls.PolicyBatch:
+        def batch(rank: int) -> rl_calls.PolicyBatch:
             d = dims.coords(rank).dp
-            return gen_calls.PolicyBatch(
+            return rl_calls.PolicyBatch(
                 step=step, prompt_length=rl.prompt_length, sequences=tuple(r[0] for r in rows[d::dims.dp]),
                 advantages=tuple(r[1] for r in rows[d::dims.dp]), old_logprobs=tuple(old[d::dims.dp]),
                 ref_logprobs=tuple(ref[d::dims.dp]), kl_coef=coef)
 
         shares = {r: batch(r) for r in range(dims.world_size)}
-        first: list[gen_calls.PolicyResult] = []
-        results: list[gen_calls.PolicyResult] = []
+        first: list[rl_calls.PolicyResult] = []
+        results: list[rl_calls.PolicyResult] = []
         for epoch in range(rl.ppo_epochs):
-            answers = self._each(gen_calls.POLICY_STEP, shares.__getitem__)
+            answers = self._each(rl_calls.POLICY_STEP, shares.__getitem__)
             results = [answers[r] for r in sorted(answers)]
             if epoch == 0:
                 first = [results[r] for r in dims.loss_owners()]
@@ -239,7 +240,7 @@ class RLStep:
         """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
         the actor's entropy (token mean over every response)."""
         dims = self.group.dims
-        answers = self._each(gen_calls.SCORE_ROWS, lambda r: gen_calls.ScoreRows(
+        answers = self._each(rl_calls.SCORE_ROWS, lambda r: rl_calls.ScoreRows(
             model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
             sequences=tuple(sequences[dims.coords(r).dp::dims.dp])))
         out: list[tuple[float, ...]] = [()] * len(sequences)

@@ -27,7 +27,7 @@ from core.spec import rl as rl_spec
 from core.spec.config import RunConfig
 from core.spec.dims import Coords
 from core.spec.generator import generator_dims, own_workers
-from core.wire import calls
+from core.wire import calls, rl_calls
 from core.wire.contract import Method
 from core.worker.task import WorkerContext
 
@@ -63,11 +63,11 @@ class GPTTask:
         if self.cfg.generator.enabled:
             table.update(self._generator_handlers())
         if self.cfg.program in rl_spec.RL_PROGRAMS:
-            table[gen_calls.POLICY_STEP] = self.policy_step
-            table[gen_calls.SCORE_ROWS] = self.score_rows
+            table[rl_calls.POLICY_STEP] = self.policy_step
+            table[rl_calls.SCORE_ROWS] = self.score_rows
         if self.cfg.program == "ppo":
-            table[gen_calls.CRITIC_STEP] = self.critic_step
-            table[gen_calls.CRITIC_INIT] = self.critic_init
+            table[rl_calls.CRITIC_STEP] = self.critic_step
+            table[rl_calls.CRITIC_INIT] = self.critic_init
         return table
 
     def _generator_handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
@@ -231,7 +231,7 @@ class GPTTask:
         ref.requires_grad_(False)
         return ref.eval()
 
-    def score_rows(self, req: gen_calls.ScoreRows) -> gen_calls.RowScores:
+    def score_rows(self, req: rl_calls.ScoreRows) -> rl_calls.RowScores:
         """The actor's or the reference's log-probs of this replica's rows (core.model.gpt.policy)."""
         from core.model.gpt.policy import score_rows  # torch and megatron: this module loads without them
 
@@ -242,12 +242,12 @@ class GPTTask:
                   "critic": self._critic.model_chunks if self._critic else []}[req.model]
         return score_rows(ctx, req, chunks)
 
-    def critic_step(self, req: gen_calls.CriticBatch) -> gen_calls.CriticResult:
+    def critic_step(self, req: rl_calls.CriticBatch) -> rl_calls.CriticResult:
         """One critic update on this replica's share of a rollout (core.model.gpt.critic)."""
         from core.model.gpt.critic import critic_step  # torch and megatron: this module loads without them
 
         self._ready()
-        return gen_calls.CriticResult(rss_mb=rss_mb(), **critic_step(self._critic, req, before_update=self._fence))
+        return rl_calls.CriticResult(rss_mb=rss_mb(), **critic_step(self._critic, req, before_update=self._fence))
 
     def critic_init(self, _req: Any) -> None:
         """The critic's transformer := the actor's (the first RL step)."""
@@ -280,13 +280,13 @@ class GPTTask:
         seconds = self._replicas.average()
         return calls.StepResult(step_time_s=time.perf_counter() - t0, grad_sync_s=seconds, rss_mb=rss_mb())
 
-    def policy_step(self, req: gen_calls.PolicyBatch) -> gen_calls.PolicyResult:
+    def policy_step(self, req: rl_calls.PolicyBatch) -> rl_calls.PolicyResult:
         """One actor update on this replica's share of a rollout (core.model.gpt.policy)."""
         from core.model.gpt.policy import policy_step  # torch and megatron: this module loads without them
 
         out = policy_step(self._ready(), req, before_update=self._fence)
         self._next_step = req.step + 1
-        return gen_calls.PolicyResult(rss_mb=rss_mb(), **out)
+        return rl_calls.PolicyResult(rss_mb=rss_mb(), **out)
 
     def eval_step(self, req: calls.Step) -> calls.StepResult:
         """Forward only on the held-out batch of ``req.step``; the loss on loss owners."""
