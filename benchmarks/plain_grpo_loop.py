@@ -56,7 +56,7 @@ def rl_step(task: GPTTask, step: int, reward: rewards.RewardFn) -> dict[str, flo
                      ctx.model_chunks).logprobs
     t["old"], t0 = time.perf_counter() - t0, time.perf_counter()
     ref = score_rows(ctx, rl_calls.ScoreRows(model="reference", prompt_length=rl.prompt_length, sequences=rows),
-                     task._reference).logprobs
+                     task.role("reference").scored()).logprobs
     t["ref"], t0 = time.perf_counter() - t0, time.perf_counter()
     adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
     batch = rl_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=rows,
@@ -83,12 +83,13 @@ def main() -> int:
     task = GPTTask(ctx)
     task.setup(calls.Setup(master_addr="", master_port=0))
     for step in range(cfg.rl.warmup_steps):
-        task.train_step(calls.Step(step=step))
+        task.role("actor").train_step(calls.Step(step=step))
+    reference = task.role("reference")
     with torch.no_grad():  # the reference: the actor at the end of the warm start
-        for ref, actor in zip(task._reference[0].parameters(), unwrap(task._ready().model_chunks[0]).parameters(),
+        for ref, actor in zip(reference.chunks[0].parameters(), unwrap(task._ready().model_chunks[0]).parameters(),
                               strict=True):
             ref.copy_(actor)
-    task._reference_loaded = True
+    reference.loaded = True
     reward = rewards.load(cfg.rl.reward)
     steps = []
     for step in range(cfg.rl.warmup_steps, cfg.trainer.steps):
