@@ -28,7 +28,7 @@ from core.job.process import rss_mb
 from core.model.gpt import activations, build, data, fsdp, memory, policy, rollout, sizing, step
 from core.model.gpt import model as model_mod
 from core.model.gpt.local_sgd import Replicas
-from core.model.gpt.roles.base import Items, ReadFn, Role
+from core.model.gpt.roles.base import Items, Rank, ReadFn, Role
 from core.model.gpt.state import (
     assemble,
     export_state,
@@ -41,6 +41,7 @@ from core.model.gpt.state import (
 from core.parallel import rng
 from core.spec import rl as rl_spec
 from core.spec.dims import Coords
+from core.spec.roles import RolePlan
 from core.wire import calls, rl_calls
 from core.wire.contract import Handlers
 
@@ -48,8 +49,8 @@ from core.wire.contract import Handlers
 class ActorRole(Role):
     name = "actor"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, rank: Rank, plan: RolePlan) -> None:
+        super().__init__(rank, plan)
         self.next_step = 0  # steps done: what a checkpoint taken now is "after"
         self.gpt: Any = None  # this rank's stage of the GPT (inside the wrappers of ``chunks``)
         self.chunks: list[Any] = []

@@ -15,7 +15,8 @@ from typing import Any
 from core.errors import CheckpointError
 from core.job.process import rss_mb
 from core.model.gpt import build, critic
-from core.model.gpt.roles.base import Items, ReadFn, Role
+from core.model.gpt.roles.base import Items, Rank, ReadFn, Role
+from core.spec.roles import RolePlan
 from core.wire import calls, rl_calls
 from core.wire.contract import Handlers
 
@@ -23,8 +24,8 @@ from core.wire.contract import Handlers
 class CriticRole(Role):
     name = "critic"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, rank: Rank, plan: RolePlan) -> None:
+        super().__init__(rank, plan)
         self.chunks: list[Any] = []
         self.optimizer: Any = None
         self.ctx: Any = None  # core.model.gpt.step.StepContext: the actor's, with this model and optimizer

@@ -11,15 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from core.model.gpt import build
-from core.model.gpt.roles.base import ReadFn, Role
+from core.model.gpt.roles.base import Rank, ReadFn, Role
 from core.model.gpt.state import load_model_slices
+from core.spec.roles import RolePlan
 
 
 class ReferenceRole(Role):
     name = "reference"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, rank: Rank, plan: RolePlan) -> None:
+        super().__init__(rank, plan)
         self.chunks: list[Any] = []
         self.loaded = False
 

@@ -14,12 +14,12 @@ every restart.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from core.flows import calls as gen_calls
 from core.model.gpt import model as model_mod
-from core.model.gpt.roles.base import Role
+from core.model.gpt.roles.base import Rank, Role
 from core.model.gpt.rollout import Rollout
+from core.spec.roles import RolePlan
 from core.wire import calls
 from core.wire.contract import Handlers
 
@@ -27,8 +27,8 @@ from core.wire.contract import Handlers
 class RolloutRole(Role):
     name = "rollout"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, rank: Rank, plan: RolePlan) -> None:
+        super().__init__(rank, plan)
         self.model: Rollout | None = None
 
     def start(self, req: calls.Setup) -> None:
