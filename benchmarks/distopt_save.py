@@ -123,7 +123,7 @@ def _rank(rank: int, port: int, quick: bool, repeat: int, base: str, out: Any) -
                                  log=logging.getLogger("bench"), config=cfg,
                                  roles=plan_run(cfg).roles_at(rank)))
     task.setup(calls.Setup(master_addr="127.0.0.1", master_port=port))
-    task.train_step(calls.Step(step=0))
+    task.role("actor").train_step(calls.Step(step=0))
     inner = task._ready().optimizer.optimizer
     shard = sum(t.nbytes for state in inner.state.values() for k, t in state.items() if k in MOMENTS)
     results: dict[str, list[tuple[float, int, int]]] = {w: [] for w in WAYS}

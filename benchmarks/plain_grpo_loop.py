@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from core.flows import calls as gen_calls  # noqa: E402
 from core.model.gpt import generate as gen_mod  # noqa: E402
 from core.model.gpt.model import unwrap  # noqa: E402
 from core.model.gpt.policy import policy_step, score_rows  # noqa: E402
@@ -30,7 +29,7 @@ from core.model.gpt.task import GPTTask  # noqa: E402
 from core.rl import advantages, rewards, tasks  # noqa: E402
 from core.spec import config as config_mod  # noqa: E402
 from core.spec.runplan import plan_run  # noqa: E402
-from core.wire import calls  # noqa: E402
+from core.wire import calls, rl_calls  # noqa: E402
 from core.worker.task import WorkerContext  # noqa: E402
 
 
@@ -53,14 +52,14 @@ def rl_step(task: GPTTask, step: int, reward: rewards.RewardFn) -> dict[str, flo
               for i in range(len(prompts))]
     t["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
     rows = tuple(tuple(prompts[i]) + tuple(tokens[i]) for i in range(len(prompts)))
-    old = score_rows(ctx, gen_calls.ScoreRows(model="actor", prompt_length=rl.prompt_length, sequences=rows),
+    old = score_rows(ctx, rl_calls.ScoreRows(model="actor", prompt_length=rl.prompt_length, sequences=rows),
                      ctx.model_chunks).logprobs
     t["old"], t0 = time.perf_counter() - t0, time.perf_counter()
-    ref = score_rows(ctx, gen_calls.ScoreRows(model="reference", prompt_length=rl.prompt_length, sequences=rows),
-                     task._reference).logprobs
+    ref = score_rows(ctx, rl_calls.ScoreRows(model="reference", prompt_length=rl.prompt_length, sequences=rows),
+                     task.role("reference").scored()).logprobs
     t["ref"], t0 = time.perf_counter() - t0, time.perf_counter()
     adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
-    batch = gen_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=rows,
+    batch = rl_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=rows,
                                   advantages=tuple((float(adv[i]),) * len(tokens[i]) for i in range(len(rows))),
                                   old_logprobs=old, ref_logprobs=ref, kl_coef=float(rl.kl.coef))
     for _ in range(rl.ppo_epochs):
@@ -84,12 +83,13 @@ def main() -> int:
     task = GPTTask(ctx)
     task.setup(calls.Setup(master_addr="", master_port=0))
     for step in range(cfg.rl.warmup_steps):
-        task.train_step(calls.Step(step=step))
+        task.role("actor").train_step(calls.Step(step=step))
+    reference = task.role("reference")
     with torch.no_grad():  # the reference: the actor at the end of the warm start
-        for ref, actor in zip(task._reference[0].parameters(), unwrap(task._ready().model_chunks[0]).parameters(),
+        for ref, actor in zip(reference.chunks[0].parameters(), unwrap(task._ready().model_chunks[0]).parameters(),
                               strict=True):
             ref.copy_(actor)
-    task._reference_loaded = True
+    reference.loaded = True
     reward = rewards.load(cfg.rl.reward)
     steps = []
     for step in range(cfg.rl.warmup_steps, cfg.trainer.steps):

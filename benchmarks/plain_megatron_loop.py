@@ -46,7 +46,7 @@ def main() -> int:
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(cfg.trainer.steps):
-        out = task.train_step(calls.Step(step=step))
+        out = task.role("actor").train_step(calls.Step(step=step))
         now = time.perf_counter()
         times.append(now - t0)
         t0 = now

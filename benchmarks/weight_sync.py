@@ -109,7 +109,7 @@ def _rank(rank: int, port: int, args: Any, gen_tp: int, out: Any) -> None:
     from core.model.gpt.rollout import Rollout, WeightLink
     from core.parallel import cpu_shim
     from core.parallel.megatron import init_megatron
-    from core.spec.generator import generator_dims
+    from core.spec.runplan import plan_run
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -119,7 +119,7 @@ def _rank(rank: int, port: int, args: Any, gen_tp: int, out: Any) -> None:
                   backend="nccl" if on_cuda else "gloo", seed=1)
     trainer = model_mod.build_model(model_mod.transformer_config(cfg.model, cfg.parallel, cfg.training,
                                                                  on_cuda=on_cuda), cfg.model, on_cuda=on_cuda)
-    gen = Rollout(cfg, generator_dims(cfg), rank, on_cuda=on_cuda)
+    gen = Rollout(cfg, plan_run(cfg).generator.dims, rank, on_cuda=on_cuda)
     link = WeightLink(rank, trainer_chunks=[trainer], model=gen.model)
     held: list[Any] = [None, None]
     dist.all_gather_object(held, link.held())
@@ -207,7 +207,7 @@ def _split_rank(rank: int, ports: tuple[int, int], args: Any, gen_tp: int, out: 
     from core.model.gpt.rollout import Rollout, WeightLink
     from core.parallel import cpu_shim
     from core.parallel.megatron import init_megatron
-    from core.spec.generator import generator_dims
+    from core.spec.runplan import plan_run
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -221,10 +221,11 @@ def _split_rank(rank: int, ports: tuple[int, int], args: Any, gen_tp: int, out: 
                                                                      on_cuda=on_cuda), cfg.model, on_cuda=on_cuda)
         link = WeightLink(rank, trainer_chunks=[trainer], model=None)
     else:
-        dims = generator_dims(cfg)
-        init_megatron(dims, rank=rank - 2, world_size=2, master_addr="127.0.0.1", master_port=ports[1],
+        gen = plan_run(cfg).generator
+        dims = gen.dims
+        init_megatron(dims, rank=gen.local(rank), world_size=gen.world_size, master_addr="127.0.0.1", master_port=ports[1],
                       backend=backend, seed=1)
-        link = WeightLink(rank, trainer_chunks=None, model=Rollout(cfg, dims, rank - 2, on_cuda=on_cuda).model)
+        link = WeightLink(rank, trainer_chunks=None, model=Rollout(cfg, dims, gen.local(rank), on_cuda=on_cuda).model)
     link.join(gen_calls.Bridge(master_addr="127.0.0.1", master_port=ports[0], size=4, name="bench/"),
               backend=backend, timeout_s=600)
     store = dist.TCPStore("127.0.0.1", ports[0], is_master=False, wait_for_workers=False)

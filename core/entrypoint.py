@@ -15,25 +15,21 @@ from core.checkpoint.service import CheckpointedTask
 from core.controller.main import run_controller
 from core.errors import BatonRuntimeError, ExitCode, UserError
 from core.job.env import JobEnv
+from core.model.gpt.task import GPTTask  # loads without torch: its roles are imported by a GPT worker
+from core.model.toy import ToyTask
 from core.spec.config import RunConfig
 from core.worker.main import run_worker
 from core.worker.task import Task, WorkerContext
 
 
 def task_factory(cfg: RunConfig) -> Callable[[WorkerContext], Task]:
-    """The model code a worker serves, with the checkpoint calls added."""
-    if cfg.model.kind == "toy":
-        from core.model.toy import ToyTask as cls  # numpy only: the toy starts in milliseconds
-    else:
-        from core.model.gpt.task import GPTTask as cls  # type: ignore[assignment]  # torch, megatron: only on GPT workers
+    """The model code a worker serves; a trainer's with the checkpoint calls added."""
+    cls: Callable[[WorkerContext], Task] = ToyTask if cfg.model.kind == "toy" else GPTTask
 
     def build(ctx: WorkerContext) -> Task:
         if ctx.role.name == "trainer":
             return CheckpointedTask(cls(ctx), ctx.rank)
-        # A generator of its own processes holds nothing to checkpoint.
-        from core.model.gpt.generator_task import GeneratorTask  # torch, megatron: only on GPT workers
-
-        return GeneratorTask(ctx)
+        return cls(ctx)  # a generator of its own processes holds nothing to checkpoint
 
     return build
 

@@ -32,7 +32,6 @@ from core.controller.saving import SavePolicy
 from core.controller.stop import StopPolicy, StopRequest
 from core.controller.sync_policy import SyncPolicy
 from core.errors import UserError
-from core.flows.calls import PolicyResult
 from core.record import events as ev
 from core.record import steps as step_records
 from core.record.memory import MemoryReport
@@ -45,6 +44,7 @@ from core.spec.config import RunConfig
 from core.spec.runplan import RunPlan
 from core.wire import calls
 from core.wire.contract import NO_ARGS
+from core.wire.rl_calls import PolicyResult
 
 if TYPE_CHECKING:
     from core.controller.metrics import Metrics

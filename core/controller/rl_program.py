@@ -46,10 +46,10 @@ from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
-from core.flows import calls as rl_calls
 from core.rl import advantages, rewards, tasks
 from core.spec.config import RunConfig
 from core.spec.plan import count_params
+from core.wire import rl_calls
 from core.wire.contract import NO_ARGS
 
 T = TypeVar("T")

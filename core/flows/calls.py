@@ -6,23 +6,18 @@
     SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
-    POLICY_STEP   PolicyBatch → PolicyResult one actor update on the clipped policy objective (RL)
-    SCORE_ROWS    ScoreRows   → RowScores    the actor's or the reference's log-probs of a rollout, or the
-                                             critic's values (RL)
-    CRITIC_STEP   CriticBatch → CriticResult one critic update on the clipped value loss (PPO)
-    CRITIC_INIT   NoArgs      → None         the critic's transformer becomes the actor's (PPO's first RL step)
 
 Split placement only (the generator on workers of its own, ranks after the trainer's):
 
     BRIDGE        Bridge      → None         join the process group of every worker that weight syncs run on
 
 A plan is made by the controller (``core.flows.reshard.plan``) from every rank's
-``HeldSlices`` and sent to each rank as its own pieces.
+``HeldSlices`` and sent to each rank as its own pieces. The RL programs' calls to the
+trainer (its updates and scoring passes) are ``core.wire.rl_calls``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from core.checkpoint.spec import TensorSlice
 from core.flows.reshard import Piece
@@ -106,93 +101,6 @@ class LogProbs:
     logprobs: tuple[tuple[float, ...], ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True)
-class PolicyBatch:
-    """One optimizer step of the actor on this rank's data replica's share of a rollout:
-    ``sequences`` prompt + response (prompts of ``prompt_length`` tokens), per response token
-    its ``advantages``, the old policy's ``old_logprobs`` and (with a KL term, ``kl_coef`` > 0)
-    the reference's ``ref_logprobs``."""
-
-    step: int
-    prompt_length: int
-    sequences: tuple[tuple[int, ...], ...]
-    advantages: tuple[tuple[float, ...], ...]
-    old_logprobs: tuple[tuple[float, ...], ...]
-    ref_logprobs: tuple[tuple[float, ...], ...] = ()
-    kl_coef: float = 0.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreRows:
-    """Teacher-forced log-probs of the response tokens of rows (prompt + response, prompts
-    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``; the
-    ``critic``'s values (the value before each response token is drawn)."""
-
-    model: Literal["actor", "reference", "critic"]
-    prompt_length: int
-    sequences: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RowScores:
-    """On loss owners (one per data replica); empty elsewhere."""
-
-    logprobs: tuple[tuple[float, ...], ...] = ()  # per row, its response tokens'
-    values: tuple[tuple[float, ...], ...] = ()  # the critic's, per row, per response token
-    entropy_sum: float = 0.0  # the actor's entropy summed over the response tokens
-    tokens: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyResult:
-    """Every rank its time; loss owners (one per data replica) the replica's numbers."""
-
-    step_time_s: float
-    rss_mb: float = 0.0
-    data_wait_s: float | None = None  # assembling this rank's micro-batches from the request
-    grad_sync_s: float | None = None  # the data-parallel gradient reduction
-    compute_s: float | None = None  # the rest of the update
-    cuda_peak_mb: float | None = None
-    rss_peak_mb: float | None = None
-    loss: float | None = None  # the clipped policy loss (token mean)
-    grad_norm: float | None = None
-    lr: float | None = None
-    tokens: int = 0  # response tokens of this replica
-    clip_frac: float | None = None
-    ratio_max: float | None = None  # the largest new/old probability ratio seen
-    kl_loss: float | None = None  # the KL term's token mean before its coefficient
-
-
-@dataclass(frozen=True, kw_only=True)
-class CriticBatch:
-    """One optimizer step of the critic on this rank's data replica's share of a rollout:
-    per response token its GAE ``returns`` (the targets) and the ``old_values`` the clip is
-    measured from."""
-
-    step: int
-    prompt_length: int
-    sequences: tuple[tuple[int, ...], ...]
-    returns: tuple[tuple[float, ...], ...]
-    old_values: tuple[tuple[float, ...], ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class CriticResult:
-    """Every rank its time; loss owners the replica's numbers."""
-
-    step_time_s: float
-    rss_mb: float = 0.0
-    data_wait_s: float | None = None
-    grad_sync_s: float | None = None
-    compute_s: float | None = None
-    cuda_peak_mb: float | None = None
-    rss_peak_mb: float | None = None
-    value_loss: float | None = None  # the clipped value loss (token mean)
-    value_clip_frac: float | None = None  # fraction of tokens where the clipped term was taken
-    grad_norm: float | None = None
-    lr: float | None = None
-
-
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet, collect=Collect.FIRST)  # rank 0's shard
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced, dispatch=Dispatch.EACH)  # each rank its pieces
@@ -200,7 +108,3 @@ GENERATE = Method("generate", Generate, Generated, dispatch=Dispatch.REPLICAS, c
 BRIDGE = Method("bridge", Bridge, None)
 PROBE_BATCH = Method("probe_batch", Probe, LogProbs, collect=Collect.OWNERS)  # replica 0's owner answers
 SCORE = Method("score", LogProbs, LogProbs, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
-POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult, dispatch=Dispatch.REPLICAS)
-SCORE_ROWS = Method("score_rows", ScoreRows, RowScores, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
-CRITIC_STEP = Method("critic_step", CriticBatch, CriticResult, dispatch=Dispatch.REPLICAS)
-CRITIC_INIT = Method("critic_init", NoArgs, None)  # the critic's transformer := the actor's

@@ -30,6 +30,12 @@ import torch
 from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
+from core.parallel.imports import import_megatron
+
+import_megatron()  # megatron.core through its one door (its torch.compile deferred), before the line below
+
+from megatron.core.tensor_parallel import random as megatron_random  # noqa: E402  patched when activated
+
 log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
@@ -136,8 +142,6 @@ def _patch_megatron_rng() -> None:
     # restoring goes through torch.cuda._lazy_call, which on a CPU build queues the
     # callback (with a formatted stack) forever: a leak per layer per step. Nothing is
     # there to restore, so drop it. Megatron binds the name at import: patch its copy.
-    from megatron.core.tensor_parallel import random as megatron_random  # patched only when the shim is activated
-
     megatron_random._lazy_call = _noop
 
 
@@ -193,8 +197,6 @@ class CpuRNGStatesTracker:
 
 def install_cpu_rng_tracker() -> CpuRNGStatesTracker:
     """Make ``CpuRNGStatesTracker`` Megatron's tracker (``get_cuda_rng_tracker()``) in this process."""
-    from megatron.core.tensor_parallel import random as megatron_random  # patched only when the shim is activated
-
     tracker = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER = tracker
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

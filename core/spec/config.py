@@ -25,7 +25,7 @@ from core.errors import ConfigError, LayoutError
 from core.spec import inputs, modelcfg, schema
 from core.spec import rl as rl_spec
 from core.spec.dims import ParallelDims
-from core.spec.generator import GeneratorConfig, own_workers
+from core.spec.generator import GeneratorConfig
 from core.spec.modelcfg import ModelConfig
 from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
 from core.spec.sections import (
@@ -154,7 +154,7 @@ def _check_generator(cfg: RunConfig) -> None:
     if kind != "gpt":
         raise ConfigError(f"generator.enabled: the {kind} model cannot generate; use model.kind=gpt")
     if gen.split:
-        world_size = own_workers(cfg)
+        world_size = gen.own_processes
         where = f"generator.workers = {world_size}"
     else:
         where = f"the {world_size} trainer workers it is colocated on"

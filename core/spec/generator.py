@@ -18,11 +18,9 @@ by ``core.spec.config``, against the whole config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
-from core.spec.dims import ParallelDims
 from core.spec.schema import bounded, check_bounds
-from core.spec.sections import TrainerConfig
 
 MAX_TOKENS = 2**20
 
@@ -52,26 +50,8 @@ class GeneratorConfig:
     def split(self) -> bool:
         return self.enabled and self.placement == "split"
 
-
-class RunWithGenerator(Protocol):
-    """What the generator's layout reads of a run's config: ``core.spec.config.RunConfig``,
-    which holds this module's section (so it is named by its shape here, not imported)."""
-
     @property
-    def generator(self) -> GeneratorConfig: ...
-
-    @property
-    def trainer(self) -> TrainerConfig: ...
-
-
-def own_workers(cfg: RunWithGenerator) -> int:
-    """The generator's own workers (ranks after the trainer's): 0 unless it runs split."""
-    g = cfg.generator
-    return (g.workers or g.tp) if g.split else 0
-
-
-def generator_dims(cfg: RunWithGenerator) -> ParallelDims:
-    """The generator's layout: ``tp`` over its workers (its own, or the trainer's), one stage."""
-    g = cfg.generator
-    workers = own_workers(cfg) or cfg.trainer.world_size
-    return ParallelDims(tp=g.tp, pp=1, dp=workers // g.tp)
+    def own_processes(self) -> int:
+        """Split: the generator's own worker processes (``workers``, else ``tp``: one replica);
+        0 otherwise. Which ranks they are is the plan's (core.spec.roles)."""
+        return (self.workers or self.tp) if self.split else 0

@@ -20,7 +20,6 @@ from typing import Literal
 
 from core.spec.config import RunConfig
 from core.spec.dims import ParallelDims
-from core.spec.generator import own_workers
 from core.spec.rl import RL_PROGRAMS
 
 RoleName = Literal["trainer", "generator"]
@@ -83,7 +82,7 @@ def plan_roles(cfg: RunConfig) -> tuple[RolePlan, ...]:
     g = cfg.generator
     if not g.enabled:
         return (trainer,)
-    n = own_workers(cfg)
+    n = g.own_processes
     dims = ParallelDims(tp=g.tp, pp=1, dp=(n or cfg.trainer.world_size) // g.tp)
     if n:
         gen_nodes = cfg.slurm.generator.nodes or 1

@@ -7,8 +7,9 @@
     SAVE_WEIGHTS WeightsFile → None         collective: rank 0 writes every global tensor
     AVERAGE      NoArgs      → StepResult   parallel.sync: the replicas average weights and Adam moments
 
-The checkpoint calls are ``core.checkpoint.calls``; the toy model's test calls are in
-``core.model.toy``. See ``core.wire.contract`` for how a call is checked.
+Every step's result is a ``Timings`` (the RL updates' too: ``core.wire.rl_calls``, the RL
+programs' calls). The checkpoint calls are ``core.checkpoint.calls``; the toy model's test
+calls are in ``core.model.toy``. See ``core.wire.contract`` for how a call is checked.
 """
 from __future__ import annotations
 
@@ -44,21 +45,28 @@ class Step:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepResult:
-    """Every rank: its time and memory. Loss owners (last stage, tp rank 0: one per data
-    replica) also the loss, gradient norm, learning rate and their replica's token count."""
+class Timings:
+    """What every rank reports of a step or an update: its time and memory (the base of
+    ``StepResult`` and the RL updates' results, ``core.wire.rl_calls``)."""
 
     step_time_s: float
     rss_mb: float = 0.0
+    data_wait_s: float | None = None  # assembling this rank's micro-batches
+    grad_sync_s: float | None = None  # the data-parallel gradient reduction
+    compute_s: float | None = None  # the step less its data wait and gradient reduction
+    cuda_peak_mb: float | None = None
+    rss_peak_mb: float | None = None  # the process's peak resident memory during the step
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult(Timings):
+    """Every rank: its time and memory. Loss owners (last stage, tp rank 0: one per data
+    replica) also the loss, gradient norm, learning rate and their replica's token count."""
+
     loss: float | None = None
     grad_norm: float | None = None
     lr: float | None = None
     tokens: int = 0  # tokens this data-parallel replica trained on (the controller sums the loss owners')
-    data_wait_s: float | None = None
-    grad_sync_s: float | None = None
-    compute_s: float | None = None  # the step less its data wait and gradient reduction
-    cuda_peak_mb: float | None = None
-    rss_peak_mb: float | None = None  # the process's peak resident memory during the step
     memory: tuple[float, ...] | None = None  # when measured: bytes of weights, gradients, optimizer, activations
 
 

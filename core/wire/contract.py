@@ -10,7 +10,8 @@ The worker checks every request at the boundary (``decode_request``) and the con
 every result (``decode_result``); a malformed one raises a one-line ``ProtocolError``
 naming the method and the field, which fails that call and nothing else: both sides keep
 serving. Methods are plain values: no decorators, no reflection. A role defines its own
-(``core.wire.calls`` the training ones, ``core.checkpoint.calls``, ``core.model.toy``);
+(``core.wire.calls`` the training ones, ``core.wire.rl_calls`` the RL programs',
+``core.flows.calls`` the generator's, ``core.checkpoint.calls``, ``core.model.toy``);
 a worker group serves whatever its task's handler table lists.
 """
 from __future__ import annotations

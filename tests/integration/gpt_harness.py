@@ -251,7 +251,7 @@ def export_on_rank(task: Any, step: int) -> tuple[Items, dict[str, Any]]:
     rank after ``step`` steps, its live items as arrays (to send)."""
     from core.checkpoint.spec import current
 
-    task._next_step = step
+    task.role("actor").next_step = step
     items, blobs = task.checkpoint_state()
     return [(s, np.array(current(a))) for s, a in items], blobs
 
@@ -264,7 +264,7 @@ def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
             return arrays[name][tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
 
         task.restore_state(read, blobs)
-    return task._next_step
+    return task.role("actor").next_step
 
 
 def check_groups_against(task: Any, *, tp: int, pp: int, dp: int) -> str:

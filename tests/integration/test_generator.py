@@ -33,7 +33,7 @@ def _sync(g: RankGroup, version: int, bucket_bytes: int = 1 << 14) -> list[dict[
 
 def _weights(task: Any) -> tuple[list[tuple[TensorSlice, np.ndarray]], list[tuple[TensorSlice, np.ndarray]]]:
     """This rank's trainer slices (first replicas) and generator slices, as arrays."""
-    link = task._link
+    link = task.rank.link
     return ([(s, p.detach().numpy().copy()) for s, p in link._sources()],
             [(s, p.detach().numpy().copy()) for s, p in link._targets()])
 
@@ -48,7 +48,7 @@ def _plain_greedy(task: Any, prompts: tuple[tuple[int, ...], ...], new: int) -> 
     with torch.no_grad():
         for _ in range(new):
             positions = torch.arange(seq.shape[1]).unsqueeze(0).expand(seq.shape[0], -1)
-            nxt = _logits(task._rollout.model, seq, positions, _causal(seq.shape[1], seq.device))[:, -1].argmax(-1)
+            nxt = _logits(task.role("rollout").model.model, seq, positions, _causal(seq.shape[1], seq.device))[:, -1].argmax(-1)
             seq = torch.cat([seq, nxt[:, None]], dim=1)
     return seq[:, len(prompts[0]):].tolist()
 

@@ -15,14 +15,14 @@ from core.checkpoint import calls as ckpt_calls
 from core.errors import ProtocolError
 from core.flows import calls as gen_calls
 from core.model import toy
-from core.wire import calls, protocol
+from core.wire import calls, protocol, rl_calls
 from core.wire.contract import Method
 
 METHODS: list[Method[Any, Any]] = [
     calls.SETUP, calls.TRAIN_STEP, calls.EVAL_STEP, calls.LOAD_WEIGHTS, calls.SAVE_WEIGHTS,
     ckpt_calls.CKPT_SAVE, ckpt_calls.CKPT_POLL, ckpt_calls.CKPT_WAIT, ckpt_calls.CKPT_LOAD,
     toy.NOOP, toy.ECHO, toy.FAIL, toy.SLEEP, toy.PID, toy.GET_STATE, toy.SET_STATE,
-    gen_calls.GENERATE, gen_calls.SCORE, gen_calls.POLICY_STEP, gen_calls.SCORE_ROWS,
+    gen_calls.GENERATE, gen_calls.SCORE, rl_calls.POLICY_STEP, rl_calls.SCORE_ROWS,
     gen_calls.PROBE_BATCH, gen_calls.BRIDGE, gen_calls.GEN_PROMPTS,
 ]
 _text = st.text(max_size=6)

@@ -1,6 +1,7 @@
 """A Megatron-core GPT served by Baton's workers: model, optimizer, data, one step, state.
 
-Only ``core.model.gpt.task.GPTTask`` is the entry point; the modules below it are imported
-lazily so that importing this package costs nothing (``core.model.gpt.optim.lr_at`` and
-``core.model.gpt.data`` work without torch).
+``core.model.gpt.task.GPTTask`` is the entry point: a composition of the model roles
+(``core.model.gpt.roles``) the plan gives a rank, imported when a task is built, so that
+importing this package and the task module costs nothing (``core.model.gpt.optim.lr_at``
+and ``core.model.gpt.data`` work without torch too).
 """

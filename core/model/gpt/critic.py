@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
-from core.flows import calls as gen_calls
 from core.model.gpt import rl_loss
 from core.model.gpt.model import unwrap
 from core.model.gpt.policy import fill_row, optimizer_step
 from core.model.gpt.state import ReadFn, export_items, import_items, optimizer_blob, sharded_params
 from core.model.gpt.step import StepContext
+from core.wire import rl_calls
 
 PREFIX = "critic."
 HEAD = "output_layer."
@@ -71,7 +71,7 @@ def copy_from_actor(actor: list[Any], critic: list[Any], optimizer: Any) -> None
     optimizer.reload_model_params()
 
 
-def critic_step(ctx: StepContext, batch: gen_calls.CriticBatch,
+def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
     """One optimizer step of the critic (``ctx``: its model and optimizer); this rank's metrics."""
     rows, p, seq = len(batch.sequences), batch.prompt_length, ctx.cfg.model.seq_length

@@ -24,14 +24,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from core.spec.config import RunConfig
+from core.spec.config import RunConfig
 
 log = logging.getLogger(__name__)
 

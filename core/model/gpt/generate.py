@@ -55,7 +55,7 @@ def token_logprobs(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 def label_logprobs(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``[b, s]``: log p(labels[:, i] | tokens[:, :i+1]) (a trainer's targets, teacher forced),
-    from vocab-parallel logits: no rank gathers the whole vocabulary."""
+    computed on vocab-parallel logits: no rank gathers the whole vocabulary."""
     b, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     with torch.no_grad():

@@ -23,15 +23,15 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from core.flows import calls as gen_calls
 from core.job import process
 from core.model.gpt import activations, rl_loss
 from core.model.gpt.model import unwrap
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
+from core.wire import rl_calls
 
 
-def _arrays(batch: gen_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
+def _arrays(batch: rl_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
     """Padded inputs, labels, mask, advantages and old log-probs, rows x seq_length."""
     rows, p = len(batch.sequences), batch.prompt_length
     out = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
@@ -69,7 +69,7 @@ def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> I
         yield mb
 
 
-def policy_step(ctx: StepContext, batch: gen_calls.PolicyBatch,
+def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
     """One optimizer step of the actor; this rank's metrics (loss owners: the replica's).
     ``before_update``: as for a training step (an async checkpoint's fence)."""
@@ -144,7 +144,7 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
     return out, out_mb
 
 
-def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) -> gen_calls.RowScores:
+def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> rl_calls.RowScores:
     """Log-probs of the response tokens of ``req``'s rows under ``chunks`` (the actor's or the
     reference's, this rank's pipeline stage), dropout off; on loss owners."""
     cfg = ctx.cfg
@@ -179,12 +179,12 @@ def score_rows(ctx: StepContext, req: gen_calls.ScoreRows, chunks: list[Any]) ->
             forward_step_func=forward, data_iterator=_micro(arrays, micro, ctx.device), model=chunks,
             num_microbatches=rows // micro, seq_length=seq, micro_batch_size=micro, forward_only=True)
     if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
-        return gen_calls.RowScores()
+        return rl_calls.RowScores()
     logp = torch.cat([d["logp"] for d in out_mb]).cpu().numpy()
     per_row = tuple(tuple(float(x) for x in logp[i, p - 1:n]) for i, n in enumerate(ends))
     if req.model == "critic":
-        return gen_calls.RowScores(values=per_row, tokens=int(arrays["mask"].sum()))
-    return gen_calls.RowScores(
+        return rl_calls.RowScores(values=per_row, tokens=int(arrays["mask"].sum()))
+    return rl_calls.RowScores(
         logprobs=per_row,
         entropy_sum=float(sum(float(d["entropy"]) for d in out_mb)) if entropy else 0.0,
         tokens=int(arrays["mask"].sum()))

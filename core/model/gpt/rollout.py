@@ -1,9 +1,10 @@
-"""The generator role: a second GPT in its own layout, and the trainer's side of weight syncs.
+"""The generator's model: a second GPT in its own layout, and both ends of weight syncs.
 
 Colocated, the generator's model lives in the trainer's processes: the trainer keeps
 Megatron's global parallel state and the generator's model gets a process-group collection
 of its own (``GPTModel(pg_collection=...)``). Split, it lives in processes of its own, whose
-world is the generator's alone (core.model.gpt.generator_task). Either way its groups are
+world is the generator's alone. The rollout role (core.model.gpt.roles.rollout) serves it;
+the actor role the trainer's side (``prompts``, ``trainer_probe``). Either way its groups are
 ``generator.tp`` consecutive ranks of its world, one pipeline stage, the rest data-parallel
 replicas. Its weights come only from weight syncs (``core.model.gpt.sync`` running a plan of
 ``core.flows.reshard``); ``version`` is the trainer step they were taken after.

@@ -5,6 +5,8 @@ import dataclasses
 import logging
 
 import psutil
+import torch
+import torch.distributed as dist
 
 from core.spec.config import RunConfig
 from core.spec.plan import resolve_micro_batch, static_bytes
@@ -16,11 +18,8 @@ def with_micro_batch(cfg: RunConfig, micro: int) -> RunConfig:
 
 def auto_micro_batch(cfg: RunConfig, *, on_cuda: bool) -> int:
     """``micro_batch_size: auto``: max(1, floor(free memory × 0.9 / memory per sample)),
-    from this rank's free memory less the static state ``core.spec.plan`` estimates; the
+    with this rank's free memory less the static state ``core.spec.plan`` estimates; the
     smallest answer over all ranks wins, so every stage runs the same schedule."""
-    import torch  # torch and megatron: this module loads without them
-    import torch.distributed as dist  # torch and megatron: this module loads without them
-
     if on_cuda:
         free = float(torch.cuda.mem_get_info()[0])
     else:  # the workers of a node share its memory

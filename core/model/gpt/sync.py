@@ -98,7 +98,7 @@ def connect(addr: str, port: int, *, name: str, rank: int, size: int, backend: s
 
 def run_plan(plan: list[_Bucket], group: Any = None, *, link: Any = None) -> int:
     """Move a prepared plan, bucket by bucket; the bytes received. ``link``: a process group
-    from ``connect`` (plan ranks are its ranks), else the default group's ``group``."""
+    made by ``connect`` (plan ranks are its ranks), else the default group's ``group``."""
     received = 0
     with torch.no_grad():
         for bucket in plan:

@@ -1,0 +1,98 @@
+"""The RL programs' calls: what GRPO and PPO ask of the trainer's ranks (core.controller.rl_program).
+
+    POLICY_STEP   PolicyBatch → PolicyResult one actor update on the clipped policy objective
+    SCORE_ROWS    ScoreRows   → RowScores    the actor's or the reference's log-probs of a rollout, or the
+                                             critic's values
+    CRITIC_STEP   CriticBatch → CriticResult one critic update on the clipped value loss (PPO)
+    CRITIC_INIT   NoArgs      → None         the critic's transformer becomes the actor's (PPO's first RL step)
+
+Both updates report ``core.wire.calls.Timings`` as a training step does. The generator's
+calls are ``core.flows.calls``; the workers' side is ``core.model.gpt.roles`` (actor, critic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from core.wire.calls import Timings
+from core.wire.contract import Collect, Dispatch, Method, NoArgs
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyBatch:
+    """One optimizer step of the actor on this rank's data replica's share of a rollout:
+    ``sequences`` prompt + response (prompts of ``prompt_length`` tokens), per response token
+    its ``advantages``, the old policy's ``old_logprobs`` and (with a KL term, ``kl_coef`` > 0)
+    the reference's ``ref_logprobs``."""
+
+    step: int
+    prompt_length: int
+    sequences: tuple[tuple[int, ...], ...]
+    advantages: tuple[tuple[float, ...], ...]
+    old_logprobs: tuple[tuple[float, ...], ...]
+    ref_logprobs: tuple[tuple[float, ...], ...] = ()
+    kl_coef: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreRows:
+    """Teacher-forced log-probs of the response tokens of rows (prompt + response, prompts
+    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``; the
+    ``critic``'s values (the value before each response token is drawn)."""
+
+    model: Literal["actor", "reference", "critic"]
+    prompt_length: int
+    sequences: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowScores:
+    """On loss owners (one per data replica); empty elsewhere."""
+
+    logprobs: tuple[tuple[float, ...], ...] = ()  # per row, its response tokens'
+    values: tuple[tuple[float, ...], ...] = ()  # the critic's, per row, per response token
+    entropy_sum: float = 0.0  # the actor's entropy summed over the response tokens
+    tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyResult(Timings):
+    """Every rank its time (the data wait: assembling its micro-batches from the request);
+    loss owners (one per data replica) the replica's numbers."""
+
+    loss: float | None = None  # the clipped policy loss (token mean)
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int = 0  # response tokens of this replica
+    clip_frac: float | None = None
+    ratio_max: float | None = None  # the largest new/old probability ratio seen
+    kl_loss: float | None = None  # the KL term's token mean before its coefficient
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticBatch:
+    """One optimizer step of the critic on this rank's data replica's share of a rollout:
+    per response token its GAE ``returns`` (the targets) and the ``old_values`` the clip is
+    measured from."""
+
+    step: int
+    prompt_length: int
+    sequences: tuple[tuple[int, ...], ...]
+    returns: tuple[tuple[float, ...], ...]
+    old_values: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticResult(Timings):
+    """Every rank its time; loss owners the replica's numbers."""
+
+    value_loss: float | None = None  # the clipped value loss (token mean)
+    value_clip_frac: float | None = None  # fraction of tokens where the clipped term was taken
+    grad_norm: float | None = None
+    lr: float | None = None
+
+
+POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult, dispatch=Dispatch.REPLICAS)
+SCORE_ROWS = Method("score_rows", ScoreRows, RowScores, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
+CRITIC_STEP = Method("critic_step", CriticBatch, CriticResult, dispatch=Dispatch.REPLICAS)
+CRITIC_INIT = Method("critic_init", NoArgs, None)  # the critic's transformer := the actor's
