@@ -43,6 +43,13 @@ Items = list[tuple[TensorSlice, Any]]  # np.ndarray or LiveArray
 ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
 
 
+
+def _hdf5() -> tuple[Any, Any]:
+    """The HDF5 shard modules (``hdf5``, ``async_writer``), imported once a save or a load is asked."""
+    from core.checkpoint import async_writer, hdf5  # h5py: only on workers, only once a checkpoint is asked for
+
+    return hdf5, async_writer
+
 class CheckpointService:
     def __init__(
         self,
@@ -69,8 +76,7 @@ class CheckpointService:
     def save(self, req: calls.Save) -> calls.Saved:
         """Write this rank's shard into ``req.tmp_dir``. Sync: the ack once durable. Async:
         snapshot the state and return at once (no ack); ``wait`` gives the ack later."""
-        from core.checkpoint import hdf5  # h5py: only on workers, only once a save is asked for
-
+        hdf5, async_writer = _hdf5()
         if self._pending is not None:
             self.wait(self._pending_step)  # never two saves in flight
         self._acks.clear()
@@ -80,10 +86,8 @@ class CheckpointService:
                  "rank": self.rank}
         if not req.async_save:
             return calls.Saved(ack=hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs))
-        from core.checkpoint.async_writer import AsyncWriter  # h5py, as above
-
         if self._writer is None:
-            self._writer = AsyncWriter()
+            self._writer = async_writer.AsyncWriter()
         live = any(hasattr(a, "snapshot_into") for _, a in items)
         mode = "background" if self.fenced else ("now" if live else "none")
         self._pending = self._writer.submit(path, items, blobs, attrs, snapshot=mode)
@@ -129,8 +133,7 @@ class CheckpointService:
 
     def load(self, req: calls.Load) -> calls.Loaded:
         """Read the slices this rank owns (in its current layout) from a committed checkpoint."""
-        from core.checkpoint.hdf5 import CheckpointReader  # h5py, as in save
-
+        CheckpointReader = _hdf5()[0].CheckpointReader  # noqa: N806 - the class, as it is named
         partial = self.partial.get(req.into) if req.into != "state" else None
         if req.into != "state" and partial is None:
             raise BatonRuntimeError(f"rank {self.rank}: this task cannot load a checkpoint into {req.into!r}")

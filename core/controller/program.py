@@ -27,6 +27,7 @@ from core.checkpoint.coordinator import CheckpointCoordinator
 from core.checkpoint.loop import LoopState
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
+from core.controller.rl_program import RLStep
 from core.controller.roles import RoleGroup, Span
 from core.controller.saving import SavePolicy
 from core.controller.stop import StopPolicy, StopRequest
@@ -48,7 +49,6 @@ from core.wire.rl_calls import PolicyResult
 
 if TYPE_CHECKING:
     from core.controller.metrics import Metrics
-    from core.controller.rl_program import RLStep
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,6 @@ class Program:
             self.flow = GeneratorFlow(self.cfg, self.run, self.workers, self.trainer, self.generator)
             self.flow.start(self.step)
             if self.cfg.program in rl_spec.RL_PROGRAMS:
-                from core.controller.rl_program import RLStep  # numpy: only RL programs need it
-
                 self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves)
                 self.rl.restore(loop)
         stop = self.train()

@@ -64,15 +64,14 @@ class RLStep:
         self.tokenizer: Any = None  # task file: its tokenizer (response_text, end of text)
         self.prompts: list[Any] = []
         if cfg.rl.task == "file":
-            from core.data import prompts as prompt_file  # a tokenizer: only file tasks need one
-            from core.data.tokenizer import load_tokenizer  # as above
+            from core.data import prompts, tokenizer  # a tokenizer: only file tasks need one
 
-            self.tokenizer = load_tokenizer(cfg.rl.tokenizer)
+            self.tokenizer = tokenizer.load_tokenizer(cfg.rl.tokenizer)
             if self.tokenizer.vocab_size > cfg.model.vocab_size:
                 raise ConfigError(f"rl.tokenizer: {cfg.rl.tokenizer} has {self.tokenizer.vocab_size} tokens > "
                                   f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least "
                                   f"{self.tokenizer.vocab_size}")
-            self.prompts = prompt_file.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
+            self.prompts = prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
                                                     tokenizer=self.tokenizer, length=cfg.rl.prompt_length)
         kl = cfg.rl.kl
         coef = advantages.auto_kl_coef(count_params(cfg).total) if kl.coef == "auto" else float(kl.coef)
