@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zmq  # noqa: E402
 
+from core.config import run as config_mod  # noqa: E402
+from core.config.roles import plan_roles  # noqa: E402
 from core.controller.group import WorkerGroup  # noqa: E402
 from core.controller.main import publish_address  # noqa: E402
 from core.controller.roles import RoleGroup  # noqa: E402
 from core.model.toy import NOOP  # noqa: E402
-from core.spec import config as config_mod  # noqa: E402
-from core.spec.roles import plan_roles  # noqa: E402
 from core.wire import protocol  # noqa: E402
 from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys  # noqa: E402
 from launcher import local, runprep  # noqa: E402

@@ -107,10 +107,10 @@ def _rank(rank: int, port: int, quick: bool, repeat: int, base: str, out: Any) -
     import warnings
 
     warnings.filterwarnings("ignore")
+    from core.config import run as config_mod
+    from core.config.runplan import plan_run
     from core.model.gpt.optimizer_state import MOMENTS
     from core.model.gpt.task import GPTTask
-    from core.spec import config as config_mod
-    from core.spec.runplan import plan_run
     from core.wire import calls
     from core.worker.task import WorkerContext
 

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.local_run import submit_local  # noqa: E402
-from core.spec import config  # noqa: E402
-from core.spec.plan import count_params  # noqa: E402
+from core.config import run as config  # noqa: E402
+from core.config.plan import count_params  # noqa: E402
 from launcher.plan_check import estimate  # noqa: E402
 
 SHAPE = ["model.num_layers=12", "model.hidden_size=768", "model.num_attention_heads=12", "model.num_query_groups=4",

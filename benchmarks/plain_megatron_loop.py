@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from core.config import run as config_mod  # noqa: E402
+from core.config.runplan import plan_run  # noqa: E402
 from core.model.gpt.task import GPTTask  # noqa: E402
-from core.spec import config as config_mod  # noqa: E402
-from core.spec.runplan import plan_run  # noqa: E402
 from core.wire import calls  # noqa: E402
 from core.worker.task import WorkerContext  # noqa: E402
 

@@ -63,7 +63,7 @@ def main() -> int:
     warm = 5
     overrides = [f"trainer.steps={steps}", *args.overrides]
     sys.path.insert(0, str(REPO))
-    from core.spec import config as config_mod
+    from core.config import run as config_mod
 
     nproc = config_mod.load(EXP, overrides).trainer.world_size
     baton_t: list[float] = []

@@ -37,7 +37,7 @@ QUICK = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "vocab_s
 
 
 def _config(model: dict[str, int], gen_tp: int, bucket_mb: float, device: str, split: bool = False) -> Any:
-    from core.spec import config as config_mod
+    from core.config import run as config_mod
 
     where = {"placement": "split", "workers": 2} if split else {}
     return config_mod.from_data({
@@ -103,13 +103,13 @@ def _rank(rank: int, port: int, args: Any, gen_tp: int, out: Any) -> None:
     import_megatron()
     import torch.distributed as dist
 
+    from core.config.runplan import plan_run
     from core.flows import reshard
     from core.model.gpt import model as model_mod
     from core.model.gpt import sync
     from core.model.gpt.rollout import Rollout, WeightLink
     from core.parallel import cpu_shim
     from core.parallel.megatron import init_megatron
-    from core.spec.runplan import plan_run
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -200,6 +200,7 @@ def _split_rank(rank: int, ports: tuple[int, int], args: Any, gen_tp: int, out: 
     import_megatron()
     import torch.distributed as dist
 
+    from core.config.runplan import plan_run
     from core.flows import calls as gen_calls
     from core.flows import reshard
     from core.model.gpt import model as model_mod
@@ -207,7 +208,6 @@ def _split_rank(rank: int, ports: tuple[int, int], args: Any, gen_tp: int, out: 
     from core.model.gpt.rollout import Rollout, WeightLink
     from core.parallel import cpu_shim
     from core.parallel.megatron import init_megatron
-    from core.spec.runplan import plan_run
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda:

@@ -12,12 +12,12 @@ import sys
 from collections.abc import Callable
 
 from core.checkpoint.service import CheckpointedTask
+from core.config.run import RunConfig
 from core.controller.main import run_controller
 from core.errors import BatonRuntimeError, ExitCode, UserError
 from core.job.env import JobEnv
 from core.model.gpt.task import GPTTask  # loads without torch: its roles are imported by a GPT worker
 from core.model.toy import ToyTask
-from core.spec.config import RunConfig
 from core.worker.main import run_worker
 from core.worker.task import Task, WorkerContext
 

@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
+from core.config.schema import escaped
 from core.errors import ExitCode, UserError
-from core.spec.schema import escaped
 from launcher import (
     cmd_cancel,
     cmd_ckpt,

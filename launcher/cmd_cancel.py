@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from core.config.inputs import arg_number
 from core.errors import ExitCode
-from core.spec.inputs import arg_number
 from launcher import slurm_jobs
 
 

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.config.inputs import arg_number
 from core.errors import CheckpointError, ExitCode
 from core.record.runfolder import RunFolder
-from core.spec.inputs import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

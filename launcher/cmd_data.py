@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.spec.inputs import arg_text
+from core.config.inputs import arg_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # so `-m core.data.build` resolves without an install
 

@@ -5,10 +5,10 @@ import argparse
 import heapq
 from pathlib import Path
 
+from core.config.inputs import arg_number
 from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord
-from core.spec.inputs import arg_number
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -6,12 +6,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+from core.config import run as config
+from core.config.genplan import format_generator, plan_generator
+from core.config.inputs import arg_number
+from core.config.plan import make_plan
+from core.config.planview import format_plan
 from core.errors import ExitCode, UserError
-from core.spec import config
-from core.spec.genplan import format_generator, plan_generator
-from core.spec.inputs import arg_number
-from core.spec.plan import make_plan
-from core.spec.planview import format_plan
 from launcher.plan_check import run_check
 
 

@@ -6,10 +6,10 @@ import datetime
 import sys
 
 from core.checkpoint import manifest
+from core.config.inputs import arg_number
 from core.errors import ExitCode
 from core.record import events as ev
 from core.record.state import RankInfo, RunRecord, RunState
-from core.spec.inputs import arg_number
 from launcher import slurm_jobs
 from launcher.cmd_watch import watch
 

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.config import run as config_mod
 from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder, new_run_id
 from core.record.state import RunRecord
-from core.spec import config as config_mod
 from launcher import local, runprep, slurm, slurm_jobs
 
 

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from core.config import run as config_mod
+from core.config.jobspec import HetJobSpec
+from core.config.run import RunConfig
 from core.errors import ExitCode, UserError
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
-from core.spec import config as config_mod
-from core.spec.config import RunConfig
-from core.spec.jobspec import HetJobSpec
 from launcher import ledger as ledger_mod
 from launcher import local, runprep, slurm_jobs
 from launcher import sweep as sweep_mod

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from core.config.schema import build, to_data
 from core.errors import RunFolderError, UserError
 from core.record import steps
 from core.record.runfolder import RunFolder, read_json, write_atomic, write_json
 from core.record.state import RunRecord, RunState
-from core.spec.schema import build, to_data
 from launcher import slurm_states
 
 log = logging.getLogger(__name__)

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.config import run as config_mod
+from core.config.run import RunConfig
+from core.config.runplan import read_plan
 from core.errors import ExitCode
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
-from core.spec import config as config_mod
-from core.spec.config import RunConfig
-from core.spec.runplan import read_plan
 from core.supervisor import contract
 
 log = logging.getLogger(__name__)

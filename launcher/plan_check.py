@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from core.config import run as config
+from core.config.plan import make_plan
 from core.errors import ExitCode, RunFolderError, UserError
 from core.record.memory import MemoryReport
 from core.record.runfolder import RunFolder
-from core.spec import config
-from core.spec.plan import make_plan
 
 TOLERANCE = 0.15
 CATEGORIES = (("weights", "weights_bytes"), ("gradients", "grads_bytes"), ("optimizer", "optimizer_bytes"),

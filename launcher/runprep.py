@@ -12,15 +12,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.config import rl as rl_spec
+from core.config import run as config_mod
+from core.config.run import RunConfig
+from core.config.runplan import plan_run
 from core.errors import UserError
 from core.record import events as ev
 from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, write_atomic
 from core.record.state import RunRecord, RunState
-from core.spec import config as config_mod
-from core.spec import rl as rl_spec
-from core.spec.config import RunConfig
-from core.spec.runplan import plan_run
 
 
 def generate_keys(keys_dir: Path) -> None:

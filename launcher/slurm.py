@@ -6,7 +6,7 @@
     component 1  the workers: ``trainer.nodes`` x ``trainer.n_gpus_per_node`` tasks on
                  ``slurm.workers.partition``, started with ``srun --het-group=1``
 
-Steps, in order: ``job_spec_for`` (YAML + CLI flags → one ``core.spec.jobspec.HetJobSpec``,
+Steps, in order: ``job_spec_for`` (YAML + CLI flags → one ``core.config.jobspec.HetJobSpec``,
 built once and passed to every later step), ``render`` (pure: the exact script, for
 ``--dry-run`` and golden tests), ``preflight`` (checks against ``sinfo`` and the file system;
 nothing is submitted when one fails), ``submit`` (the one side effect). Then
@@ -32,15 +32,15 @@ from typing import Any
 from submitit.core import utils as submitit_utils
 from submitit.slurm import slurm as submitit_slurm
 
+from core.config.inputs import arg_number, arg_text
+from core.config.jobspec import Component, HetJobSpec, SlurmComponentConfig, job_spec, parse_time_min, signal_lead_s
+from core.config.roles import plan_roles
+from core.config.run import RunConfig
 from core.controller.slurm_entry import slurm_main
 from core.errors import UserError
 from core.record import events as ev
 from core.record.runfolder import RunFolder, write_atomic, write_json
 from core.record.state import RunRecord
-from core.spec.config import RunConfig
-from core.spec.inputs import arg_number, arg_text
-from core.spec.jobspec import Component, HetJobSpec, SlurmComponentConfig, job_spec, parse_time_min, signal_lead_s
-from core.spec.roles import plan_roles
 from launcher import slurm_jobs
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ groups, then the includes). Each point's run id is a readable slug plus a short 
 of its sorted, resolved parameters, so the same point always gets the same run folder:
 ``<runs_root>/<name>/<run id>/``, next to the sweep's ledger (``launcher.ledger``).
 
-The file is read by the experiment loader (``core.spec.config``): one-line errors for a file
+The file is read by the experiment loader (``core.config.run``): one-line errors for a file
 that is empty, not UTF-8, not valid YAML or with a key given twice. At most 10000 points.
 
 Everything here is pure: nothing is written and nothing is submitted.
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from core.config import run as config_mod
+from core.config.inputs import check_name, check_text
+from core.config.run import RunConfig, set_dotted
+from core.config.schema import build, field_paths, to_data
 from core.errors import ConfigError
-from core.spec import config as config_mod
-from core.spec.config import RunConfig, set_dotted
-from core.spec.inputs import check_name, check_text
-from core.spec.schema import build, field_paths, to_data
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def auto_lr(global_batch_size: int) -> float:
 def per_gpu_batch(gpu_mem_mb: float) -> int:
     """Heuristic per-GPU batch: gpu_mem_mb / 3500, rounded down to a power of two, at least 1.
 
-    A model-blind first guess (80 GiB → 16); ``core.spec.plan.resolve_micro_batch`` is the
+    A model-blind first guess (80 GiB → 16); ``core.config.plan.resolve_micro_batch`` is the
     model-aware resolver of ``training.micro_batch_size: auto``. Set the key to override.
     """
     if gpu_mem_mb <= 0:
@@ -95,7 +95,7 @@ def per_gpu_batch(gpu_mem_mb: float) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class SweepFile:
-    """The sweep file as written; ``core.spec.schema.build`` checks keys and types."""
+    """The sweep file as written; ``core.config.schema.build`` checks keys and types."""
 
     name: str | None = None
     base: str | dict[str, Any] | None = None

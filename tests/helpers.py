@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from core.checkpoint.hdf5 import CheckpointReader
+from core.config import run as config_mod
 from core.record.runfolder import RunFolder
-from core.spec import config as config_mod
 from launcher import local, runprep
 
 T = TypeVar("T")

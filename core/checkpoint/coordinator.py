@@ -26,10 +26,10 @@ from core.checkpoint import calls, manifest
 from core.checkpoint.commit import commit, quarantine, tmp_step_dir
 from core.checkpoint.loop import LoopState
 from core.checkpoint.spec import ShardAck
+from core.config.dims import ParallelDims
 from core.errors import CheckpointError, ConfigError, TransientIOError, is_transient
 from core.record import events as ev
 from core.record.state import RunRecord
-from core.spec.dims import ParallelDims
 from core.wire.calls import Step
 from core.wire.contract import Method
 

@@ -2,7 +2,7 @@
 
 Each method declares both with itself (``core.wire.contract.Method``: ``dispatch`` and
 ``collect``); these pure functions carry the declaration out over a group's plan
-(``core.spec.roles.RolePlan``), in run ranks:
+(``core.config.roles.RolePlan``), in run ranks:
 
     requests(SCORE_ROWS, trainer_plan, [share_of_replica_0, share_of_replica_1])
     → {0: share_0, 1: share_0, 2: share_1, 3: share_1}        (tp2, dp2)
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from core.spec.roles import RolePlan
+from core.config.roles import RolePlan
 from core.wire.contract import Collect, Dispatch, Method
 
 Req = TypeVar("Req")

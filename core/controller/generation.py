@@ -23,13 +23,13 @@ import json
 import logging
 from typing import Any
 
+from core.config.run import RunConfig
 from core.controller.group import WorkerGroup
 from core.controller.roles import RoleGroup, Span
 from core.errors import UserError
 from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.record.runfolder import RunFolder
-from core.spec.config import RunConfig
 
 log = logging.getLogger(__name__)
 

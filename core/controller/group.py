@@ -23,12 +23,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from core.config.run import TimeoutsConfig
 from core.controller.diagnose import diagnose, remote_error
 from core.controller.registration import Peer, Registrations, refusal
 from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
-from core.spec.config import TimeoutsConfig
 from core.wire import protocol, transport
 from core.wire.contract import Method, Req, Res
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from core.checkpoint.coordinator import CheckpointCoordinator
+from core.config import run as config_mod
+from core.config.runplan import read_plan
 from core.controller.group import WorkerGroup
 from core.controller.program import Program
 from core.controller.recovery import Outcome, Recovery
@@ -31,8 +33,6 @@ from core.record import events as ev
 from core.record.lock import controller_lock
 from core.record.runfolder import RunFolder, write_json
 from core.record.state import RunRecord, SlurmInfo, Status
-from core.spec import config as config_mod
-from core.spec.runplan import read_plan
 from core.supervisor.contract import WorkerRequest, request_workers
 from core.wire.transport import ControllerSocket
 

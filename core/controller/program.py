@@ -25,6 +25,10 @@ from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.checkpoint.loop import LoopState
+from core.config import rl as rl_spec
+from core.config import run as config_mod
+from core.config.run import RunConfig
+from core.config.runplan import RunPlan
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
 from core.controller.rl_program import RLStep
@@ -39,10 +43,6 @@ from core.record.memory import MemoryReport
 from core.record.runfolder import RunFolder
 from core.record.state import Goodput, RankInfo, RunRecord
 from core.record.steps import StepRecord
-from core.spec import config as config_mod
-from core.spec import rl as rl_spec
-from core.spec.config import RunConfig
-from core.spec.runplan import RunPlan
 from core.wire import calls
 from core.wire.contract import NO_ARGS
 from core.wire.rl_calls import PolicyResult

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from core.spec.config import TimeoutsConfig
+from core.config.run import TimeoutsConfig
 from core.wire import protocol
 
 HB_SUFFIX = b"/hb"

@@ -1,4 +1,4 @@
-"""One GRPO or PPO iteration as the controller runs it (``program: grpo|ppo``, core.spec.rl).
+"""One GRPO or PPO iteration as the controller runs it (``program: grpo|ppo``, core.config.rl).
 
     sync    the generator holds the policy of this step (synced if not; no probe: the
             step's own responses measure the gap)
@@ -41,14 +41,14 @@ import numpy as np
 from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
 from core.checkpoint.loop import LoopState
+from core.config.plan import count_params
+from core.config.run import RunConfig
 from core.controller.generation import GeneratorFlow
 from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
-from core.spec.config import RunConfig
-from core.spec.plan import count_params
 from core.wire import rl_calls
 from core.wire.contract import NO_ARGS
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+from core.config.dims import ParallelDims
+from core.config.roles import RolePlan
 from core.controller import dispatch
 from core.controller.group import WorkerGroup
-from core.spec.dims import ParallelDims
-from core.spec.roles import RolePlan
 from core.wire.contract import NO_ARGS, Dispatch, Method
 
 Req = TypeVar("Req")

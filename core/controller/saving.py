@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.checkpoint.loop import LoopState
+from core.config.run import CheckpointConfig
 from core.controller.stop import StopRequest
-from core.spec.config import CheckpointConfig
 
 LoopOf = Callable[[int, "float | None"], LoopState]  # (step, last loss) → what the checkpoint records
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from core.config.run import SyncConfig
 from core.record import events as ev
 from core.record.steps import StepRecord
-from core.spec.config import SyncConfig
 from core.wire import calls
 
 WINDOW = 3

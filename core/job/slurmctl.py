@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNAL_LEAD_S = 90.0  # matches the default sbatch --signal=USR2@90 (core.spec.jobspec)
+DEFAULT_SIGNAL_LEAD_S = 90.0  # matches the default sbatch --signal=USR2@90 (core.config.jobspec)
 CLOCK_REFRESH_S = 60.0  # the end time can change (scontrol update TimeLimit=...): re-read it
 SCONTROL_TIMEOUT_S = 20.0
 

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from core.checkpoint.spec import TensorSlice
+from core.config.dims import Coords
 from core.job.process import rss_mb
-from core.spec.dims import Coords
 from core.wire import calls
 from core.wire.contract import Method, NoArgs
 from core.worker.task import WorkerContext

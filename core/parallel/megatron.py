@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from core.config.dims import ParallelDims
 from core.errors import BatonRuntimeError, LayoutError
 from core.parallel import rng
-from core.spec.dims import ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel
 
+from core.config.dims import Coords
 from core.parallel import cpu_shim
-from core.spec.dims import Coords
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from core.config.dims import Coords
+from core.config.schema import build
+from core.config.schema import to_data as _plain
 from core.errors import RunFolderError
-from core.spec.dims import Coords
-from core.spec.schema import build
-from core.spec.schema import to_data as _plain
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.config.schema import build
 from core.errors import RunFolderError
 from core.record.runfolder import write_json
-from core.spec.schema import build
 
 # The order of ``core.wire.calls.StepResult.memory``.
 CATEGORIES = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")

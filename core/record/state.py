@@ -32,11 +32,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from core.config.schema import build, to_data
 from core.errors import RunFolderError
 from core.record import events as ev
 from core.record.events import RankInfo
 from core.record.runfolder import RunFolder, write_atomic
-from core.spec.schema import build, to_data
 
 log = logging.getLogger(__name__)
 

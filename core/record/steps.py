@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.config.schema import build
+from core.config.schema import to_data as _plain
 from core.errors import RunFolderError
 from core.record.runfolder import write_atomic
-from core.spec.schema import build
-from core.spec.schema import to_data as _plain
 
 log = logging.getLogger(__name__)
 

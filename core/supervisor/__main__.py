@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from core.checkpoint import manifest
+from core.config import run as config_mod
 from core.errors import ExitCode
 from core.job import slurmctl
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
-from core.spec import config as config_mod
 from core.supervisor.contract import after_controller
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.spec.dims import Coords
+from core.config.dims import Coords
 from core.wire.contract import Dispatch, Method, NoArgs
 
 

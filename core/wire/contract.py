@@ -5,7 +5,7 @@
     {TRAIN_STEP: self.train_step}                     # a task's handlers: train_step(req: Step)
 
 On the wire a request is the ``Call``'s kwargs map and a result the ``Result``'s value,
-both plain msgpack data (``core.spec.schema.to_data``); numpy arrays travel as side frames.
+both plain msgpack data (``core.config.schema.to_data``); numpy arrays travel as side frames.
 The worker checks every request at the boundary (``decode_request``) and the controller
 every result (``decode_result``); a malformed one raises a one-line ``ProtocolError``
 naming the method and the field, which fails that call and nothing else: both sides keep
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from core.config.schema import build, convert, to_data
 from core.errors import ProtocolError
-from core.spec.schema import build, convert, to_data
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")

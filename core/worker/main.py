@@ -4,13 +4,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from core.config import run as config_mod
+from core.config.run import RunConfig
+from core.config.runplan import read_plan
 from core.job import logsetup
 from core.job.env import JobEnv
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder
-from core.spec import config as config_mod
-from core.spec.config import RunConfig
-from core.spec.runplan import read_plan
 from core.worker.runtime import WorkerRuntime
 from core.worker.task import Task, WorkerContext
 

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.config.run import RunConfig
+from core.config.runplan import RunPlan
 from core.errors import ExitCode, RegistrationError, UserError, is_transient
 from core.job.env import JobEnv
 from core.job.process import free_port
 from core.job.signals import PreemptionFlag
 from core.record.runfolder import RunFolder, read_json
-from core.spec.config import RunConfig
-from core.spec.runplan import RunPlan
 from core.wire import protocol
 from core.wire.transport import WorkerSocket
 from core.worker.heartbeat import HeartbeatThread

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from core.spec.config import RunConfig
-from core.spec.roles import RolePlan
+from core.config.roles import RolePlan
+from core.config.run import RunConfig
 from core.wire.contract import Method
 
 

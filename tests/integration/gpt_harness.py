@@ -70,9 +70,9 @@ def _rank_main(rank: int, world_size: int, conn: Any, run_dir: str, config: dict
     warnings.filterwarnings("ignore")  # Megatron's "TE/Apex missing" and deprecation noise
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     from core.checkpoint.service import CheckpointedTask
+    from core.config import run as config_mod
+    from core.config.runplan import plan_run
     from core.model.gpt.task import GPTTask
-    from core.spec import config as config_mod
-    from core.spec.runplan import plan_run
     from core.worker.task import WorkerContext
 
     cfg = config_mod.from_data(config)
@@ -269,9 +269,9 @@ def import_on_rank(task: Any, arrays_path: str, blobs: dict[str, Any]) -> int:
 
 def check_groups_against(task: Any, *, tp: int, pp: int, dp: int) -> str:
     """Rank side: the error ``check_groups`` raises for a layout Megatron was not built with."""
+    from core.config.dims import ParallelDims
     from core.errors import BatonRuntimeError
     from core.parallel.megatron import check_groups
-    from core.spec.dims import ParallelDims
 
     try:
         check_groups(ParallelDims(tp=tp, pp=pp, dp=dp), task.ctx.rank)

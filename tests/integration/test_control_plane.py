@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import zmq
 
+from core.config.dims import ParallelDims
+from core.config.roles import RolePlan
+from core.config.run import TimeoutsConfig
 from core.controller.group import WorkerGroup
 from core.controller.main import publish_address
 from core.controller.roles import RoleGroup
 from core.errors import CallTimeoutError, RemoteError, WorkerLostError
 from core.model.toy import ECHO, FAIL, NOOP, PID, SLEEP, Echo, Echoed, Fail, Sleep
-from core.spec.config import TimeoutsConfig
-from core.spec.dims import ParallelDims
-from core.spec.roles import RolePlan
 from core.wire import protocol
 from core.wire.contract import Collect, Dispatch, Method, NoArgs
 from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from core.config.run import SyncConfig
 from core.controller.sync_policy import SyncPolicy
-from core.spec.config import SyncConfig
 from tests.helpers import baton
 from tests.integration.gpt_harness import RankGroup, gpt_config, record_reductions_on_rank, reductions_on_rank
 

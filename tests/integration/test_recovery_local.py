@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from core.checkpoint import manifest
+from core.config.run import TimeoutsConfig
 from core.controller.group import WorkerGroup
 from core.controller.main import publish_address
 from core.errors import RegistrationError
-from core.spec.config import TimeoutsConfig
 from core.wire.protocol import Refuse, Register, decode, encode
 from core.wire.transport import ControllerSocket, WorkerSocket
 from tests.helpers import Submitted, baton, losses, make_run, wait_for

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from core.config import run as config
+from core.config.dims import ParallelDims
 from core.errors import ConfigError, LayoutError
-from core.spec import config
-from core.spec.dims import ParallelDims
 from tests.helpers import baton
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +156,7 @@ def test_the_new_keys_have_their_documented_defaults_and_checks() -> None:
 
 
 def test_records_may_carry_nan_but_user_input_may_not() -> None:
-    from core.spec.schema import convert
+    from core.config.schema import convert
 
     assert math.isnan(convert(float, float("nan"), "loss"))  # a diverged loss still travels and is recorded
     with pytest.raises(ConfigError, match="loss: nan is not a finite number"):
@@ -198,7 +198,7 @@ def _generate(*overrides: str) -> config.RunConfig:
 
 
 def test_generator_placements_and_their_workers() -> None:
-    from core.spec.runplan import plan_run
+    from core.config.runplan import plan_run
 
     colocated = plan_run(_generate())
     gen = colocated.generator
@@ -281,7 +281,7 @@ def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], me
 def test_model_shape_options_keep_the_hash_of_a_model_saved_before_they_existed() -> None:
     """At their defaults the shape options are left out of the model hash: a run folder
     made before they existed still resumes (9af21b16... is grpo_tiny's hash from then)."""
-    from core.spec.config import load, model_hash
+    from core.config.run import load, model_hash
 
     assert model_hash(load(REPO / "experiments" / "grpo_tiny.yaml", [])) == "9af21b16ef7174c8"
     assert model_hash(load(REPO / "experiments" / "grpo_tiny.yaml", ["model.rope_base=10000"])) == "9af21b16ef7174c8"

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.config.dims import ParallelDims
 from core.errors import LayoutError
-from core.spec.dims import ParallelDims
 
 
 def test_rank_coordinates_follow_megatron_order() -> None:

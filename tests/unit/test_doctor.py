@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from core.config.dims import Coords
 from core.errors import UserError
 from core.record import steps
 from core.record.runfolder import RunFolder
 from core.record.state import RankInfo, RunRecord, RunState, Status
 from core.record.steps import StepRecord
-from core.spec.dims import Coords
 from launcher import cmd_doctor, doctor
 
 WORLD = 4

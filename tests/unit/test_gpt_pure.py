@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.checkpoint.spec import TensorSlice
+from core.config import run as config_mod
 from core.errors import ConfigError
 from core.model.gpt.data import BatchSource, dp_sample_range, from_config, num_micro_batches, resolve_micro_batch
 from core.model.gpt.optim import lr_at
 from core.model.gpt.state import assemble
-from core.spec import config as config_mod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -195,8 +195,8 @@ def test_schedule_data_and_task_modules_load_without_torch() -> None:
 
 
 def test_auto_micro_batch_is_the_memory_formula_reduced_to_a_divisor() -> None:
-    from core.spec import config
-    from core.spec.plan import memory_per_sample, resolve_micro_batch
+    from core.config import run as config
+    from core.config.plan import memory_per_sample, resolve_micro_batch
 
     cfg = config.from_data({"trainer": {"n_gpus_per_node": 2}, "training": {"micro_batch_size": "auto"}})
     per_sample = memory_per_sample(cfg)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import ConfigError
-from core.spec import config
-from core.spec.plan import (
+from core.config import run as config
+from core.config.plan import (
     GIB,
     RankPlan,
     count_params,
@@ -22,7 +21,8 @@ from core.spec.plan import (
     resolve_micro_batch,
     static_bytes,
 )
-from core.spec.planview import format_plan
+from core.config.planview import format_plan
+from core.errors import ConfigError
 from launcher import cmd_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -259,9 +259,9 @@ def test_plan_command_leaves_user_errors_to_the_cli(tmp_path: Path) -> None:
 
 
 def test_the_generator_plan_counts_its_weights_kv_cache_and_logits_per_rank() -> None:
-    from core.spec import config as config_mod
-    from core.spec.genplan import plan_generator
-    from core.spec.plan import count_params, make_plan
+    from core.config import run as config_mod
+    from core.config.genplan import plan_generator
+    from core.config.plan import count_params, make_plan
 
     cfg = config_mod.load(Path(__file__).resolve().parents[2] / "experiments" / "tiny_gpt_generate.yaml",
                           ["generator.placement=split", "generator.workers=2"])
@@ -314,7 +314,7 @@ def test_param_counts_of_modern_shapes_match_the_models_baton_builds() -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from core.model.gpt import model as M
         from core.parallel import cpu_shim
-        from core.spec import config as C
+        from core.config import run as C
         cpu_shim.activate_if_needed()
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=0, world_size=1)

@@ -144,8 +144,8 @@ def test_worker_requests_round_trip(tmp_path: Path) -> None:
 
 
 def test_node_failure_limit_is_the_config_key_recovery_node_failure_limit() -> None:
+    from core.config import run as config_mod
     from core.errors import ConfigError
-    from core.spec import config as config_mod
 
     b = Budget().spend(nodes=("n1",), step=10, committed_step=None).spend(nodes=("n1",), step=12, committed_step=None)
     assert _decide(b, on_slurm=True, node_failure_limit=3).action == "restart"  # 2 < 3: not excluded yet

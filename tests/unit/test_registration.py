@@ -2,8 +2,8 @@
 ranks; the rest are refused by name (no sockets: core.controller.registration alone)."""
 from __future__ import annotations
 
+from core.config.run import TimeoutsConfig
 from core.controller.registration import Registrations, refusal
-from core.spec.config import TimeoutsConfig
 from core.wire.protocol import Envelope, Register
 
 

@@ -86,7 +86,7 @@ def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> 
         with pytest.raises(UserError, match="on prompt 3: a reward must be a finite number"):
             rewards.score(fn, (1,), (2,), {"value": bad}, index=3)
     assert rewards.load("counting") is rewards.counting
-    from core.spec.rl import BUILTIN_REWARDS
+    from core.config.rl import BUILTIN_REWARDS
     assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN)  # what submit accepts is what the controller has
     for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot import"),
                       (f"{__name__}:missing", "has no function 'missing'")):

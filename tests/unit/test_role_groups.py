@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from core.config.dims import ParallelDims
+from core.config.roles import RolePlan
 from core.controller.roles import RoleGroup, Span
 from core.errors import RemoteError
-from core.spec.dims import ParallelDims
-from core.spec.roles import RolePlan
 from core.wire.contract import Collect, Dispatch, Method
 
 

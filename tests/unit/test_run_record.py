@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.config.dims import Coords
 from core.errors import RunFolderError
 from core.record import events as ev
 from core.record import steps
@@ -31,7 +32,6 @@ from core.record.state import (
     state_from_data,
     state_to_data,
 )
-from core.spec.dims import Coords
 
 N_PROCS, N_EVENTS = 2, 300
 

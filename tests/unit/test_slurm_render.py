@@ -21,9 +21,9 @@ import pytest
 import submitit
 from submitit.slurm import slurm as submitit_slurm
 
+from core.config import run as config
 from core.errors import UserError
 from core.record.runfolder import RunFolder
-from core.spec import config
 from launcher import slurm, slurm_jobs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
+from core.config import run as config_mod
 from core.errors import ConfigError, UserError
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, RunState, SlurmInfo, Status
-from core.spec import config as config_mod
 from launcher import cli, cmd_sweep
 from launcher import ledger as ledger_mod
 from launcher import sweep as sweep_mod

@@ -17,10 +17,10 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+from core.config.run import RunConfig
 from core.model.gpt import fsdp
 from core.model.gpt import model as model_mod
 from core.model.gpt.optim import lr_at
-from core.spec.config import RunConfig
 
 log = logging.getLogger(__name__)
 

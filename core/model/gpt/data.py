@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.config.run import RunConfig
 from core.errors import ConfigError
-from core.spec.config import RunConfig
 
 log = logging.getLogger(__name__)
 

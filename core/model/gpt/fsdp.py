@@ -28,10 +28,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core.checkpoint.spec import TensorSlice
+from core.config.run import RunConfig
 from core.model.gpt.model import unwrap
 from core.model.gpt.optim import lr_at
 from core.model.gpt.state import LiveTensor, ReadFn, param_parts
-from core.spec.config import RunConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

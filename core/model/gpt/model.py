@@ -20,7 +20,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from core.spec.config import ModelConfig, ParallelConfig, TrainingConfig
+from core.config.run import ModelConfig, ParallelConfig, TrainingConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def transformer_config(
 
 
 def _shape_options(model: ModelConfig) -> dict[str, object]:
-    """core.spec.modelcfg's shape options as Megatron's TransformerConfig fields."""
+    """core.config.modelcfg's shape options as Megatron's TransformerConfig fields."""
     out: dict[str, object] = {"normalization": "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
                               "add_bias_linear": model.bias, "num_query_groups": model.query_groups}
     if model.activation == "swiglu":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from core.spec.config import RunConfig
+from core.config.run import RunConfig
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:

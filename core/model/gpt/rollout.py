@@ -20,14 +20,14 @@ import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from core.config.dims import ParallelDims
+from core.config.run import RunConfig
 from core.flows import calls as gen_calls
 from core.model.gpt import generate as gen_mod
 from core.model.gpt import model as model_mod
 from core.model.gpt import sync
 from core.model.gpt.state import is_writer, sharded_params, slice_of
 from core.model.gpt.step import label_logprobs
-from core.spec.config import RunConfig
-from core.spec.dims import ParallelDims
 
 
 def _groups(all_groups: list[list[int]], rank: int) -> Any:

@@ -8,8 +8,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from core.spec.config import RunConfig
-from core.spec.plan import resolve_micro_batch, static_bytes
+from core.config.plan import resolve_micro_batch, static_bytes
+from core.config.run import RunConfig
 
 
 def with_micro_batch(cfg: RunConfig, micro: int) -> RunConfig:
@@ -18,7 +18,7 @@ def with_micro_batch(cfg: RunConfig, micro: int) -> RunConfig:
 
 def auto_micro_batch(cfg: RunConfig, *, on_cuda: bool) -> int:
     """``micro_batch_size: auto``: max(1, floor(free memory × 0.9 / memory per sample)),
-    with this rank's free memory less the static state ``core.spec.plan`` estimates; the
+    with this rank's free memory less the static state ``core.config.plan`` estimates; the
     smallest answer over all ranks wins, so every stage runs the same schedule."""
     if on_cuda:
         free = float(torch.cuda.mem_get_info()[0])

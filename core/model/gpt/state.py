@@ -28,11 +28,11 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from core.checkpoint.spec import TensorSlice
+from core.config.dims import Coords, ParallelDims
 from core.errors import CheckpointError
 from core.model.gpt.model import unwrap
 from core.model.gpt.optimizer_state import OptimizerState
 from core.parallel import rng
-from core.spec.dims import Coords, ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from core.config.dims import Coords, ParallelDims
+from core.config.run import RunConfig
 from core.job import faults, process
 from core.model.gpt import activations
 from core.model.gpt.data import BatchSource, MicroBatch
 from core.model.gpt.optim import set_lr
-from core.spec.config import RunConfig
-from core.spec.dims import Coords, ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``GPTTask``: one worker process of a Megatron-core GPT run, composed of its roles.
 
 The plan gives each rank the model roles it holds (``WorkerContext.roles[*].models``,
-core.spec.roles): a trainer rank the actor, with the reference (an RL program with
+core.config.roles): a trainer rank the actor, with the reference (an RL program with
 ``rl.kl``), the critic (PPO) and a colocated generator's rollout; a split generator's
 process the rollout alone. The task is their composition (core.model.gpt.roles): SETUP
 joins the process's own group and sets every role up, the handler table is the union of
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from core.config.run import RunConfig
 from core.job.process import rss_mb
-from core.spec.config import RunConfig
 from core.wire import calls
 from core.wire.contract import Handlers, Method
 from core.worker.task import WorkerContext
@@ -46,7 +46,7 @@ class GPTTask:
         return self.rank.cfg
 
     def role(self, model: str) -> Any:
-        """The role that holds ``model`` (core.spec.roles.ModelRole), None if none does."""
+        """The role that holds ``model`` (core.config.roles.ModelRole), None if none does."""
         return self.rank.models.get(model)
 
     def handlers(self) -> Mapping[Method[Any, Any], Callable[[Any], Any]]:

@@ -9,7 +9,7 @@
     rollout    roles/rollout.py    a generator's model: SCORE, GENERATE, weight syncs. No items
 
 ``compose`` gives a process's roles in the plan's order: the models of the groups it serves
-(``WorkerContext.roles``, core.spec.roles), its own group's first. Every role module imports
+(``WorkerContext.roles``, core.config.roles), its own group's first. Every role module imports
 torch and Megatron at the top: only workers import this package, and it imports
 ``megatron.core`` first through ``core.parallel.imports`` (its ``torch.compile`` deferred).
 """

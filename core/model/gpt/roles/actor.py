@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from core.config import rl as rl_spec
+from core.config.dims import Coords
+from core.config.roles import RolePlan
 from core.flows import calls as gen_calls
 from core.job.process import rss_mb
 from core.model.gpt import activations, build, data, fsdp, memory, policy, rollout, sizing, step
@@ -39,9 +42,6 @@ from core.model.gpt.state import (
     slice_of,
 )
 from core.parallel import rng
-from core.spec import rl as rl_spec
-from core.spec.dims import Coords
-from core.spec.roles import RolePlan
 from core.wire import calls, rl_calls
 from core.wire.contract import Handlers
 

@@ -22,14 +22,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from core.config import run as config_mod
+from core.config.roles import RolePlan, plan_roles
 from core.errors import ConfigError, LayoutError
 from core.flows import calls as gen_calls
 from core.model.gpt.rollout import WeightLink
 from core.model.gpt.step import StepContext
 from core.parallel import cpu_shim
 from core.parallel.megatron import destroy_megatron, init_megatron
-from core.spec import config as config_mod
-from core.spec.roles import RolePlan, plan_roles
 from core.wire import calls
 from core.wire.contract import Handlers
 from core.worker.task import WorkerContext
@@ -115,7 +115,7 @@ class Rank:
 
 
 class Role:
-    """One model role of a worker process (``core.spec.roles.ModelRole``); by default it
+    """One model role of a worker process (``core.config.roles.ModelRole``); by default it
     serves nothing and holds nothing a checkpoint needs."""
 
     name: ClassVar[str]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from core.config.roles import RolePlan
 from core.errors import CheckpointError
 from core.job.process import rss_mb
 from core.model.gpt import build, critic
 from core.model.gpt.roles.base import Items, Rank, ReadFn, Role
-from core.spec.roles import RolePlan
 from core.wire import calls, rl_calls
 from core.wire.contract import Handlers
 

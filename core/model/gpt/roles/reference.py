@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.config.roles import RolePlan
 from core.model.gpt import build
 from core.model.gpt.roles.base import Rank, ReadFn, Role
 from core.model.gpt.state import load_model_slices
-from core.spec.roles import RolePlan
 
 
 class ReferenceRole(Role):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from core.config.roles import RolePlan
 from core.flows import calls as gen_calls
 from core.model.gpt import model as model_mod
 from core.model.gpt.roles.base import Rank, Role
 from core.model.gpt.rollout import Rollout
-from core.spec.roles import RolePlan
 from core.wire import calls
 from core.wire.contract import Handlers
 

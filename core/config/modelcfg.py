@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from core.config.schema import bounded, check_bounds
 from core.errors import ConfigError
-from core.spec.schema import bounded, check_bounds
 
 # The shape options and their defaults: a model hash leaves them out at these values, so a
 # checkpoint saved before they existed still belongs to the same model.

@@ -4,8 +4,8 @@
 parallel layout, the resources (nodes × tasks per node), the micro-batch size where it can
 be resolved (``training.micro_batch_size: auto`` is resolved at run time by the workers
 from their free memory, reported back and recorded in the run's state), and for a GPT the
-model plan `baton plan` prints (core.spec.plan), and the run's worker groups (``roles``,
-core.spec.roles): which ranks each group holds, in which layout, placement and Slurm
+model plan `baton plan` prints (core.config.plan), and the run's worker groups (``roles``,
+core.config.roles): which ranks each group holds, in which layout, placement and Slurm
 component. The controller, every worker, the local supervisor and the Slurm job spec take
 ranks from here, and check that the plan was made for the config they read.
 """
@@ -15,12 +15,12 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from core.config.dims import ParallelDims
+from core.config.plan import Plan, make_plan
+from core.config.roles import RoleName, RolePlan, plan_roles
+from core.config.run import RunConfig, config_hash
+from core.config.schema import build
 from core.errors import RunFolderError
-from core.spec.config import RunConfig, config_hash
-from core.spec.dims import ParallelDims
-from core.spec.plan import Plan, make_plan
-from core.spec.roles import RoleName, RolePlan, plan_roles
-from core.spec.schema import build
 
 VERSION = 2  # 2: the worker groups (roles)
 

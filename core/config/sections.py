@@ -1,5 +1,5 @@
 """The run configuration's sections that stand alone: each a frozen, keyword-only dataclass
-checking its own values (bounds, and what one section alone can refuse). ``core.spec.config``
+checking its own values (bounds, and what one section alone can refuse). ``core.config.run``
 composes them, with the model's (modelcfg), the generator's, RL's and Slurm's sections, into
 ``RunConfig`` and checks them against each other.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from core.config import inputs
+from core.config.schema import bounded, check_bounds
 from core.errors import ConfigError
-from core.spec import inputs
-from core.spec.schema import bounded, check_bounds
 
 Auto = Literal["auto"]
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from core.config.schema import ErrorType, Range, control_char, escaped, join_path, range_problem, show, yaml_key
 from core.errors import ConfigError
-from core.spec.schema import ErrorType, Range, control_char, escaped, join_path, range_problem, show, yaml_key
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a run's or sweep's name: a folder, a Slurm job
 MAX_FILE_BYTES = 1 << 20  # an experiment or sweep file: a few hundred lines

@@ -4,7 +4,7 @@ A run's workers are one rank space. The trainer's group holds ranks ``0 .. train
 a generator placed ``split`` holds the ranks after them, in processes of its own (on Slurm
 the job's third component); a generator placed ``colocated`` lives in the trainer's
 processes, on the same ranks, with process groups of its own. Each group is one
-``RolePlan``; ``core.spec.runplan.RunPlan.roles`` carries them into plan.json, and every
+``RolePlan``; ``core.config.runplan.RunPlan.roles`` carries them into plan.json, and every
 reader (the controller's role groups, each worker, the local supervisor, the Slurm job
 spec) takes ranks from there. This module is the only code that derives them.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.spec.config import RunConfig
-from core.spec.dims import ParallelDims
-from core.spec.rl import RL_PROGRAMS
+from core.config.dims import ParallelDims
+from core.config.rl import RL_PROGRAMS
+from core.config.run import RunConfig
 
 RoleName = Literal["trainer", "generator"]
 Placement = Literal["own", "colocated", "split"]  # own: the trainer's; colocated: in another's processes

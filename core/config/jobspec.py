@@ -7,7 +7,7 @@
 ``job_spec`` merges the YAML (``slurm.*``) with the CLI's overrides of the workers and
 validates the result once; ``launcher.slurm`` renders, preflights and submits that value.
 Walltimes are whole minutes. The ``slurm:`` section's own schema (``SlurmConfig``) is
-``core.spec.slurmcfg``'s. No value that reaches the batch script may hold a control
+``core.config.slurmcfg``'s. No value that reaches the batch script may hold a control
 character: a newline would start a line of its own.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from core.config.inputs import check_text
+from core.config.roles import RolePlan
+from core.config.run import RunConfig
+from core.config.schema import check_bounds, show
+from core.config.slurmcfg import SlurmComponentConfig
 from core.errors import UserError
-from core.spec.config import RunConfig
-from core.spec.inputs import check_text
-from core.spec.roles import RolePlan
-from core.spec.schema import check_bounds, show
-from core.spec.slurmcfg import SlurmComponentConfig
 
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
 DEFAULT_TIME_MIN = 60
@@ -140,7 +140,7 @@ def _merged(yaml_cfg: SlurmComponentConfig, cli: SlurmComponentConfig | None, se
 
 
 def job_spec(cfg: RunConfig, roles: tuple[RolePlan, ...], cli: SlurmComponentConfig | None = None) -> HetJobSpec:
-    """The het job of ``cfg`` and its plan's worker groups ``roles`` (core.spec.roles), with
+    """The het job of ``cfg`` and its plan's worker groups ``roles`` (core.config.roles), with
     ``cli`` (sbatch flags given on the command line) over the workers' YAML options.
 
     Worker nodes and tasks per node follow ``trainer``; ``gpus_per_node`` defaults to the

@@ -1,10 +1,10 @@
 """The run configuration: frozen, keyword-only dataclasses, loaded from YAML.
 
-``RunConfig`` composes the sections (``core.spec.sections``, ``modelcfg``, ``generator``,
+``RunConfig`` composes the sections (``core.config.sections``, ``modelcfg``, ``generator``,
 ``rl``, ``slurmcfg``: each checks its own values) and checks them against each other here
 (the layout, the generator's, RL's needs): the sections never see the whole config.
 Loading order: the YAML file, then ``key=value`` overrides with dotted paths
-(``parallel.tp=2``), then strict conversion (``core.spec.schema.build``) and validation in
+(``parallel.tp=2``), then strict conversion (``core.config.schema.build``) and validation in
 ``__post_init__``. The resolved config is what the run folder records.
 """
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import Any, Literal
 
 import yaml
 
-from core.errors import ConfigError, LayoutError
-from core.spec import inputs, modelcfg, schema
-from core.spec import rl as rl_spec
-from core.spec.dims import ParallelDims
-from core.spec.generator import GeneratorConfig
-from core.spec.modelcfg import ModelConfig
-from core.spec.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
-from core.spec.sections import (
+from core.config import inputs, modelcfg, schema
+from core.config import rl as rl_spec
+from core.config.dims import ParallelDims
+from core.config.generator import GeneratorConfig
+from core.config.modelcfg import ModelConfig
+from core.config.schema import bounded, build, check_bounds, field_paths, set_dotted, show, to_data
+from core.config.sections import (
     CheckpointConfig,
     DataConfig,
     MetricsConfig,
@@ -41,7 +40,8 @@ from core.spec.sections import (
     TrainerConfig,
     TrainingConfig,
 )
-from core.spec.slurmcfg import SlurmConfig
+from core.config.slurmcfg import SlurmConfig
+from core.errors import ConfigError, LayoutError
 
 __all__ = ["ConfigError", "LayoutError", "RunConfig", "load", "dump", "from_data", "to_dict", "config_hash",
            # the sections, where RunConfig's users have always found them
@@ -59,8 +59,8 @@ class RunConfig:
     """
 
     name: str = "run"
-    program: str = "pretrain"  # or grpo, ppo (core.spec.rl)
-    init_from: str | None = None  # RUN_DIR[:STEP]: start from another run's model weights (core.spec.rl)
+    program: str = "pretrain"  # or grpo, ppo (core.config.rl)
+    init_from: str | None = None  # RUN_DIR[:STEP]: start from another run's model weights (core.config.rl)
     seed: int = bounded(1234, ge=0, le=2**63 - 1, why=" (seeds are 64-bit)")
     runs_root: str = "runs"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,6 +1,6 @@
 """The generator group's plan: where it runs, its layout and its memory per rank.
 
-Pure arithmetic beside ``core.spec.plan`` (the trainer's), for ``baton plan``. Per generator
+Pure arithmetic beside ``core.config.plan`` (the trainer's), for ``baton plan``. Per generator
 rank (bytes; ``P`` its parameters after tensor parallelism, ``b`` the prompts of its
 replica, ``n`` = ``prompt_length + max_new_tokens``):
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.spec.config import RunConfig
-from core.spec.dims import ParallelDims
-from core.spec.plan import DTYPE_BYTES, GIB, Plan, ceil_div, rank_params
-from core.spec.roles import plan_roles
+from core.config.dims import ParallelDims
+from core.config.plan import DTYPE_BYTES, GIB, Plan, ceil_div, rank_params
+from core.config.roles import plan_roles
+from core.config.run import RunConfig
 
 
 @dataclass(frozen=True, kw_only=True)

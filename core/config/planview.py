@@ -3,7 +3,7 @@ last ``MAX_RANK_ROWS`` of a larger world), the parameters, the worst rank's memo
 every optimizer sharding and recompute variant beside it, and the plan's warnings."""
 from __future__ import annotations
 
-from core.spec.plan import GIB, ParamCount, Plan, RankPlan
+from core.config.plan import GIB, ParamCount, Plan, RankPlan
 
 MAX_RANK_ROWS = 64  # larger worlds show the first and last ranks only
 

@@ -37,7 +37,7 @@ checks it and stores it resolved (absolute, with its step), so every allocation 
 starts from, and compares against, the same weights.
 
 What these settings need from the rest of the config (a GPT, a generator, lengths within
-the model's) is checked by ``core.spec.config`` against the whole config.
+the model's) is checked by ``core.config.run`` against the whole config.
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from core.config.inputs import check_file
+from core.config.schema import bounded, check_bounds
 from core.errors import ConfigError
-from core.spec.inputs import check_file
-from core.spec.schema import bounded, check_bounds
 
 PROGRAMS = ("pretrain", "grpo", "ppo")
 RL_PROGRAMS = ("grpo", "ppo")

@@ -14,7 +14,7 @@ User input (configs, sweep files) is built with ``finite=True``: NaN and the inf
 are refused in every float. Records and messages keep them (a diverged loss, the grad norm
 of a skipped step). Ranges declared on fields (``bounded``, ``check_bounds``) live here
 too, and so does how a value reads in a one-line error (``show``, ``escaped``); the checks
-of text, command-line arguments and input files are ``core.spec.inputs``.
+of text, command-line arguments and input files are ``core.config.inputs``.
 """
 from __future__ import annotations
 

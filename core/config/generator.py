@@ -13,14 +13,14 @@ After every sync the run compares both models' log-probs of a probe batch; a gap
 ``logprob_tolerance`` stops the run.
 ``bucket_mb``: the most a weight sync holds in flight per rank.
 The generator's layout and lengths against the model and the trainer's workers are checked
-by ``core.spec.config``, against the whole config.
+by ``core.config.run``, against the whole config.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from core.spec.schema import bounded, check_bounds
+from core.config.schema import bounded, check_bounds
 
 MAX_TOKENS = 2**20
 
@@ -53,5 +53,5 @@ class GeneratorConfig:
     @property
     def own_processes(self) -> int:
         """Split: the generator's own worker processes (``workers``, else ``tp``: one replica);
-        0 otherwise. Which ranks they are is the plan's (core.spec.roles)."""
+        0 otherwise. Which ranks they are is the plan's (core.config.roles)."""
         return (self.workers or self.tp) if self.split else 0

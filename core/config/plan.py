@@ -1,8 +1,8 @@
 """The plan of a GPT run: who holds which layers, how many parameters, how much memory.
 
 Pure arithmetic over a ``RunConfig``, so the login node can answer "does this fit?"
-before a job costs a queue slot; ``core.spec.planview`` writes the answer for ``baton plan``. The model it counts is Megatron-core's ``GPTModel``
-as ``core.model.gpt.model`` builds it, in the shapes ``core.spec.modelcfg`` offers; tied
+before a job costs a queue slot; ``core.config.planview`` writes the answer for ``baton plan``. The model it counts is Megatron-core's ``GPTModel``
+as ``core.model.gpt.model`` builds it, in the shapes ``core.config.modelcfg`` offers; tied
 embeddings (``model.tie_embeddings``) are counted once in the total, plus the last stage's
 copy when pp > 1.
 
@@ -29,9 +29,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from core.config.dims import ParallelDims
+from core.config.run import RunConfig
 from core.errors import ConfigError, LayoutError
-from core.spec.config import RunConfig
-from core.spec.dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The ``slurm:`` section of a run's config: every het-job component's sbatch options and
-the batch script's setup lines, as the YAML gives them. ``core.spec.jobspec`` merges them
+the batch script's setup lines, as the YAML gives them. ``core.config.jobspec`` merges them
 with the command line's flags into the job (``HetJobSpec``) and checks what reaches sbatch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.spec.inputs import check_strings
-from core.spec.schema import bounded, check_bounds
+from core.config.inputs import check_strings
+from core.config.schema import bounded, check_bounds
 
 
 @dataclass(frozen=True, kw_only=True)
