@@ -25,6 +25,22 @@ def test_resume_continues_the_same_curve_exactly(tmp_path: Path) -> None:
     assert any(e["step"] == 10 for e in history(half, "resumed"))
 
 
+@pytest.mark.slow
+def test_a_run_folder_planned_before_worker_groups_resumes_on_the_same_curve(tmp_path: Path) -> None:
+    """plan.json of version 1 (no ``roles``: written by a Baton before the plan carried the
+    worker groups) is planned again by the resume, which continues the uninterrupted curve."""
+    full = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}/a", "trainer.steps=20")
+    half = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}/b", "trainer.steps=10")
+    plan = json.loads((half / "plan.json").read_text())
+    old = {k: v for k, v in plan.items() if k != "roles"} | {"version": 1, "generator_workers": 0}
+    (half / "plan.json").write_text(json.dumps(old))
+    res = baton("submit", "--resume", str(half), "trainer.steps=20", "--backend", "local")
+    assert res.returncode == 0, res.stderr
+    assert losses(half) == losses(full)
+    replanned = json.loads((half / "plan.json").read_text())
+    assert replanned["version"] == 2 and [r["name"] for r in replanned["roles"]] == ["trainer"]
+
+
 def test_interval_checkpoints_keep_the_last_n_and_latest_points_to_the_newest(tmp_path: Path) -> None:
     run = submit_local("experiments/toy.yaml", f"runs_root={tmp_path}", "trainer.steps=20",
                   "checkpoint.interval_steps=4", "checkpoint.keep_last=3")
