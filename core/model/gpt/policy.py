@@ -179,11 +179,13 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             if req.model == "critic":  # the value head's one output: [b, s, 1]
                 return logits.sum() * 0, {"logp": logits[..., 0].float()}
-            # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]).
-            per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
-            out = {"logp": -per_token.float()}
-            if entropy:
+            out = {}
+            if entropy:  # first: the cross entropy below works in place on a one-row batch's logits
                 out["entropy"] = (rl_loss.vocab_parallel_entropy(logits.float(), tp_group) * mb["mask"]).sum()
+            # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]; for one
+            # row that is a view, which Megatron's vocab-parallel cross entropy overwrites).
+            per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
+            out["logp"] = -per_token.float()
             return logits.sum() * 0, out
 
         return output, loss_func
