@@ -3,6 +3,7 @@ mask, less one, clamped at 0) and attention that a plain-torch softmax over the 
 alone reproduces; no query left without a key (no NaN with a -inf fill)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from core.model.gpt import padding
@@ -57,3 +58,14 @@ def test_masked_attention_is_attention_over_the_real_tokens_alone_and_never_nan(
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
         alone = torch.softmax(scores[b, :, pad:, pad:].masked_fill(causal, float("-inf")), dim=-1) @ values[b, :, pad:]
         torch.testing.assert_close(out[b, :, pad:], alone, rtol=0, atol=1e-6)
+
+
+class TEDotProductAttention(torch.nn.Module):
+    """Named as Transformer Engine's attention in Megatron (core.extensions.transformer_engine),
+    which ignores a given mask under ``attn_mask_type=causal``."""
+
+
+def test_padded_rows_are_refused_on_an_attention_that_ignores_the_mask() -> None:
+    padding.require_mask_support(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(padding.PaddingError, match=r"^rl.prompt_length: .*TEDotProductAttention"):
+        padding.require_mask_support(torch.nn.Sequential(torch.nn.Sequential(TEDotProductAttention())))

@@ -125,6 +125,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
     step_in, positions = tokens, padding.positions(pad, n)
     if mask is None:  # no pads: the causal mask, as always
         mask = _causal(n, device)
+    else:
+        padding.require_mask_support(model)
     with torch.no_grad():
         for i in range(how.max_new_tokens):
             logits = _logits(model, step_in, positions, mask, context)[:, -1]

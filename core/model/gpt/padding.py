@@ -18,13 +18,33 @@ prompt's log-probs and samples do not depend on its padding or its batch (verl's
 A batch without pads gets ``None``: the model's own causal mask, bit for bit as before.
 Megatron's local attention (``DotProductAttention``) applies a given mask in the prefill
 and in every decode step with a ``StaticInferenceContext``; Transformer Engine's
-attention with ``attn_mask_type=causal`` ignores a given mask (not handled here).
+attention with ``attn_mask_type=causal`` ignores a given mask (and Megatron turns decode
+steps to ``no_mask``), so ``require_mask_support`` refuses padded rows on such a model
+rather than let it see the pads.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from core.errors import UserError
+
+
+class PaddingError(UserError):
+    """Padded rows on a model whose attention would not hide the pads."""
+
+
+def require_mask_support(model: Any) -> None:
+    """Refuse a model whose attention ignores a given mask (Transformer Engine's)."""
+    ignoring = {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("TE")
+                and type(m).__name__.endswith("DotProductAttention")}
+    if ignoring:
+        raise PaddingError(f"rl.prompt_length: left-padded prompts need an attention that applies a padding mask, "
+                           f"and this model's ({', '.join(sorted(ignoring))}, Transformer Engine's causal "
+                           "attention) ignores it; give prompts that fill rl.prompt_length, or run where "
+                           "transformer_engine is not installed (Megatron's local layers)")
 
 
 def as_tensor(pads: Sequence[int] | torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:

@@ -136,6 +136,8 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
+        if "attention_mask" in mb:
+            padding.require_mask_support(model)
         with activations.storing(cfg.training.activation_storage):
             output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"),
                            labels=mb["labels"] if labels else None)
@@ -174,6 +176,8 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
+        if "attention_mask" in mb:
+            padding.require_mask_support(model)
         output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"))
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
