@@ -5,8 +5,8 @@ Every record is one prompt: its ``rl.prompt_key`` field is the text, tokenized w
 ``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a local tokenizer) and **left-padded** with
 the tokenizer's end-of-text id to ``rl.prompt_length`` (the response follows the prompt's
 last token); each prompt keeps its pad count, and the RL calls carry it so that the model
-never sees the pads (core.model.gpt.padding). A prompt longer than that is refused naming its record: a silently cut prompt
-asks a different question. Every other field of the record is the prompt's metadata, handed
+never sees the pads (core.model.gpt.padding). A prompt longer than that is refused naming
+its record: a silently cut prompt asks a different question. Every other field of the record is the prompt's metadata, handed
 to the reward with ``prompt_text`` (and, per response, ``response_text``).
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@ optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
 A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
 and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
 left-padded by ``pads[i]`` tokens is read with those keys masked out and positions counted
-over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone. Per
-response token the row carries its advantage and the rollout's log-prob (the old policy);
+over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone.
+Per response token the row carries its advantage and the rollout's log-prob (the old policy);
 the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_loss``, plus
 ``kl_coef`` × the token mean of the KL estimate to the reference's log-probs.
 
