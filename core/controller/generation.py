@@ -124,7 +124,9 @@ class GeneratorFlow:
         shares = []
         for replica in range(self.dims.dp):
             indices = tuple(range(replica, len(req.prompts), self.dims.dp))
-            shares.append(dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices))
+            pads = tuple(req.pads[i] for i in indices) if req.pads else ()
+            shares.append(dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices,
+                                              pads=pads))
         return self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
 
     def rollout(self, req: gen_calls.Generate) -> list[Sample]:

@@ -121,29 +121,31 @@ class RLStep:
                 self.generator.sync(step, probe=False)
         with _timed(phases, "generate"):
             asked = self._ask(step)
-            prompts = [p for p, _ in asked for _ in range(rl.n)]
+            prompts = [a.tokens for a in asked for _ in range(rl.n)]
+            pads = [a.pad for a in asked for _ in range(rl.n)]  # each left-padded prompt's pads, masked out
             eos = None if self.tokenizer is None else self.tokenizer.eos_id
             done = [_until(d, eos) for d in self.generator.rollout(gen_calls.Generate(
                 prompts=tuple(prompts), max_new_tokens=rl.max_response_length, temperature=rl.temperature,
-                top_k=rl.top_k, top_p=rl.top_p, eos=eos, seed=(cfg.seed * 7919 + step) * 1009 + 7))]
+                top_k=rl.top_k, top_p=rl.top_p, eos=eos, seed=(cfg.seed * 7919 + step) * 1009 + 7,
+                pads=tuple(pads)))]
         with _timed(phases, "reward"):
-            scores = [rewards.score(self.reward, prompts[i], done[i][0], self._meta(asked[i // rl.n][1], done[i][0]),
+            scores = [rewards.score(self.reward, prompts[i], done[i][0], self._meta(asked[i // rl.n].meta, done[i][0]),
                                     index=i // rl.n) for i in range(len(prompts))]
         sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
         with _timed(phases, "old"):
-            old, entropy = self._score("actor", sequences)
+            old, entropy = self._score("actor", sequences, pads)
         ref: list[tuple[float, ...]] = []
         if rl.kl.enabled:
             with _timed(phases, "ref"):
-                ref, _ = self._score("reference", sequences)
+                ref, _ = self._score("reference", sequences, pads)
         critic: dict[str, Any] = {}
         if cfg.program == "ppo":  # values, GAE and the critic's update
-            rows, critic = self._critic(step, sequences, [len(d[0]) for d in done], scores, phases)
+            rows, critic = self._critic(step, sequences, pads, [len(d[0]) for d in done], scores, phases)
         else:
             adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
             rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
         with _timed(phases, "update"):
-            first, results = self._update(step, rows, old, ref)
+            first, results = self._update(step, rows, pads, old, ref)
         owners = self.trainer.owners(results)
         kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
         coef = self.kl.value
@@ -158,15 +160,15 @@ class RLStep:
                                               for a, b in zip(o, d[1], strict=True)))
         return results, extra
 
-    def _critic(self, step: int, sequences: list[tuple[int, ...]], lengths: list[int], scores: list[float],
-                phases: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
+    def _critic(self, step: int, sequences: list[tuple[int, ...]], pads: list[int], lengths: list[int],
+                scores: list[float], phases: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
         """PPO: the critic's values, GAE advantages and returns (the score on a response's last
         token), ``ppo_epochs`` critic updates; the actor's rows and the step's critic numbers."""
         rl = self.cfg.rl
         if step == rl.warmup_steps:  # the RL phase begins: the critic starts as the actor
             self.trainer.call(rl_calls.CRITIC_INIT, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
         with _timed(phases, "values"):
-            values, _ = self._score("critic", sequences)
+            values, _ = self._score("critic", sequences, pads)
         mask = np.zeros((len(lengths), max(lengths)))
         reward, old = np.zeros_like(mask), np.zeros_like(mask)
         for i, n in enumerate(lengths):
@@ -174,9 +176,9 @@ class RLStep:
         adv, returns = advantages.gae(reward, old, mask, gamma=rl.gamma, lam=rl.lam)
         targets = [tuple(float(x) for x in returns[i, :n]) for i, n in enumerate(lengths)]
         shares = [rl_calls.CriticBatch(step=step, prompt_length=rl.prompt_length, sequences=tuple(seqs),
-                                       returns=tuple(rets), old_values=tuple(vals))
-                  for seqs, rets, vals in zip(self._split(sequences), self._split(targets), self._split(values),
-                                              strict=True)]
+                                       returns=tuple(rets), old_values=tuple(vals), pads=tuple(pad))
+                  for seqs, rets, vals, pad in zip(self._split(sequences), self._split(targets), self._split(values),
+                                                   self._split(pads), strict=True)]
         first: list[rl_calls.CriticResult] = []
         with _timed(phases, "critic"):
             for epoch in range(rl.ppo_epochs):
@@ -187,7 +189,7 @@ class RLStep:
         return rows, dict(value_loss=statistics.fmean(o.value_loss or 0.0 for o in first),
                           values_mean=float(old[mask > 0].mean()))
 
-    def _ask(self, step: int) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+    def _ask(self, step: int) -> list[tasks.Asked]:
         cfg, rl = self.cfg, self.cfg.rl
         if self.prompts:
             return tasks.from_file(self.prompts, cfg.seed, step - rl.warmup_steps, rl.prompts_per_step)
@@ -204,16 +206,17 @@ class RLStep:
             text = self.tokenizer.decode(ids, errors="replace")
         return {**meta, "response_text": text}
 
-    def _update(self, step: int, rows: list[Row], old: list[tuple[float, ...]], ref: list[tuple[float, ...]]
-                ) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
+    def _update(self, step: int, rows: list[Row], pads: list[int], old: list[tuple[float, ...]],
+                ref: list[tuple[float, ...]]) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
         """``ppo_epochs`` actor updates; (the first epoch's loss owners' results, the last
         epoch's results by rank)."""
         rl = self.cfg.rl
         coef = self.kl.value if ref else 0.0
         shares = [rl_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=tuple(r[0] for r in part),
                                        advantages=tuple(r[1] for r in part), old_logprobs=tuple(olds),
-                                       ref_logprobs=tuple(refs), kl_coef=coef)
-                  for part, olds, refs in zip(self._split(rows), self._split(old), self._split(ref), strict=True)]
+                                       ref_logprobs=tuple(refs), kl_coef=coef, pads=tuple(pad))
+                  for part, olds, refs, pad in zip(self._split(rows), self._split(old), self._split(ref),
+                                                   self._split(pads), strict=True)]
         first: list[rl_calls.PolicyResult] = []
         results: list[rl_calls.PolicyResult] = []
         for epoch in range(rl.ppo_epochs):
@@ -222,11 +225,13 @@ class RLStep:
                 first = self.trainer.owners(results)
         return first, results
 
-    def _score(self, model: str, sequences: list[tuple[int, ...]]) -> tuple[list[tuple[float, ...]], float]:
+    def _score(self, model: str, sequences: list[tuple[int, ...]], pads: list[int]
+               ) -> tuple[list[tuple[float, ...]], float]:
         """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
         the actor's entropy (token mean over every response)."""
         shares = [rl_calls.ScoreRows(model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
-                                     sequences=tuple(part)) for part in self._split(sequences)]
+                                     sequences=tuple(part), pads=tuple(pad))
+                  for part, pad in zip(self._split(sequences), self._split(pads), strict=True)]
         answers = self.trainer.call_each(rl_calls.SCORE_ROWS, shares, timeout_s=self.cfg.timeouts.step_s)
         out: list[tuple[float, ...]] = [()] * len(sequences)
         dp = self.trainer.dims.dp

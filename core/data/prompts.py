@@ -4,8 +4,9 @@ the controller.
 Every record is one prompt: its ``rl.prompt_key`` field is the text, tokenized with
 ``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a local tokenizer) and **left-padded** with
 the tokenizer's end-of-text id to ``rl.prompt_length`` (the response follows the prompt's
-last token). A prompt longer than that is refused naming its record: a silently cut prompt
-asks a different question. Every other field of the record is the prompt's metadata, handed
+last token); each prompt keeps its pad count, and the RL calls carry it so that the model
+never sees the pads (core.model.gpt.padding). A prompt longer than that is refused naming
+its record: a silently cut prompt asks a different question. Every other field of the record is the prompt's metadata, handed
 to the reward with ``prompt_text`` (and, per response, ``response_text``).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ class PromptFileError(UserError):
 class Prompt:
     tokens: tuple[int, ...]  # left-padded to the prompt length
     meta: dict[str, Any]
+    pad: int = 0  # the leading pad tokens of ``tokens``
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -85,7 +87,8 @@ def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: in
                                       f"{length}; raise rl.prompt_length (and model.seq_length) or shorten it")
             meta = {k: v for k, v in record.items() if k != key}
             meta["prompt_text"] = text
-            out.append(Prompt(tokens=(tokenizer.eos_id,) * (length - len(ids)) + tuple(ids), meta=meta))
+            pad = length - len(ids)
+            out.append(Prompt(tokens=(tokenizer.eos_id,) * pad + tuple(ids), meta=meta, pad=pad))
     except OSError as exc:
         raise PromptFileError(f"rl.prompts: {path}: cannot read ({exc.strerror or exc})") from None
     if not out:

@@ -50,7 +50,7 @@ class Probe:
 
 @dataclass(frozen=True, kw_only=True)
 class Generate:
-    prompts: tuple[tuple[int, ...], ...]  # one length
+    prompts: tuple[tuple[int, ...], ...]  # one length (left-padded: ``pads``)
     max_new_tokens: int
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
@@ -58,6 +58,7 @@ class Generate:
     eos: int | None = None
     seed: int = 0  # with a prompt's index: the seed of the generator it samples from
     indices: tuple[int, ...] = ()  # each prompt's index in the run's prompt set (default 0, 1, ...)
+    pads: tuple[int, ...] = ()  # each prompt's leading pad tokens, masked out (default: none)
 
 
 @dataclass(frozen=True, kw_only=True)

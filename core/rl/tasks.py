@@ -13,22 +13,31 @@ epoch, and a resumed run asks exactly what the uninterrupted one did.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 
-def counting(seed: int, step: int, count: int, length: int, vocab: int) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+class Asked(NamedTuple):
+    """One prompt of a step: its tokens (left-padded to the prompt length by ``pad`` tokens),
+    its metadata for the reward."""
+
+    tokens: tuple[int, ...]
+    meta: dict[str, Any]
+    pad: int = 0
+
+
+def counting(seed: int, step: int, count: int, length: int, vocab: int) -> list[Asked]:
     """``count`` prompts of step ``step``, each with its metadata."""
     out = []
     for i in range(count):
         start = int(np.random.default_rng([seed, step, i]).integers(0, vocab))
-        out.append((tuple((start + k) % vocab for k in range(length)), {"vocab_size": vocab, "index": i}))
+        out.append(Asked(tuple((start + k) % vocab for k in range(length)), {"vocab_size": vocab, "index": i}))
     return out
 
 
-def from_file(prompts: Sequence[Any], seed: int, step: int, count: int) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
-    """``count`` prompts of step ``step`` from ``prompts`` (each with ``tokens`` and ``meta``)."""
+def from_file(prompts: Sequence[Any], seed: int, step: int, count: int) -> list[Asked]:
+    """``count`` prompts of step ``step`` from ``prompts`` (each with ``tokens``, ``meta``, ``pad``)."""
     n, out = len(prompts), []
     orders: dict[int, np.ndarray] = {}
     for i in range(count):
@@ -37,5 +46,5 @@ def from_file(prompts: Sequence[Any], seed: int, step: int, count: int) -> list[
         if epoch not in orders:
             orders[epoch] = np.random.default_rng([seed, 7, epoch]).permutation(n)
         p = prompts[int(orders[epoch][g % n])]
-        out.append((tuple(p.tokens), {**p.meta, "index": i, "epoch": epoch}))
+        out.append(Asked(tuple(p.tokens), {**p.meta, "index": i, "epoch": epoch}, p.pad))
     return out

@@ -6,7 +6,9 @@
     CRITIC_STEP   CriticBatch → CriticResult one critic update on the clipped value loss (PPO)
     CRITIC_INIT   NoArgs      → None         the critic's transformer becomes the actor's (PPO's first RL step)
 
-Both updates report ``core.wire.calls.Timings`` as a training step does. The generator's
+Both updates report ``core.wire.calls.Timings`` as a training step does. A prompt shorter
+than ``prompt_length`` is left-padded: ``pads`` gives each row's pad count, and the model
+never sees those tokens (core.model.gpt.padding). The generator's
 calls are ``core.flows.calls``; the workers' side is ``core.model.gpt.roles`` (actor, critic).
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ class PolicyBatch:
     old_logprobs: tuple[tuple[float, ...], ...]
     ref_logprobs: tuple[tuple[float, ...], ...] = ()
     kl_coef: float = 0.0
+    pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,7 @@ class ScoreRows:
     model: Literal["actor", "reference", "critic"]
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
+    pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +84,7 @@ class CriticBatch:
     sequences: tuple[tuple[int, ...], ...]
     returns: tuple[tuple[float, ...], ...]
     old_values: tuple[tuple[float, ...], ...]
+    pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ def test_prompts_are_tokenized_left_padded_with_end_of_text_and_keep_their_metad
     f = _jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "10+5=", "answer": "15"}])
     got = read_prompts(f, key="prompt", tokenizer=ByteTokenizer(), length=6)
     assert [p.tokens for p in got] == [(256, 256, 49, 43, 49, 61), (256, 49, 48, 43, 53, 61)]
+    assert [p.pad for p in got] == [2, 1]  # the RL calls mask these out
     assert got[1].meta == {"answer": "15", "prompt_text": "10+5="}
 
 
@@ -46,7 +47,7 @@ def test_bad_prompt_files_are_one_line_naming_the_record(tmp_path: Path, rows: l
 def test_the_cursor_asks_every_prompt_once_per_epoch_and_is_a_function_of_the_step(tmp_path: Path) -> None:
     rows = [{"prompt": f"p{i}"} for i in range(6)]
     prompts = read_prompts(_jsonl(tmp_path / "p.jsonl", rows), key="prompt", tokenizer=ByteTokenizer(), length=4)
-    asked = [m for step in range(4) for _, m in tasks.from_file(prompts, 1234, step, 3)]
+    asked = [a.meta for step in range(4) for a in tasks.from_file(prompts, 1234, step, 3)]
     assert [m["epoch"] for m in asked] == [0] * 6 + [1] * 6
     for epoch in (0, 1):
         assert Counter(m["prompt_text"] for m in asked if m["epoch"] == epoch) == Counter(r["prompt"] for r in rows)

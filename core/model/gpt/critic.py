@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 
 from core.model.gpt import rl_loss
 from core.model.gpt.model import unwrap
-from core.model.gpt.policy import fill_row, optimizer_step
+from core.model.gpt.policy import fill_row, optimizer_step, pad_counts
 from core.model.gpt.state import ReadFn, export_items, import_items, optimizer_blob, sharded_params
 from core.model.gpt.step import StepContext
 from core.wire import rl_calls
@@ -77,6 +77,7 @@ def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
     rows, p, seq = len(batch.sequences), batch.prompt_length, ctx.cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "ret", "oldv")})
+    arrays["pads"] = pad_counts(batch.pads, rows)
     for i, (row, ret, old) in enumerate(zip(batch.sequences, batch.returns, batch.old_values, strict=True)):
         n = fill_row(arrays, i, row, p)
         arrays["ret"][i, p - 1:n], arrays["oldv"][i, p - 1:n] = ret, old

@@ -1,6 +1,8 @@
 """Generation and per-token log-probabilities with a Megatron-core GPT (one pipeline stage).
 
-``generate`` continues a batch of prompts of one length: a prefill over the prompts fills a
+``generate`` continues a batch of prompts of one length, left-padded (``pads``: each
+prompt's pad count; core.model.gpt.padding masks the pads out and counts positions over
+real tokens, in the prefill and in every decode step): a prefill over the prompts fills a
 KV cache (``megatron.core.inference.contexts.StaticInferenceContext``), then one token per
 forward; the logits are gathered across the tensor-parallel group, so every TP rank of a
 replica samples the same token from the same generators (one per prompt). Sampling is temperature, then
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
+
+from core.model.gpt import padding
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,10 +101,11 @@ def _choose(logits: torch.Tensor, how: Sampling, gens: Sequence[torch.Generator]
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, seeds: Sequence[int],
-             max_length: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's new tokens and their log-probs; the prompts share one length. Prompt i
-    samples from a generator of its own, seeded ``seeds[i]``: what it draws does not depend
-    on the other prompts of the batch."""
+             max_length: int, pads: Sequence[int] = ()) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's new tokens and their log-probs; the prompts share one length, prompt i
+    left-padded by ``pads[i]`` tokens (none: no pads) that it never sees. Prompt i samples
+    from a generator of its own, seeded ``seeds[i]``: what it draws does not depend on the
+    other prompts of the batch nor on its padding."""
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"one prompt length per batch, not {sorted(lengths)}")
@@ -115,7 +120,13 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
     done = torch.zeros(b, dtype=torch.bool, device=device)
     out_tokens: list[torch.Tensor] = []
     out_logp: list[torch.Tensor] = []
-    step_in, positions, mask = tokens, torch.arange(n, device=device).unsqueeze(0).expand(b, n), _causal(n, device)
+    pad = padding.as_tensor(pads, b, device)
+    mask = padding.prefill_mask(pad, n)
+    step_in, positions = tokens, padding.positions(pad, n)
+    if mask is None:  # no pads: the causal mask, as always
+        mask = _causal(n, device)
+    else:
+        padding.require_mask_support(model)
     with torch.no_grad():
         for i in range(how.max_new_tokens):
             logits = _logits(model, step_in, positions, mask, context)[:, -1]
@@ -129,7 +140,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
             out_tokens.append(nxt)
             out_logp.append(logp)
             context.enable_decode_mode()
-            step_in, positions, mask = nxt.unsqueeze(1), torch.full((b, 1), n + i, device=device), None
+            step_in, positions = nxt.unsqueeze(1), padding.positions(pad, 1, n + i)
+            mask = padding.decode_mask(pad, n + i + 1)  # the cache's keys and the new one
     toks = torch.stack(out_tokens, dim=1).tolist()
     logps = torch.stack(out_logp, dim=1).tolist()
     return toks, logps

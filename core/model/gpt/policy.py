@@ -3,8 +3,10 @@ same Megatron schedule as a training step (1F1B when pp > 1, the DDP reduction, 
 optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
 
 A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
-and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. Per
-response token the row carries its advantage and the rollout's log-prob (the old policy);
+and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
+left-padded by ``pads[i]`` tokens is read with those keys masked out and positions counted
+over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone.
+Per response token the row carries its advantage and the rollout's log-prob (the old policy);
 the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_loss``, plus
 ``kl_coef`` × the token mean of the KL estimate to the reference's log-probs.
 
@@ -24,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from core.job import process
-from core.model.gpt import activations, rl_loss
+from core.model.gpt import activations, padding, rl_loss
 from core.model.gpt.model import unwrap
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
@@ -37,6 +39,7 @@ def _arrays(batch: rl_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
     out = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     out.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "adv", "old", "ref")})
     refs = batch.ref_logprobs or ((),) * rows
+    out["pads"] = pad_counts(batch.pads, rows)
     for i, (row, adv, old, ref) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, refs,
                                                  strict=True)):
         n = fill_row(out, i, row, p)
@@ -54,6 +57,13 @@ def fill_row(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -
     return n
 
 
+def pad_counts(pads: tuple[int, ...], rows: int) -> np.ndarray:
+    """Each row's leading pad tokens (``()``: none) as the ``pads`` array of a batch."""
+    if pads and len(pads) != rows:
+        raise ValueError(f"{len(pads)} pad counts for {rows} rows")
+    return np.asarray(pads or (0,) * rows, dtype=np.int64)
+
+
 def micro_size(micro_batch_size: int, rows: int) -> int:
     """The largest micro-batch of at most ``micro_batch_size`` rows that splits ``rows`` into
     whole micro-batches (``micro_batch_size: auto`` may resolve to one that does not: no row
@@ -65,7 +75,11 @@ def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> I
     rows, seq = arrays["tokens"].shape
     for start in range(0, rows, micro):
         mb = {k: torch.from_numpy(v[start:start + micro]).to(device) for k, v in arrays.items()}
-        mb["position_ids"] = torch.arange(seq, device=device).unsqueeze(0).expand_as(mb["tokens"])
+        pads = mb.pop("pads")
+        mb["position_ids"] = padding.positions(pads, seq)
+        mask = padding.prefill_mask(pads, seq)
+        if mask is not None:  # else the model's own causal mask (no row of the micro-batch padded)
+            mb["attention_mask"] = mask
         yield mb
 
 
@@ -122,8 +136,11 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
+        if "attention_mask" in mb:
+            padding.require_mask_support(model)
         with activations.storing(cfg.training.activation_storage):
-            output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"] if labels else None)
+            output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"),
+                           labels=mb["labels"] if labels else None)
         return output, lambda out: loss_of(out, mb)
 
     t_data = time.perf_counter()
@@ -151,6 +168,7 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
     rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
+    arrays["pads"] = pad_counts(req.pads, rows)
     ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
     micro = micro_size(int(cfg.training.micro_batch_size), rows)
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -158,16 +176,20 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
-        output = model(mb["tokens"], mb["position_ids"], None)
+        if "attention_mask" in mb:
+            padding.require_mask_support(model)
+        output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"))
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             if req.model == "critic":  # the value head's one output: [b, s, 1]
                 return logits.sum() * 0, {"logp": logits[..., 0].float()}
-            # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]).
-            per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
-            out = {"logp": -per_token.float()}
-            if entropy:
+            out = {}
+            if entropy:  # first: the cross entropy below works in place on a one-row batch's logits
                 out["entropy"] = (rl_loss.vocab_parallel_entropy(logits.float(), tp_group) * mb["mask"]).sum()
+            # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]; for one
+            # row that is a view, which Megatron's vocab-parallel cross entropy overwrites).
+            per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
+            out["logp"] = -per_token.float()
             return logits.sum() * 0, out
 
         return output, loss_func

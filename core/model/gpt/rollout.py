@@ -135,7 +135,7 @@ class Rollout:
         # sample, so what a prompt draws does not depend on the layout that generates it.
         indices = req.indices or tuple(range(len(req.prompts)))
         tokens, logps = gen_mod.generate(self.model, req.prompts, how, max_length=self.cfg.model.seq_length,
-                                         seeds=[(req.seed * 1_000_003 + i) % 2**63 for i in indices])
+                                         seeds=[(req.seed * 1_000_003 + i) % 2**63 for i in indices], pads=req.pads)
         if self.coords.tp != 0:
             return gen_calls.Generated()
         return gen_calls.Generated(replica=self.coords.dp, version=self.version,
