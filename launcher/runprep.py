@@ -14,6 +14,7 @@ from pathlib import Path
 from core.checkpoint import manifest
 from core.config import rl as rl_spec
 from core.config import run as config_mod
+from core.config import sft as sft_spec
 from core.config.run import RunConfig
 from core.config.runplan import plan_run
 from core.errors import UserError
@@ -44,6 +45,8 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
         cfg = replace(cfg, rl=replace(cfg.rl, tokenizer=str(Path(cfg.rl.tokenizer).resolve())))
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
+    cfg = resolve_sft(cfg)
+    check_sft(cfg)
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
     write_atomic(run.config, config_mod.dump(cfg))
     write_atomic(run.plan, plan_run(cfg).to_json())
@@ -51,6 +54,28 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     now = time.time()
     RunRecord(run).create(RunState(total_steps=cfg.trainer.steps, created=now, updated=now), ev.Created(backend=backend))
     return run
+
+
+def resolve_sft(cfg: RunConfig) -> RunConfig:
+    """``program: sft``'s data file and tokenizer folder stored absolute, as data.path is."""
+    s = cfg.sft
+    if cfg.program != "sft" or s.data is None:
+        return cfg
+    tokenizer = s.tokenizer if s.tokenizer in (sft_spec.BYTE, sft_spec.FROM_INIT) else str(Path(s.tokenizer).resolve())
+    return replace(cfg, sft=replace(s, data=str(Path(s.data).resolve()), tokenizer=tokenizer))
+
+
+def check_sft(cfg: RunConfig) -> None:
+    """``program: sft``: every record of the data file is a conversation that fits the model,
+    tokenized as the workers will (a one-line UserError naming the record otherwise)."""
+    if cfg.program != "sft":
+        return
+    from core.data import sft as chat  # numpy and the tokenizer's libraries: only an SFT submit reads conversations
+
+    s = cfg.sft
+    assert s.data is not None  # core.config.sft.check
+    chat.check(s.data, key=s.messages_key, tokenizer=sft_spec.tokenizer_path(s, cfg.init_from),
+               seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, too_long=s.too_long)
 
 
 def resolve_init(cfg: RunConfig) -> RunConfig:
@@ -90,6 +115,7 @@ def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = Fa
         raise UserError(f"{run.path}: its controller still runs ({live}); wait for it, or end it first "
                         "(`baton cancel`), then resume")
     cfg = config_mod.load(run.config, overrides)
+    check_sft(cfg)
     intact, problems = manifest.newest_intact(run.checkpoints)
     notes = [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
     if intact is None and (problems or manifest.damaged(run.checkpoints)) and not from_scratch:

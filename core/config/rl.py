@@ -1,6 +1,7 @@
 """RL post-training settings: ``program: grpo`` or ``ppo`` and the ``rl`` section.
 
-``program``: ``pretrain`` (the default: next-token training on ``data``), ``grpo`` or ``ppo``.
+``program``: ``pretrain`` (the default: next-token training on ``data``), ``sft`` (chat data:
+core.config.sft), ``grpo`` or ``ppo``.
 ``task: file`` asks the prompts of the ``prompts`` file (JSONL or Parquet, text in
 ``prompt_key``, tokenized with ``tokenizer`` and left-padded to ``prompt_length``); its
 responses end at the tokenizer's end-of-text token.
@@ -49,7 +50,7 @@ from core.config.inputs import check_file
 from core.config.schema import bounded, check_bounds
 from core.errors import ConfigError
 
-PROGRAMS = ("pretrain", "grpo", "ppo")
+PROGRAMS = ("pretrain", "sft", "grpo", "ppo")  # sft: core.config.sft
 RL_PROGRAMS = ("grpo", "ppo")
 BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
 

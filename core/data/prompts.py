@@ -30,7 +30,7 @@ class Prompt:
     meta: dict[str, Any]
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _jsonl(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -38,34 +38,35 @@ def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             try:
                 record = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise PromptFileError(f"rl.prompts: {path}:{lineno}: not a UTF-8 JSON object ({exc}); "
+                raise PromptFileError(f"{what}: {path}:{lineno}: not a UTF-8 JSON object ({exc}); "
                                       "each line must be one JSON object") from None
             if not isinstance(record, dict):
-                raise PromptFileError(f"rl.prompts: {path}:{lineno}: expected a JSON object, "
+                raise PromptFileError(f"{what}: {path}:{lineno}: expected a JSON object, "
                                       f"got {type(record).__name__}")
             yield f"{path}:{lineno}", record
 
 
-def _parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _parquet(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq  # optional: only .parquet prompts need it
     except ImportError:
-        raise PromptFileError(f"rl.prompts: {path}: reading .parquet needs pyarrow; pip install pyarrow") from None
+        raise PromptFileError(f"{what}: {path}: reading .parquet needs pyarrow; pip install pyarrow") from None
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid (an Exception) for non-parquet files
-        raise PromptFileError(f"rl.prompts: {path}: not a readable parquet file ({exc})") from None
+        raise PromptFileError(f"{what}: {path}: not a readable parquet file ({exc})") from None
     for i, record in enumerate(table.to_pylist()):
         yield f"{path} row {i}", record
 
 
-def records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) of every prompt record of ``path``, in order."""
+def records(path: Path, what: str = "rl.prompts") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of every record of ``path``, in order; ``what`` (the config key that named
+    the file) begins every refusal."""
     if path.suffix == ".jsonl":
-        return _jsonl(path)
+        return _jsonl(path, what)
     if path.suffix == ".parquet":
-        return _parquet(path)
-    raise PromptFileError(f"rl.prompts: {path}: unknown extension {path.suffix!r}; give a .jsonl or .parquet file")
+        return _parquet(path, what)
+    raise PromptFileError(f"{what}: {path}: unknown extension {path.suffix!r}; give a .jsonl or .parquet file")
 
 
 def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int) -> list[Prompt]:
