@@ -80,3 +80,25 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     tok = load_hf_tokenizer(path)
     logger.info("tokenizer %s: vocab %d, eos %d", tok.name, tok.vocab_size, tok.eos_id)
     return tok
+
+
+def stop_ids(tok: Tokenizer, stop: Sequence[int | str] | None) -> tuple[int, ...]:
+    """``rl.stop`` resolved on ``tok``: None → the tokenizer's own stop tokens (a Hugging Face
+    folder's ``stop_ids``: generation_config.json's ``eos_token_id``; else its end of text);
+    ids are kept, token strings looked up in a Hugging Face tokenizer; an unknown one is
+    refused naming it."""
+    if stop is None:
+        return tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
+    lookup = getattr(tok, "token_id", None)
+    found: list[int] = []
+    unknown: list[str] = []
+    for token in stop:
+        tid = token if isinstance(token, int) else lookup(token) if lookup is not None else None
+        if tid is None or not 0 <= tid < tok.vocab_size:
+            unknown.append(repr(token))
+        else:
+            found.append(tid)
+    if unknown or not found:
+        raise TokenizerError(f"rl.stop: {', '.join(unknown) or 'an empty list'}: not a token of {tok.name}; give "
+                             "its tokens (as tokenizer.json writes them: <|im_end|>) or ids below its vocabulary")
+    return tuple(dict.fromkeys(found))
