@@ -4,16 +4,20 @@ conversations and the assistant mask must be identical."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
+from core.data.dataset import TokenDataset
 from core.data.hf_tokenizer import ChatTemplateError, HFTokenizer, HFTokenizerError, load_hf_tokenizer
 from core.data.tokenizer import TokenizerError, load_tokenizer
 from tests.hf_tokenizers import CHATML_TEMPLATE, chatml_folder, llama3_folder
 
+REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox.", "héllo wörld — 你好 🎉", "  two  spaces\n\nand lines\t", "<|im_end|> inside",
          "", "def add(a, b):\n    return a + b\n"]
 CONVERSATIONS: list[list[dict[str, Any]]] = [
@@ -145,3 +149,19 @@ def test_load_tokenizer_takes_hf_prefix_folder_and_file(tmp_path: Path) -> None:
         tok = load_tokenizer(spec)
         assert isinstance(tok, HFTokenizer) and tok.chat_template == CHATML_TEMPLATE
         assert tok.encode("Hello!") == load_hf_tokenizer(folder).encode("Hello!")
+
+
+def test_baton_data_build_with_a_hugging_face_folder(tmp_path: Path) -> None:
+    """``baton data build --tokenizer hf:PATH``: every document is AutoTokenizer's ids, then
+    tokenizer_config.json's eos_token."""
+    folder = llama3_folder(tmp_path / "l")
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    res = subprocess.run([sys.executable, "-m", "launcher.cli", "data", "build", str(src), "-o", str(tmp_path / "d.h5"),
+                          "--tokenizer", f"hf:{folder}"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    ref = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    ds = TokenDataset(tmp_path / "d.h5")
+    assert (ds.vocab_size, ds.eos_id, ds.tokenizer) == (len(ref), ref.convert_tokens_to_ids("<|eot_id|>"), str(folder))
+    assert [list(ds.document(i)) for i in range(len(TEXTS))] == \
+        [ref.encode(t, add_special_tokens=False) + [ref.eos_token_id] for t in TEXTS]
