@@ -12,6 +12,7 @@ lacks are refused before anything is written. The job side loads the same files 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,18 @@ def check(tokenizer: str | None, init_from: str | None, stop: tuple[int | str, .
     bad_ids = [t for t in stop if isinstance(t, int) and not 0 <= t < vocab.size]
     unknown = [t for t in stop if isinstance(t, str) and t not in vocab.ids]
     if bad_ids:
-        raise ConfigError(f"rl.stop: {', '.join(map(str, bad_ids))} not an id of {name} (0..{vocab.size - 1}); "
+        raise ConfigError(f"rl.stop: {_some(map(str, bad_ids))} not an id of {name} (0..{vocab.size - 1}); "
                           "give ids below its vocabulary")
     if unknown and not vocab.ids:
-        raise ConfigError(f"rl.stop: token strings ({', '.join(map(repr, unknown))}) need a Hugging Face tokenizer; "
+        raise ConfigError(f"rl.stop: token strings ({_some(map(repr, unknown))}) need a Hugging Face tokenizer; "
                           f"{name} takes ids (its end of text: the tokenizer's stop)")
     if unknown:
-        raise ConfigError(f"rl.stop: {', '.join(map(repr, unknown))} not a token of {name}; give tokens of its "
+        raise ConfigError(f"rl.stop: {_some(map(repr, unknown))} not a token of {name}; give tokens of its "
                           "vocabulary (as tokenizer.json writes them: <|im_end|>, <|eot_id|>) or ids")
+
+
+def _some(items: Iterable[str], most: int = 8) -> str:
+    """At most ``most`` items, and how many more."""
+    shown = list(items)
+    more = f" and {len(shown) - most} more" if len(shown) > most else ""
+    return ", ".join(shown[:most]) + more
