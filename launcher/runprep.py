@@ -41,8 +41,11 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     cfg = resolve_init(cfg)
     if cfg.rl.prompts and not Path(cfg.rl.prompts).is_absolute():
         cfg = replace(cfg, rl=replace(cfg.rl, prompts=str(Path(cfg.rl.prompts).resolve())))
-    if cfg.rl.tokenizer not in rl_spec.TOKENIZER_VOCAB and not Path(cfg.rl.tokenizer).is_absolute():
-        cfg = replace(cfg, rl=replace(cfg.rl, tokenizer=str(Path(cfg.rl.tokenizer).resolve())))
+    tok = cfg.rl.tokenizer
+    if tok is not None and tok not in rl_spec.TOKENIZER_VOCAB and tok != "hf":
+        folder = tok.removeprefix("hf:")
+        if not Path(folder).is_absolute():
+            cfg = replace(cfg, rl=replace(cfg.rl, tokenizer=str(Path(folder).resolve())))
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     cfg = resolve_sft(cfg)

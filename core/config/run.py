@@ -203,7 +203,7 @@ def _check_rl(cfg: RunConfig) -> None:
     if rl.reward not in rl_spec.BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(rl_spec.BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")
-    rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size)
+    rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size, init_from=cfg.init_from)
     ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
                                         ("rl.critic", rl.critic, rl_spec.CriticConfig())) if v != default]
     if cfg.program != "ppo" and ppo_only:

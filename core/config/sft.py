@@ -9,7 +9,7 @@ assistant tokens only, averaged over the assistant tokens of the whole global ba
 (core.model.gpt.step), so it does not depend on dp, the micro batch or tp/pp.
 
 ``tokenizer``: ``hf`` (the tokenizer of ``init_from: hf:FOLDER``), a local Hugging Face
-tokenizer folder, or ``byte`` (UTF-8 bytes with a built-in plain chat format: demos and tests).
+tokenizer folder (``hf:`` prefix optional: core.data.hf_tokenizer), or ``byte`` (UTF-8 bytes with a built-in plain chat format: demos and tests).
 ``too_long``: a conversation of more than ``model.seq_length`` + 1 tokens is refused naming its
 record (``refuse``, the default: a silently cut conversation teaches a different answer),
 left out (``drop``) or cut at the end (``truncate``). Every check that reads the file runs
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Literal
 
 from core.config.inputs import check_file
+from core.config.tokvocab import HF_PREFIX, hf_init_folder
 from core.errors import ConfigError
 
 BYTE = "byte"  # the built-in byte tokenizer's name (core.data.sft.ByteChat)
 FROM_INIT = "hf"  # the tokenizer of init_from: hf:FOLDER
-HF_PREFIX = "hf:"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,18 +37,11 @@ class SFTConfig:
     too_long: Literal["refuse", "drop", "truncate"] = "refuse"
 
 
-def hf_folder(init_from: str | None) -> str | None:
-    """The folder of ``init_from: hf:FOLDER``; None for any other init_from."""
-    if init_from is None or not init_from.startswith(HF_PREFIX):
-        return None
-    return init_from[len(HF_PREFIX):]
-
-
 def tokenizer_path(sft: SFTConfig, init_from: str | None) -> str:
     """What ``sft.tokenizer`` names: ``byte``, or a local folder (``hf`` resolved to init_from's)."""
     if sft.tokenizer != FROM_INIT:
-        return sft.tokenizer
-    folder = hf_folder(init_from)
+        return sft.tokenizer.removeprefix(HF_PREFIX)
+    folder = hf_init_folder(init_from)
     if folder is None:
         raise ConfigError(f"sft.tokenizer: 'hf' reads the tokenizer of init_from: hf:FOLDER, but init_from is "
                           f"{init_from!r}; give sft.tokenizer a local tokenizer folder (or byte)")

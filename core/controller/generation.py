@@ -106,7 +106,7 @@ class GeneratorFlow:
             greedy = sample == 0
             req = gen_calls.Generate(prompts=self._prompts, max_new_tokens=g.max_new_tokens,
                                      temperature=0.0 if greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
-                                     eos=g.eos, seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
+                                     eos=() if g.eos is None else (g.eos,), seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
             for part in self._generate(req):
                 for index, tokens, logps in zip(range(part.replica, len(self._prompts), self.dims.dp), part.tokens,
                                                 part.logprobs, strict=True):

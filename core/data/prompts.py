@@ -1,17 +1,21 @@
 """RL prompts from a file: ``rl.task: file`` reads ``rl.prompts`` (JSONL or Parquet) once, on
 the controller.
 
-Every record is one prompt: its ``rl.prompt_key`` field is the text, tokenized with
-``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a local tokenizer) and **left-padded** with
-the tokenizer's end-of-text id to ``rl.prompt_length`` (the response follows the prompt's
-last token). A prompt longer than that is refused naming its record: a silently cut prompt
-asks a different question. Every other field of the record is the prompt's metadata, handed
-to the reward with ``prompt_text`` (and, per response, ``response_text``).
+Every record is one prompt: its ``rl.prompt_key`` field is either text, tokenized with
+``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a Hugging Face folder's), or chat messages
+(a list of ``{role, content}``), rendered with the Hugging Face tokenizer's chat template and
+its generation prompt (``HFTokenizer.chat_ids(messages, add_generation_prompt=True)``, as
+``apply_chat_template`` gives them). The ids are **left-padded** with the tokenizer's
+end-of-text id to ``rl.prompt_length`` (the response follows the prompt's last token). A
+prompt longer than that is refused naming its record: a silently cut prompt asks a different
+question. Every other field of the record is the prompt's metadata, handed to the reward with
+``prompt_text`` (the text, or the rendered conversation; chat prompts also keep their
+``messages``) and, per response, ``response_text``.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,23 +73,48 @@ def records(path: Path, what: str = "rl.prompts") -> Iterator[tuple[str, dict[st
     raise PromptFileError(f"{what}: {path}: unknown extension {path.suffix!r}; give a .jsonl or .parquet file")
 
 
+def _messages(value: Any) -> list[dict[str, Any]] | None:
+    """A chat prompt's messages, or None when ``value`` is not a list of {role, content}."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        return None
+    return [dict(m) for m in value]
+
+
+def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer) -> tuple[Sequence[int], str, dict[str, Any]]:
+    """A record's prompt: its ids, its text, what it adds to the metadata."""
+    if isinstance(value, str):
+        return tokenizer.encode(value), value, {}
+    messages = _messages(value)
+    if messages is None:
+        raise PromptFileError(f"rl.prompts: {where}: field {key!r} is {type(value).__name__}, neither text nor chat "
+                              "messages (a list of {role, content}); fix the record or set rl.prompt_key")
+    render = getattr(tokenizer, "render", None)
+    if render is None:
+        raise PromptFileError(f"rl.prompts: {where}: chat messages need a tokenizer with a chat template; "
+                              f"{tokenizer.name} has none: set rl.tokenizer to hf (init_from: hf:PATH) or a "
+                              "Hugging Face folder")
+    text = render(messages, add_generation_prompt=True)
+    return tokenizer.encode(text), text, {"messages": messages}
+
+
 def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int) -> list[Prompt]:
     """Every prompt of the file, tokenized and left-padded to ``length``."""
     path = Path(path)
     out = []
     try:
         for where, record in records(path):
-            text = record.get(key)
-            if not isinstance(text, str):
+            if key not in record:
                 fields = ", ".join(sorted(map(str, record))[:8]) or "none"
-                raise PromptFileError(f"rl.prompts: {where}: no text field {key!r} (fields: {fields}); set "
+                raise PromptFileError(f"rl.prompts: {where}: no field {key!r} (fields: {fields}); set "
                                       "rl.prompt_key to the field that holds the prompt")
-            ids = tokenizer.encode(text)
+            ids, text, extra = _ids(where, key, record[key], tokenizer)
             if len(ids) > length:
                 raise PromptFileError(f"rl.prompts: {where}: the prompt is {len(ids)} tokens > rl.prompt_length = "
                                       f"{length}; raise rl.prompt_length (and model.seq_length) or shorten it")
             meta = {k: v for k, v in record.items() if k != key}
-            meta["prompt_text"] = text
+            meta.update(extra, prompt_text=text)
             out.append(Prompt(tokens=(tokenizer.eos_id,) * (length - len(ids)) + tuple(ids), meta=meta))
     except OSError as exc:
         raise PromptFileError(f"rl.prompts: {path}: cannot read ({exc.strerror or exc})") from None

@@ -113,7 +113,11 @@ def read_conversations(path: str | Path, *, key: str, tokenizer: ChatTokenizer, 
     dropped = 0
     try:
         for where, record in records(path, KEY):
-            ids, mask = tokenizer.sft_ids(_messages(where, record, key))
+            messages = _messages(where, record, key)
+            try:
+                ids, mask = tokenizer.sft_ids(messages)
+            except UserError as exc:  # a chat template that refuses this conversation: name the record
+                raise ConversationFileError(f"{KEY}: {where}: {exc}") from None
             cut = False
             if len(ids) != len(mask):
                 raise ConversationFileError(f"{KEY}: {where}: the tokenizer gave {len(ids)} ids but {len(mask)} "

