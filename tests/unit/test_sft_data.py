@@ -138,3 +138,34 @@ def test_submit_refuses_bad_chat_data_in_one_line_before_writing(tmp_path: Path,
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "sft.data" in lines[0], res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# --- a Hugging Face tokenizer folder's chat template (tests/hf_tokenizers.py) -----------------------
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.hf_tokenizers import chatml_folder  # transformers: only these tests build a folder
+
+    return chatml_folder(tmp_path_factory.mktemp("chatml"))
+
+
+def test_with_a_tokenizer_folder_the_counted_labels_are_the_assistants_turns(chatml: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer  # the independent reference
+
+    f = _jsonl(tmp_path / "c.jsonl", [{"messages": TALK}])
+    cfg = config_mod.from_data(_sft_config(f, sft={"data": str(f), "tokenizer": str(chatml)},
+                                           model={"kind": "gpt", "vocab_size": 400, "seq_length": 128}))
+    mb = from_config(cfg, dp=1, dp_rank=0).micro_batches(0)[0]
+    hf = AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    whole = hf.apply_chat_template(TALK, tokenize=True, return_dict=True)["input_ids"]
+    n = len(whole)
+    assert list(mb.tokens[0, :n - 1]) == whole[:-1] and (mb.tokens[0, n:] == hf.eos_token_id).all()
+    assert hf.decode(mb.labels[0][mb.loss_mask[0]]) == "yo<|im_end|>\nok<|im_end|>\n"
+    assert mb.loss_tokens == int(mb.loss_mask.sum()) * 4  # the global batch: 8 rows of the one conversation, 2 here
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_at_submit(chatml: Path) -> None:
+    res = baton("submit", "experiments/sft_chat.yaml", "runs_root=/nonexistent/runs", f"sft.tokenizer={chatml}",
+                "--backend", "local", timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"baton: error: sft.tokenizer: {chatml} has 397 tokens > model.vocab_size = 264; "
+                                  "raise model.vocab_size to at least 397"), res.stderr
