@@ -27,8 +27,8 @@ STEPS = 3
 LAYOUT_TOL = 2e-5  # relative: float32 sums in another order (see test_the_loss_does_not_change_with_the_layout)
 
 
-def sft_config(*, tp: int = 1, world_size: int = 1, micro: int = 2) -> dict[str, Any]:
-    cfg = gpt_config(tp=tp, world_size=world_size, steps=STEPS, training={"micro_batch_size": micro})
+def sft_config(*, tp: int = 1, pp: int = 1, world_size: int = 1, micro: int = 2) -> dict[str, Any]:
+    cfg = gpt_config(tp=tp, pp=pp, world_size=world_size, steps=STEPS, training={"micro_batch_size": micro})
     cfg["model"].update(vocab_size=264, seq_length=128)
     cfg["program"] = "sft"
     cfg["sft"] = {"data": str(REPO / "experiments" / "data" / "chat_count.jsonl"), "tokenizer": "byte"}
@@ -119,19 +119,21 @@ def test_only_assistant_tokens_count_and_the_loss_is_the_global_batch_mean(tp1: 
     assert abs(p["per_micro_mean"] - p["ref_loss"]) > 1e-4 * p["ref_loss"], p
 
 
-@pytest.mark.parametrize(("tp", "micro"), [(1, 4), (2, 2)], ids=["dp2-micro4", "tp2-micro2"])
-def test_the_loss_does_not_change_with_the_layout(tp1: dict[str, Any], workdir: Path, tp: int, micro: int) -> None:
-    """dp2 (another micro batch too) and tp2 against one rank. Not bit for bit: each layout
+@pytest.mark.parametrize(("tp", "pp", "micro"), [(1, 1, 4), (2, 1, 2), (1, 2, 1)],
+                         ids=["dp2-micro4", "tp2-micro2", "pp2-micro1"])
+def test_the_loss_does_not_change_with_the_layout(tp1: dict[str, Any], workdir: Path, tp: int, pp: int,
+                                                  micro: int) -> None:
+    """dp2 (another micro batch too), tp2 and pp2 against one rank. Not bit for bit: each layout
     sums the same float32 terms in another order (the micro-batches' sums, the data-parallel
     all-reduce of gradients and losses, tp's vocab-parallel softmax and row-parallel
     all-reduces), so the losses agree to float32 reduction noise, which Adam carries into
     the next steps' weights."""
-    with RankGroup(sft_config(tp=tp, world_size=2, micro=micro), world_size=2, run_dir=workdir) as g:
+    with RankGroup(sft_config(tp=tp, pp=pp, world_size=2, micro=micro), world_size=2, run_dir=workdir) as g:
         g.setup()
         g.call("load_global_weights", path=str(tp1["weights"]))
         curve = [g.loss(g.call("train_step", step=s)) for s in range(STEPS)]
     ref = tp1["losses"]
-    print(f"max relative |loss - tp1| tp{tp} micro{micro}: "  # shown with -rP
+    print(f"max relative |loss - tp1| tp{tp} pp{pp} micro{micro}: "  # shown with -rP
           f"{max(abs(a - b) / b for a, b in zip(curve, ref, strict=True)):.3g}")
     assert curve[0] != pytest.approx(curve[-1], rel=1e-2)  # it trains
     for got, want in zip(curve, ref, strict=True):
