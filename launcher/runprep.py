@@ -49,8 +49,10 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     cfg = resolve_sft(cfg)
-    check_sft(cfg)
+    conversations = check_sft(cfg)
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
+    if conversations is not None:  # every allocation trains on what was checked here
+        write_atomic(run.path / conversations[0], conversations[1])
     write_atomic(run.config, config_mod.dump(cfg))
     write_atomic(run.plan, plan_run(cfg).to_json())
     generate_keys(run.keys)
@@ -68,17 +70,19 @@ def resolve_sft(cfg: RunConfig) -> RunConfig:
     return replace(cfg, sft=replace(s, data=str(Path(s.data).resolve()), tokenizer=tokenizer))
 
 
-def check_sft(cfg: RunConfig) -> None:
-    """``program: sft``: every record of the data file is a conversation that fits the model,
-    tokenized as the workers will (a one-line UserError naming the record otherwise)."""
+def check_sft(cfg: RunConfig) -> tuple[str, bytes] | None:
+    """``program: sft``: every record of the data file is a conversation that fits the model (a
+    one-line UserError naming the record otherwise); the run folder's file name and bytes of
+    the conversations, tokenized, for the workers (core.data.sft.FROZEN). None for other programs."""
     if cfg.program != "sft":
-        return
+        return None
     from core.data import sft as chat  # numpy and the tokenizer's libraries: only an SFT submit reads conversations
 
     s = cfg.sft
     assert s.data is not None  # core.config.sft.check
-    chat.check(s.data, key=s.messages_key, tokenizer=sft_spec.tokenizer_path(s, cfg.init_from),
-               seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, too_long=s.too_long)
+    conversations = chat.check(s.data, key=s.messages_key, tokenizer=sft_spec.tokenizer_path(s, cfg.init_from),
+                               seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, too_long=s.too_long)
+    return chat.FROZEN, chat.to_bytes(conversations)
 
 
 def resolve_init(cfg: RunConfig) -> RunConfig:
@@ -118,7 +122,6 @@ def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = Fa
         raise UserError(f"{run.path}: its controller still runs ({live}); wait for it, or end it first "
                         "(`baton cancel`), then resume")
     cfg = config_mod.load(run.config, overrides)
-    check_sft(cfg)
     intact, problems = manifest.newest_intact(run.checkpoints)
     notes = [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
     if intact is None and (problems or manifest.damaged(run.checkpoints)) and not from_scratch:

@@ -10,11 +10,14 @@ The row trained on is ``ids[:-1]`` predicting ``ids[1:]``, so a conversation fit
 ``model.seq_length`` when it has at most seq_length + 1 ids; a longer one is refused naming its
 record (``too_long: refuse``), left out (``drop``) or cut (``truncate``). A conversation with
 no assistant id left to predict teaches nothing and is refused (its denominator would be 0).
-``check`` runs all of this on the login node at submit; the workers read the file again
-(``read_conversations``, the same function, so they see what submit checked).
+``check`` runs all of this on the login node at submit, and the run folder keeps what it read
+(``FROZEN``: ids, masks and records as one .npz, ``to_bytes`` / ``load``): the workers of every
+allocation train on exactly the conversations submit checked, tokenized once, even if the
+file changes later (a resume stays bit for bit).
 """
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from core.errors import UserError
 
 KEY = "sft.data"
 BYTE = "byte"
+FROZEN = "sft_data.npz"  # in the run folder: the conversations submit read
 
 
 class ConversationFileError(UserError):
@@ -150,11 +154,33 @@ def read_conversations(path: str | Path, *, key: str, tokenizer: ChatTokenizer, 
                          vocab_size=tokenizer.vocab_size, dropped=dropped)
 
 
-def check(path: str, *, key: str, tokenizer: str, seq_length: int, vocab_size: int, too_long: str) -> int:
+def check(path: str, *, key: str, tokenizer: str, seq_length: int, vocab_size: int, too_long: str) -> Conversations:
     """The login node's check of ``program: sft``'s input: the tokenizer loads, the model's
-    vocabulary holds it, every record is a conversation that fits. The number of conversations."""
+    vocabulary holds it, every record is a conversation that fits. The conversations."""
     tok = load_chat_tokenizer(tokenizer)
     if tok.vocab_size > vocab_size:
         raise ConversationFileError(f"sft.tokenizer: {tokenizer} has {tok.vocab_size} tokens > model.vocab_size = "
                                     f"{vocab_size}; raise model.vocab_size to at least {tok.vocab_size}")
-    return len(read_conversations(path, key=key, tokenizer=tok, seq_length=seq_length, too_long=too_long))
+    return read_conversations(path, key=key, tokenizer=tok, seq_length=seq_length, too_long=too_long)
+
+
+def to_bytes(conv: Conversations) -> bytes:
+    """``conv`` as one .npz (no pickle): the ids and masks end to end with their offsets."""
+    buf = io.BytesIO()
+    np.savez(buf, ids=np.concatenate(conv.ids), masks=np.concatenate(conv.masks),
+             offsets=np.cumsum([0] + [len(i) for i in conv.ids]), where=np.array(conv.where, dtype=str),
+             meta=np.array([conv.eos_id, conv.vocab_size, conv.dropped], dtype=np.int64))
+    return buf.getvalue()
+
+
+def load(path: str | Path) -> Conversations:
+    """The conversations ``to_bytes`` wrote to ``path``."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            ids, masks, offsets, where, meta = (f[k] for k in ("ids", "masks", "offsets", "where", "meta"))
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConversationFileError(f"{path}: not the conversations submit saved ({exc}); submit the run again") from None
+    cuts = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
+    return Conversations(ids=[ids[a:b] for a, b in cuts], masks=[masks[a:b] for a, b in cuts],
+                         where=[str(w) for w in where], eos_id=int(meta[0]), vocab_size=int(meta[1]),
+                         dropped=int(meta[2]))

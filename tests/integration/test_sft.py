@@ -143,13 +143,19 @@ def test_the_loss_does_not_change_with_the_layout(tp1: dict[str, Any], workdir: 
 def test_an_interrupted_sft_run_resumes_on_the_uninterrupted_numbers(tmp_path: Path) -> None:
     """SIGUSR2 at the controller mid-run (a preemption): it checkpoints at the step boundary,
     requeues and resumes; every step's loss and grad norm and the final weights are the
-    uninterrupted run's (the data position is the step, restored with the checkpoint)."""
+    uninterrupted run's (the data position is the step, restored with the checkpoint). The
+    data file is rewritten (its records reversed) before the preemption: the resumed workers
+    train on the conversations submit read (the run folder's sft_data.npz), not on the file."""
     common = ("model.num_layers=2", "model.hidden_size=64", "trainer.steps=16", "checkpoint.interval_steps=0")
     full = submit_local("experiments/sft_chat.yaml", f"runs_root={tmp_path}/a", *common)
-    r = Submitted(tmp_path / "b", [], {"BATON_FAULTS": "data_delay_ms=150"}, experiment="experiments/sft_chat.yaml",
-                  common=common)  # the delay only slows the steps, so the signal lands mid-run
+    data = tmp_path / "chat.jsonl"
+    lines = (REPO / "experiments" / "data" / "chat_count.jsonl").read_text().splitlines(keepends=True)
+    data.write_text("".join(lines))
+    r = Submitted(tmp_path / "b", [f"sft.data={data}"], {"BATON_FAULTS": "data_delay_ms=150"},
+                  experiment="experiments/sft_chat.yaml", common=common)  # the delay: the signal lands mid-run
     try:
         r.wait_step(4)
+        data.write_text("".join(reversed(lines)))
         os.kill(r.controller_pid(), signal.SIGUSR2)
         assert r.finish(timeout=300) == 0, r.output
     finally:

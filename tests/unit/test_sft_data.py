@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from core.config import run as config_mod
-from core.data.sft import ByteChat, ConversationFileError, read_conversations
+from core.data.sft import ByteChat, ConversationFileError, load, read_conversations
 from core.errors import ConfigError
 from core.model.gpt.data import SFTSource, from_config
 from tests.helpers import REPO, baton
@@ -81,6 +81,20 @@ def test_data_parallel_ranks_split_the_same_global_batch(tmp_path: Path) -> None
         assert np.array_equal(np.concatenate([getattr(m, name) for m in whole]),
                               np.concatenate([getattr(m, name) for m in parts]))
     assert {m.loss_tokens for m in whole + parts} == {whole[0].loss_tokens}
+
+
+def test_the_run_folder_keeps_the_conversations_submit_read(tmp_path: Path) -> None:
+    from launcher import runprep  # the login node's preparation of a run folder
+
+    cfg = config_mod.load(REPO / "experiments" / "sft_chat.yaml", [f"runs_root={tmp_path}"])
+    run = runprep.prepare_run(cfg, backend="local")
+    frozen = load(run.path / "sft_data.npz")
+    read = read_conversations(CHAT, key="messages", tokenizer=ByteChat(), seq_length=128)
+    assert frozen.where == read.where and (frozen.eos_id, frozen.vocab_size) == (256, 257)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(frozen.ids + frozen.masks,
+                                                                       read.ids + read.masks, strict=True))
+    batches = from_config(cfg, dp=2, dp_rank=1, run_dir=run.path).micro_batches(2)  # the workers' source
+    assert [m.tokens.shape for m in batches] == [(4, 128)] * 2
 
 
 @pytest.mark.parametrize(("rows", "message"), [

@@ -248,16 +248,21 @@ class SFTSource:
         return {"kind": self.kind, "seed": self.seed, "next_step": step}
 
 
-def from_config(cfg: RunConfig, *, dp: int, dp_rank: int) -> BatchSource | SFTSource:
-    """The batch source of one data-parallel rank of a ``RunConfig``: conversations for
-    ``program: sft`` (read and tokenized here, as submit checked them), else ``data``'s."""
+def from_config(cfg: RunConfig, *, dp: int, dp_rank: int, run_dir: Path | None = None) -> BatchSource | SFTSource:
+    """The batch source of one data-parallel rank of a ``RunConfig``: for ``program: sft`` the
+    conversations submit froze in ``run_dir`` (core.data.sft.FROZEN), or, without that file
+    (ranks driven by a test), ``sft.data`` read and tokenized here; else ``data``'s."""
     micro = resolve_micro_batch(cfg.training.micro_batch_size, global_batch=cfg.training.global_batch_size, dp=dp)
     if cfg.program == "sft":
         s = cfg.sft
-        assert s.data is not None  # core.config.sft.check
-        tokenizer = chat.load_chat_tokenizer(sft_spec.tokenizer_path(s, cfg.init_from))
-        conversations = chat.read_conversations(s.data, key=s.messages_key, tokenizer=tokenizer,
-                                                seq_length=cfg.model.seq_length, too_long=s.too_long)
+        frozen = None if run_dir is None else run_dir / chat.FROZEN
+        if frozen is not None and frozen.is_file():
+            conversations = chat.load(frozen)
+        else:
+            assert s.data is not None  # core.config.sft.check
+            tokenizer = chat.load_chat_tokenizer(sft_spec.tokenizer_path(s, cfg.init_from))
+            conversations = chat.read_conversations(s.data, key=s.messages_key, tokenizer=tokenizer,
+                                                    seq_length=cfg.model.seq_length, too_long=s.too_long)
         return SFTSource(conversations, seed=cfg.seed, seq_length=cfg.model.seq_length,
                          global_batch=cfg.training.global_batch_size, micro_batch=micro, dp=dp, dp_rank=dp_rank)
     return BatchSource(
