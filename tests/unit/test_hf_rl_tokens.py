@@ -60,18 +60,26 @@ def test_hf_is_the_tokenizer_by_default_with_an_hf_init_and_byte_otherwise(chatm
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.vocab_size=300", "init_from=hf:{chatml}"],
-     r"^rl.tokenizer: {chatml} has 397 tokens > model.vocab_size = 300; raise model.vocab_size to at least 397$"),
+     r"^rl.tokenizer: {chatml} has {n} tokens > model.vocab_size = 300; raise model.vocab_size to at least {n}$"),
     (["rl.tokenizer=hf"], r"^rl.tokenizer: hf reads the tokenizer of init_from: hf:PATH, but init_from is None; "),
     (["rl.tokenizer={chatml}", "rl.stop=[<|im_end|>, <|eot_id|>, '!!']"],
      r"^rl.stop: '<\|eot_id\|>', '!!' not a token of {chatml}; give tokens of its vocabulary"),
-    (["rl.tokenizer={chatml}", "rl.stop=[2, 397]"], r"^rl.stop: 397 not an id of {chatml} \(0..396\)"),
+    (["rl.tokenizer={chatml}", "rl.stop=[2, {n}]"], r"^rl.stop: {n} not an id of {chatml} \(0..{last}\)"),
     (["rl.stop=[<|im_end|>]"], r"^rl.stop: token strings \('<\|im_end\|>'\) need a Hugging Face tokenizer; byte "),
     (["rl.stop=[]"], r"^rl.stop: an empty list stops nothing"),
     (["rl.task=counting", "rl.prompts=null", "rl.stop=[3]"], r"^rl.stop: \(3,\) is read only with rl.task: file"),
 ])
 def test_bad_tokenizer_settings_are_refused_in_one_line(chatml: Path, overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("{chatml}", str(chatml))) as err:
-        _grpo(*(o.replace("{chatml}", str(chatml)) for o in overrides))
+    n = len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
+    fill = {"{chatml}": str(chatml), "{n}": str(n), "{last}": str(n - 1)}
+
+    def filled(text: str) -> str:
+        for k, v in fill.items():
+            text = text.replace(k, v)
+        return text
+
+    with pytest.raises(ConfigError, match=filled(message)) as err:
+        _grpo(*map(filled, overrides))
     assert "\n" not in str(err.value)
 
 

@@ -19,7 +19,7 @@ from tests.hf_tokenizers import CHATML_TEMPLATE, chatml_folder, llama3_folder
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox.", "héllo wörld — 你好 🎉", "  two  spaces\n\nand lines\t", "<|im_end|> inside",
-         "", "def add(a, b):\n    return a + b\n"]
+         "", "def add(a, b):\n    return a + b\n", "In 2024: 1234567 tokens; I'LL count 3.14159", "e\u0301 cafe\u0301"]
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello! What is two plus two?"}],
     [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What is two plus two?"},
