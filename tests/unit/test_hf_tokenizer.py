@@ -96,6 +96,13 @@ def test_template_raise_exception_is_a_user_error(tmp_path: Path) -> None:
         ref.apply_chat_template(bad, tokenize=False)
     with pytest.raises(ChatTemplateError, match=r'refused the conversation \(unknown role "robot"\)'):
         ours.render(bad, add_generation_prompt=False)
+    chatml = chatml_folder(tmp_path / "c")  # its template adds strings: content parts cannot join
+    ours, ref = load_hf_tokenizer(chatml), AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    with pytest.raises(TypeError):
+        ref.apply_chat_template(parts, tokenize=False)
+    with pytest.raises(ChatTemplateError, match=r"refused the conversation \(.*list"):
+        ours.render(parts, add_generation_prompt=False)
 
 
 def test_stop_ids_from_generation_config_int_and_list(tmp_path: Path) -> None:
