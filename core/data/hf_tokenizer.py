@@ -104,12 +104,15 @@ class HFTokenizer:
         a prefix of the whole conversation's ids; a template that writes earlier turns
         differently once later ones follow (Qwen3 drops an earlier turn's ``<think>``) is refused.
         """
+        if messages and messages[0].get("role") == "assistant":  # no prompt before it to tell its tokens by
+            raise ChatTemplateError(f"{self.name}: the conversation opens with an assistant message; begin it with a "
+                                    "system or user message")
         ids = self.chat_ids(messages, add_generation_prompt=False)
         mask = [False] * len(ids)
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = self.chat_ids(messages[:i], add_generation_prompt=True) if i else []
+            start = self.chat_ids(messages[:i], add_generation_prompt=True)
             end = self.chat_ids(messages[: i + 1], add_generation_prompt=False)
             for prefix, what in ((start, f"messages[:{i}] with the generation prompt"), (end, f"messages[:{i + 1}]")):
                 if ids[: len(prefix)] != prefix:

@@ -70,6 +70,8 @@ def test_sft_mask_equals_transformers_assistant_mask(pair: tuple[HFTokenizer, An
         assert ids == list(want["input_ids"])
         assert mask == [bool(m) for m in want["assistant_masks"]]
         assert any(mask) == any(m["role"] == "assistant" for m in messages)
+    with pytest.raises(ChatTemplateError, match="opens with an assistant message; begin it with a system or user"):
+        ours.sft_ids([{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Hello"}])
 
 
 def test_template_from_tokenizer_config_and_special_token_variables(tmp_path: Path) -> None:
