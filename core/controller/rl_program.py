@@ -47,6 +47,7 @@ from core.config.run import RunConfig
 from core.controller.generation import GeneratorFlow
 from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
+from core.data.tokenizer import text_before_stop
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
@@ -199,7 +200,7 @@ class RLStep:
         """A prompt's metadata for the reward; a file task's with ``response_text``."""
         if self.tokenizer is None:
             return meta
-        return {**meta, "response_text": response_text(self.tokenizer, self.stop, response)}
+        return {**meta, "response_text": text_before_stop(self.tokenizer, self.stop, response)}
 
     def _update(self, step: int, rows: list[Row], old: list[tuple[float, ...]], ref: list[tuple[float, ...]]
                 ) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
@@ -246,17 +247,6 @@ def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], stop: tuple[int
     tokens, logps = generated
     end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
     return tokens[:end], logps[:end]
-
-
-def response_text(tokenizer: Any, stop: tuple[int, ...], response: Sequence[int]) -> str:
-    """A response's text for the reward: its ids up to its first stop token, the stop token
-    itself excluded (what follows it never reaches the reward), special tokens skipped."""
-    end = next((i for i, t in enumerate(response) if t in stop), len(response))
-    ids = list(response[:end])
-    try:
-        return str(tokenizer.decode(ids))
-    except UnicodeDecodeError:  # a model may emit bytes that are no UTF-8: U+FFFD for those
-        return str(tokenizer.decode(ids, errors="replace"))
 
 
 @contextmanager

@@ -87,7 +87,7 @@ class HFTokenizer:
         try:
             return str(self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
                                              add_generation_prompt=add_generation_prompt, **self.special_tokens))
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a message the template cannot join
             raise ChatTemplateError(f"{self.name}: the chat template refused the conversation ({exc}); "
                                     "fix the messages (roles, order) or the template") from None
 
@@ -104,12 +104,15 @@ class HFTokenizer:
         a prefix of the whole conversation's ids; a template that writes earlier turns
         differently once later ones follow (Qwen3 drops an earlier turn's ``<think>``) is refused.
         """
+        if messages and messages[0].get("role") == "assistant":  # no prompt before it to tell its tokens by
+            raise ChatTemplateError(f"{self.name}: the conversation opens with an assistant message; begin it with a "
+                                    "system or user message")
         ids = self.chat_ids(messages, add_generation_prompt=False)
         mask = [False] * len(ids)
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = self.chat_ids(messages[:i], add_generation_prompt=True) if i else []
+            start = self.chat_ids(messages[:i], add_generation_prompt=True)
             end = self.chat_ids(messages[: i + 1], add_generation_prompt=False)
             for prefix, what in ((start, f"messages[:{i}] with the generation prompt"), (end, f"messages[:{i + 1}]")):
                 if ids[: len(prefix)] != prefix:
@@ -210,13 +213,6 @@ def _load_backend(path: Path) -> Any:
         return Backend.from_file(str(path))
     except Exception as exc:  # the Rust side raises a bare Exception for malformed files
         raise HFTokenizerError(f"{path}: not a valid tokenizer.json ({exc})") from None
-
-
-def hf_folder(spec: str | Path) -> Path:
-    """``hf:PATH`` or ``PATH`` → the folder (a ``tokenizer.json`` path → its folder)."""
-    text = str(spec)
-    path = Path(text[len(HF_PREFIX):] if text.startswith(HF_PREFIX) else text)
-    return path.parent if path.is_file() else path
 
 
 def load_hf_tokenizer(folder: str | Path) -> HFTokenizer:

@@ -102,3 +102,15 @@ def stop_ids(tok: Tokenizer, stop: Sequence[int | str] | None) -> tuple[int, ...
         raise TokenizerError(f"rl.stop: {', '.join(unknown) or 'an empty list'}: not a token of {tok.name}; give "
                              "its tokens (as tokenizer.json writes them: <|im_end|>) or ids below its vocabulary")
     return tuple(dict.fromkeys(found))
+
+
+def text_before_stop(tok: Tokenizer, stop: Sequence[int], ids: Sequence[int]) -> str:
+    """A response's text for the reward (``response_text``) and samples.jsonl: its ids up to
+    its first stop token, the stop token itself excluded (what follows it never reaches the
+    reward), special tokens skipped; bytes that are no UTF-8 (a byte tokenizer's) as U+FFFD."""
+    end = next((i for i, t in enumerate(ids) if t in stop), len(ids))
+    body = [int(t) for t in ids[:end]]
+    try:
+        return tok.decode(body)
+    except UnicodeDecodeError:  # only the byte tokenizer raises: a model may emit bytes that are no UTF-8
+        return ByteTokenizer().decode(body, errors="replace")

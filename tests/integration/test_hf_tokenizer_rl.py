@@ -37,7 +37,7 @@ def test_grpo_with_chat_prompts_and_stop_tokens_of_a_hugging_face_folder(tmp_pat
     ref = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": c}) + "\n" for c in CHATS))
     (tmp_path / "text_rewards.py").write_text(REWARD)
-    stop = list(range(0, 397, 2))  # half the tokenizer's ids: a random policy stops within a few tokens
+    stop = list(range(0, len(ref), 2))  # half the tokenizer's ids: a random policy stops within a few tokens
     log = tmp_path / "asked.jsonl"
     res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={tmp_path / 'runs'}", "rl.task=file",
                 f"rl.prompts={tmp_path / 'prompts.jsonl'}", f"rl.tokenizer={folder}", f"rl.stop={stop}",

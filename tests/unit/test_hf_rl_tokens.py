@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,10 +15,12 @@ from transformers import AutoTokenizer
 
 from core.config import run as config
 from core.config import tokvocab
-from core.controller.rl_program import _until, response_text
+from core.controller.generation import GeneratorFlow
+from core.controller.rl_program import _until
 from core.data.prompts import PromptFileError, read_prompts
-from core.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, stop_ids
+from core.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, stop_ids, text_before_stop
 from core.errors import ConfigError
+from core.flows import calls as gen_calls
 from tests.hf_tokenizers import chatml_folder, llama3_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,18 +60,26 @@ def test_hf_is_the_tokenizer_by_default_with_an_hf_init_and_byte_otherwise(chatm
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.vocab_size=300", "init_from=hf:{chatml}"],
-     r"^rl.tokenizer: {chatml} has 397 tokens > model.vocab_size = 300; raise model.vocab_size to at least 397$"),
+     r"^rl.tokenizer: {chatml} has {n} tokens > model.vocab_size = 300; raise model.vocab_size to at least {n}$"),
     (["rl.tokenizer=hf"], r"^rl.tokenizer: hf reads the tokenizer of init_from: hf:PATH, but init_from is None; "),
     (["rl.tokenizer={chatml}", "rl.stop=[<|im_end|>, <|eot_id|>, '!!']"],
      r"^rl.stop: '<\|eot_id\|>', '!!' not a token of {chatml}; give tokens of its vocabulary"),
-    (["rl.tokenizer={chatml}", "rl.stop=[2, 397]"], r"^rl.stop: 397 not an id of {chatml} \(0..396\)"),
+    (["rl.tokenizer={chatml}", "rl.stop=[2, {n}]"], r"^rl.stop: {n} not an id of {chatml} \(0..{last}\)"),
     (["rl.stop=[<|im_end|>]"], r"^rl.stop: token strings \('<\|im_end\|>'\) need a Hugging Face tokenizer; byte "),
     (["rl.stop=[]"], r"^rl.stop: an empty list stops nothing"),
     (["rl.task=counting", "rl.prompts=null", "rl.stop=[3]"], r"^rl.stop: \(3,\) is read only with rl.task: file"),
 ])
 def test_bad_tokenizer_settings_are_refused_in_one_line(chatml: Path, overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("{chatml}", str(chatml))) as err:
-        _grpo(*(o.replace("{chatml}", str(chatml)) for o in overrides))
+    n = len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
+    fill = {"{chatml}": str(chatml), "{n}": str(n), "{last}": str(n - 1)}
+
+    def filled(text: str) -> str:
+        for k, v in fill.items():
+            text = text.replace(k, v)
+        return text
+
+    with pytest.raises(ConfigError, match=filled(message)) as err:
+        _grpo(*map(filled, overrides))
     assert "\n" not in str(err.value)
 
 
@@ -102,10 +113,10 @@ def test_text_after_the_stop_token_never_reaches_the_reward(chatml: Path) -> Non
         generated = tuple(answer + [end] + later), tuple(float(-i) for i in range(len(answer) + 1 + len(later)))
         tokens, logps = _until(generated, stop)
         assert tokens == tuple(answer + [end]) and logps == generated[1][: len(answer) + 1]  # the stop token trains
-        assert response_text(tok, stop, tokens) == ref.decode(answer) == "Two plus two is four."
-        assert response_text(tok, stop, generated[0]) == "Two plus two is four."
+        assert text_before_stop(tok, stop, tokens) == ref.decode(answer) == "Two plus two is four."
+        assert text_before_stop(tok, stop, generated[0]) == "Two plus two is four."
     assert _until((tuple(answer), ()), stop)[0] == tuple(answer)  # no stop: all of it
-    assert response_text(tok, stop, answer + later) == ref.decode(answer + later)
+    assert text_before_stop(tok, stop, answer + later) == ref.decode(answer + later)
 
 
 def test_generation_stops_at_any_stop_token() -> None:
@@ -150,3 +161,39 @@ def test_chat_message_prompts_are_the_chat_templates_ids_left_padded(tmp_path: P
     bad.write_text(json.dumps({"prompt": [{"content": "no role"}]}) + "\n")
     with pytest.raises(PromptFileError, match=r"bad.jsonl:1: field 'prompt' is list, neither text nor chat messages"):
         read_prompts(bad, key="prompt", tokenizer=load_tokenizer(chatml), length=64)
+
+
+# --- samples.jsonl with init_from hf: -------------------------------------------------------
+class _Generator:
+    """The generator group's workers (a process boundary): records GENERATE, answers scripted tokens."""
+
+    ranks = (0,)
+    dims = SimpleNamespace(dp=1)
+
+    def __init__(self, tokens: list[list[int]]) -> None:
+        self.tokens, self.requests = tokens, []  # type: ignore[var-annotated]
+
+    def call_each(self, method: Any, shares: list[Any], timeout_s: float | None = None) -> list[Any]:
+        self.requests += shares
+        return [gen_calls.Generated(replica=0, version=3, tokens=tuple(map(tuple, self.tokens)),
+                                    logprobs=tuple((0.0,) * len(t) for t in self.tokens))]
+
+
+@pytest.mark.parametrize("eos", [None, 7])
+def test_samples_stop_at_the_folders_stop_tokens_and_carry_their_text(tmp_path: Path, chatml: Path, eos: int | None
+                                                                      ) -> None:
+    ref = AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    answer = ref.encode("Two plus two is four.", add_special_tokens=False)
+    end = ref.convert_tokens_to_ids("<|im_end|>")
+    scripted = [answer + [end] + answer[:2], answer[:3]]
+    cfg = config.load(REPO / "experiments" / "grpo_tiny.yaml", [f"init_from=hf:{chatml}", "model.vocab_size=512",
+                                                                *([f"generator.eos={eos}"] if eos else [])])
+    generator = _Generator(scripted)
+    flow = GeneratorFlow(cfg, SimpleNamespace(samples=tmp_path / "samples.jsonl"), None, generator, generator)
+    flow._prompts = ((1, 2, 3, 4), (5, 6, 7, 8))
+    flow.generate(step=3)
+    assert [r.eos for r in generator.requests] == [(eos,) if eos else (end, ref.convert_tokens_to_ids("<|endoftext|>"))]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    want = [ref.decode(answer), ref.decode(answer[:3])] if not eos else \
+        [ref.decode(t[: t.index(eos)] if eos in t else t, skip_special_tokens=True) for t in scripted]
+    assert [r["text"] for r in rows] == want and [r["tokens"] for r in rows] == scripted

@@ -19,7 +19,7 @@ from tests.hf_tokenizers import CHATML_TEMPLATE, chatml_folder, llama3_folder
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox.", "héllo wörld — 你好 🎉", "  two  spaces\n\nand lines\t", "<|im_end|> inside",
-         "", "def add(a, b):\n    return a + b\n"]
+         "", "def add(a, b):\n    return a + b\n", "In 2024: 1234567 tokens; I'LL count 3.14159", "e\u0301 cafe\u0301"]
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello! What is two plus two?"}],
     [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What is two plus two?"},
@@ -70,6 +70,8 @@ def test_sft_mask_equals_transformers_assistant_mask(pair: tuple[HFTokenizer, An
         assert ids == list(want["input_ids"])
         assert mask == [bool(m) for m in want["assistant_masks"]]
         assert any(mask) == any(m["role"] == "assistant" for m in messages)
+    with pytest.raises(ChatTemplateError, match="opens with an assistant message; begin it with a system or user"):
+        ours.sft_ids([{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Hello"}])
 
 
 def test_template_from_tokenizer_config_and_special_token_variables(tmp_path: Path) -> None:
@@ -96,6 +98,13 @@ def test_template_raise_exception_is_a_user_error(tmp_path: Path) -> None:
         ref.apply_chat_template(bad, tokenize=False)
     with pytest.raises(ChatTemplateError, match=r'refused the conversation \(unknown role "robot"\)'):
         ours.render(bad, add_generation_prompt=False)
+    chatml = chatml_folder(tmp_path / "c")  # its template adds strings: content parts cannot join
+    ours, ref = load_hf_tokenizer(chatml), AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    with pytest.raises(TypeError):
+        ref.apply_chat_template(parts, tokenize=False)
+    with pytest.raises(ChatTemplateError, match=r"refused the conversation \(.*list"):
+        ours.render(parts, add_generation_prompt=False)
 
 
 def test_stop_ids_from_generation_config_int_and_list(tmp_path: Path) -> None:

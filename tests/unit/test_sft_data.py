@@ -167,7 +167,7 @@ def test_with_a_tokenizer_folder_the_counted_labels_are_the_assistants_turns(cha
 
     f = _jsonl(tmp_path / "c.jsonl", [{"messages": TALK}])
     cfg = config_mod.from_data(_sft_config(f, sft={"data": str(f), "tokenizer": str(chatml)},
-                                           model={"kind": "gpt", "vocab_size": 400, "seq_length": 128}))
+                                           model={"kind": "gpt", "vocab_size": 512, "seq_length": 128}))
     mb = from_config(cfg, dp=1, dp_rank=0).micro_batches(0)[0]
     hf = AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
     whole = hf.apply_chat_template(TALK, tokenize=True, return_dict=True)["input_ids"]
@@ -178,8 +178,11 @@ def test_with_a_tokenizer_folder_the_counted_labels_are_the_assistants_turns(cha
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_at_submit(chatml: Path) -> None:
+    from transformers import AutoTokenizer  # the reference: the folder's tokens, added ones included
+
+    size = len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
     res = baton("submit", "experiments/sft_chat.yaml", "runs_root=/nonexistent/runs", f"sft.tokenizer={chatml}",
                 "--backend", "local", timeout=120)
     assert res.returncode == 2
-    assert res.stderr.strip() == (f"baton: error: sft.tokenizer: {chatml} has 397 tokens > model.vocab_size = 264; "
-                                  "raise model.vocab_size to at least 397"), res.stderr
+    assert res.stderr.strip() == (f"baton: error: sft.tokenizer: {chatml} has {size} tokens > model.vocab_size = "
+                                  f"264; raise model.vocab_size to at least {size}"), res.stderr
