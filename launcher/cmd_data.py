@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--output", "-o", required=True, type=arg_text, help="the HDF5 file to write")
     p.add_argument("--tokenizer", default="byte", type=arg_text,
                    help="'byte' (built-in, vocab 257, EOS 256), 'qwen3' (Qwen2/2.5/3 BPE, offline, vocab 151669, "
-                   "EOS <|endoftext|>) or a local tokenizer.json / tokenizer folder")
+                   "EOS <|endoftext|>) or a Hugging Face model folder (hf:PATH or PATH; its tokenizer.json and "
+                   "tokenizer_config.json's eos_token)")
     p.add_argument("--text-key", default="text", type=arg_text, help="JSONL field / parquet column with the text (default: text)")
     p.set_defaults(func=run)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from core.checkpoint import manifest
 from core.config import rl as rl_spec
 from core.config import run as config_mod
+from core.config import sft as sft_spec
 from core.config.run import RunConfig
 from core.config.runplan import plan_run
 from core.errors import UserError
@@ -40,17 +41,48 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     cfg = resolve_init(cfg)
     if cfg.rl.prompts and not Path(cfg.rl.prompts).is_absolute():
         cfg = replace(cfg, rl=replace(cfg.rl, prompts=str(Path(cfg.rl.prompts).resolve())))
-    if cfg.rl.tokenizer not in rl_spec.TOKENIZER_VOCAB and not Path(cfg.rl.tokenizer).is_absolute():
-        cfg = replace(cfg, rl=replace(cfg.rl, tokenizer=str(Path(cfg.rl.tokenizer).resolve())))
+    tok = cfg.rl.tokenizer
+    if tok is not None and tok not in rl_spec.TOKENIZER_VOCAB and tok != "hf":
+        folder = tok.removeprefix("hf:")
+        if not Path(folder).is_absolute():
+            cfg = replace(cfg, rl=replace(cfg.rl, tokenizer=str(Path(folder).resolve())))
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
+    cfg = resolve_sft(cfg)
+    conversations = check_sft(cfg)
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
+    if conversations is not None:  # every allocation trains on what was checked here
+        write_atomic(run.path / conversations[0], conversations[1])
     write_atomic(run.config, config_mod.dump(cfg))
     write_atomic(run.plan, plan_run(cfg).to_json())
     generate_keys(run.keys)
     now = time.time()
     RunRecord(run).create(RunState(total_steps=cfg.trainer.steps, created=now, updated=now), ev.Created(backend=backend))
     return run
+
+
+def resolve_sft(cfg: RunConfig) -> RunConfig:
+    """``program: sft``'s data file and tokenizer folder stored absolute, as data.path is."""
+    s = cfg.sft
+    if cfg.program != "sft" or s.data is None:
+        return cfg
+    tokenizer = s.tokenizer if s.tokenizer in (sft_spec.BYTE, sft_spec.FROM_INIT) else str(Path(s.tokenizer).resolve())
+    return replace(cfg, sft=replace(s, data=str(Path(s.data).resolve()), tokenizer=tokenizer))
+
+
+def check_sft(cfg: RunConfig) -> tuple[str, bytes] | None:
+    """``program: sft``: every record of the data file is a conversation that fits the model (a
+    one-line UserError naming the record otherwise); the run folder's file name and bytes of
+    the conversations, tokenized, for the workers (core.data.sft.FROZEN). None for other programs."""
+    if cfg.program != "sft":
+        return None
+    from core.data import sft as chat  # numpy and the tokenizer's libraries: only an SFT submit reads conversations
+
+    s = cfg.sft
+    assert s.data is not None  # core.config.sft.check
+    conversations = chat.check(s.data, key=s.messages_key, tokenizer=sft_spec.tokenizer_path(s, cfg.init_from),
+                               seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, too_long=s.too_long)
+    return chat.FROZEN, chat.to_bytes(conversations)
 
 
 def resolve_init(cfg: RunConfig) -> RunConfig:

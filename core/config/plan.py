@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config.dims import ParallelDims
+from core.config.rl import RL_PROGRAMS
 from core.config.run import RunConfig
 from core.errors import ConfigError, LayoutError
 
@@ -225,7 +226,7 @@ def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: b
         grads = (4 if reduce_dtype == "fp32" else low) * params  # as core.model.gpt.model's grad_reduce_in_fp32
     else:
         weights = grads = 4 * params
-    reference = low * params if cfg.program != "pretrain" and cfg.rl.kl.enabled else 0
+    reference = low * params if cfg.program in RL_PROGRAMS and cfg.rl.kl.enabled else 0
     return models * weights + reference, models * grads, models * ceil_div(8 * params, shard)
 
 

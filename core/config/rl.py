@@ -1,9 +1,15 @@
 """RL post-training settings: ``program: grpo`` or ``ppo`` and the ``rl`` section.
 
-``program``: ``pretrain`` (the default: next-token training on ``data``), ``grpo`` or ``ppo``.
-``task: file`` asks the prompts of the ``prompts`` file (JSONL or Parquet, text in
-``prompt_key``, tokenized with ``tokenizer`` and left-padded to ``prompt_length``); its
-responses end at the tokenizer's end-of-text token.
+``program``: ``pretrain`` (the default: next-token training on ``data``), ``sft`` (chat data:
+core.config.sft), ``grpo`` or ``ppo``.
+``task: file`` asks the prompts of the ``prompts`` file (JSONL or Parquet; in ``prompt_key``
+text, or chat messages rendered with the tokenizer's chat template and its generation
+prompt), tokenized with ``tokenizer`` and left-padded to ``prompt_length``. ``tokenizer``:
+``byte``, ``qwen3``, ``hf`` (the ``init_from: hf:PATH`` folder's tokenizer and chat template;
+the default when ``init_from`` is ``hf:``, else ``byte``) or a local Hugging Face folder
+(core.config.tokvocab). A response ends at its first ``stop`` token (token strings or ids;
+default: the tokenizer's stop tokens, generation_config.json's ``eos_token_id`` for a
+Hugging Face folder, else its end of text); the reward's ``response_text`` ends before it.
 Under ``grpo`` the first ``rl.warmup_steps`` steps are supervised steps on ``data`` (a warm
 start: a policy that never succeeds gets no signal), then every step is one GRPO iteration:
 ``prompts_per_step`` prompts of ``prompt_length`` tokens from ``rl.task``, each answered
@@ -42,14 +48,14 @@ the model's) is checked by ``core.config.run`` against the whole config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
+from core.config import tokvocab
 from core.config.inputs import check_file
 from core.config.schema import bounded, check_bounds
 from core.errors import ConfigError
 
-PROGRAMS = ("pretrain", "grpo", "ppo")
+PROGRAMS = ("pretrain", "sft", "grpo", "ppo")  # sft: core.config.sft
 RL_PROGRAMS = ("grpo", "ppo")
 BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
 
@@ -87,7 +93,8 @@ class RLConfig:
     task: Literal["counting", "file"] = "counting"
     prompts: str | None = None  # task file: a .jsonl or .parquet of prompts (core.data.prompts)
     prompt_key: str = "prompt"
-    tokenizer: str = "byte"  # task file: byte, qwen3 or a local tokenizer's path
+    tokenizer: str | None = None  # task file: byte, qwen3, hf or a local folder; None: hf with init_from hf:, else byte
+    stop: tuple[int | str, ...] | None = None  # task file: stop tokens (strings or ids); None: the tokenizer's
     reward: str = "counting"
     prompts_per_step: int = bounded(4, gt=0, le=2**20)
     n: int = bounded(8, gt=0, le=2**16)
@@ -119,23 +126,19 @@ def init_from(value: str) -> tuple[str, int | None]:
     return value, None
 
 
-TOKENIZER_VOCAB = {"byte": 257, "qwen3": 151669}  # core.data.tokenizer's built-ins
+TOKENIZER_VOCAB = tokvocab.BUILTIN_VOCAB  # core.data.tokenizer's built-ins
 
 
-def check_task(rl: RLConfig, *, vocab_size: int) -> None:
-    """``rl.task`` and what it reads: the prompts file and a tokenizer the model's vocabulary holds."""
+def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -> None:
+    """``rl.task`` and what it reads: the prompts file, a tokenizer the model's vocabulary
+    holds, stop tokens of that tokenizer."""
     if rl.task != "file":
-        if rl.prompts is not None:
-            raise ConfigError(f"rl.prompts: {rl.prompts!r} is read only with rl.task: file (now {rl.task!r}); "
-                              "set rl.task=file or drop rl.prompts")
+        for key, value in (("rl.prompts", rl.prompts), ("rl.stop", rl.stop)):
+            if value is not None:
+                raise ConfigError(f"{key}: {value!r} is read only with rl.task: file (now {rl.task!r}); "
+                                  f"set rl.task=file or drop {key}")
         return
     if rl.prompts is None:
         raise ConfigError("rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts")
     check_file("rl.prompts", rl.prompts, "give a .jsonl or .parquet file of prompts")
-    vocab = TOKENIZER_VOCAB.get(rl.tokenizer)
-    if vocab is None and not Path(rl.tokenizer).exists():
-        raise ConfigError(f"rl.tokenizer: {rl.tokenizer!r} is neither byte, qwen3 nor an existing local tokenizer "
-                          "path (nothing is downloaded)")
-    if vocab is not None and vocab > vocab_size:
-        raise ConfigError(f"rl.tokenizer: {rl.tokenizer} has {vocab} tokens > model.vocab_size = "
-                          f"{vocab_size}; raise model.vocab_size to at least {vocab}")
+    tokvocab.check(rl.tokenizer, init_from, rl.stop, vocab_size=vocab_size)

@@ -23,6 +23,7 @@ import yaml
 
 from core.config import inputs, modelcfg, schema
 from core.config import rl as rl_spec
+from core.config import sft as sft_spec
 from core.config.dims import ParallelDims
 from core.config.generator import GeneratorConfig
 from core.config.modelcfg import ModelConfig
@@ -59,7 +60,7 @@ class RunConfig:
     """
 
     name: str = "run"
-    program: str = "pretrain"  # or grpo, ppo (core.config.rl)
+    program: str = "pretrain"  # or sft (core.config.sft), grpo, ppo (core.config.rl)
     init_from: str | None = None  # RUN_DIR[:STEP]: start from another run's model weights (core.config.rl)
     seed: int = bounded(1234, ge=0, le=2**63 - 1, why=" (seeds are 64-bit)")
     runs_root: str = "runs"
@@ -76,6 +77,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     rl: rl_spec.RLConfig = field(default_factory=rl_spec.RLConfig)
+    sft: sft_spec.SFTConfig = field(default_factory=sft_spec.SFTConfig)
 
     def __post_init__(self) -> None:
         inputs.check_strings(self, "")
@@ -178,7 +180,12 @@ def _check_rl(cfg: RunConfig) -> None:
                           "model.kind: gpt")
     if cfg.program not in rl_spec.PROGRAMS:
         raise ConfigError(f"program: {cfg.program!r} is not one of {', '.join(rl_spec.PROGRAMS)}")
-    if cfg.program == "pretrain":
+    sft_spec.check(cfg.sft, program=cfg.program, init_from=cfg.init_from)
+    if cfg.program == "sft" and (cfg.model.kind != "gpt" or cfg.generator.enabled):
+        raise ConfigError(f"program: sft trains a GPT without a generator (now model.kind {cfg.model.kind!r}, "
+                          f"generator.enabled {str(cfg.generator.enabled).lower()}); set model.kind=gpt and "
+                          "generator.enabled=false")
+    if cfg.program not in rl_spec.RL_PROGRAMS:
         return
     rl = cfg.rl
     if cfg.model.kind != "gpt" or not cfg.generator.enabled:
@@ -196,7 +203,7 @@ def _check_rl(cfg: RunConfig) -> None:
     if rl.reward not in rl_spec.BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(rl_spec.BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")
-    rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size)
+    rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size, init_from=cfg.init_from)
     ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
                                         ("rl.critic", rl.critic, rl_spec.CriticConfig())) if v != default]
     if cfg.program != "ppo" and ppo_only:

@@ -12,7 +12,9 @@ step a run resumes from are cut first.
 
 The probe: the trainer answers a held-out batch with its log-probs, the generator scores
 the same tokens, the controller compares. Prompts come from the trainer, continuations from
-the generator. Colocated, every call goes to the trainer's ranks, which hold both models.
+the generator. With ``init_from: hf:PATH`` the folder's tokenizer names the continuations'
+stop tokens (generation_config.json's ``eos_token_id``; ``generator.eos`` overrides) and
+each row adds ``text``: the continuation decoded up to, not including, its stop token. Colocated, every call goes to the trainer's ranks, which hold both models.
 Split, the generator's ranks follow the trainer's, and a weight sync runs over both (on a
 bridge group joined at the start).
 """
@@ -21,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+from core.config import tokvocab
 from core.config.run import RunConfig
 from core.controller.group import WorkerGroup
 from core.controller.roles import RoleGroup, Span
+from core.data.tokenizer import load_tokenizer, text_before_stop
 from core.errors import UserError
 from core.flows import calls as gen_calls
 from core.flows import reshard
@@ -45,6 +50,12 @@ class GeneratorFlow:
         self._plan: list[reshard.Piece] | None = None
         self._prompts: tuple[tuple[int, ...], ...] = ()
         self.version = -1
+        self.tokenizer: Any = None  # init_from hf:PATH: the folder's (the samples' stop tokens and text)
+        self.stop: tuple[int, ...] = () if cfg.generator.eos is None else (cfg.generator.eos,)
+        folder = tokvocab.hf_init_folder(cfg.init_from)
+        if folder is not None:
+            self.tokenizer = load_tokenizer(tokvocab.HF_PREFIX + folder)
+            self.stop = self.stop or tuple(self.tokenizer.stop_ids)
 
     def start(self, step: int) -> float:
         """After setup and resume: the bridge (split), the plan, the prompts, samples past
@@ -106,17 +117,21 @@ class GeneratorFlow:
             greedy = sample == 0
             req = gen_calls.Generate(prompts=self._prompts, max_new_tokens=g.max_new_tokens,
                                      temperature=0.0 if greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
-                                     eos=g.eos, seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
+                                     eos=self.stop, seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
             for part in self._generate(req):
                 for index, tokens, logps in zip(range(part.replica, len(self._prompts), self.dims.dp), part.tokens,
                                                 part.logprobs, strict=True):
                     rows.append({"step": step, "version": part.version, "kind": "greedy" if greedy else "sampled",
                                  "sample": sample, "index": index, "replica": part.replica,
                                  "prompt": list(self._prompts[index]), "tokens": list(tokens),
-                                 "logprobs": [round(x, 6) for x in logps]})
+                                 "logprobs": [round(x, 6) for x in logps], **self._text(tokens)})
         rows.sort(key=lambda r: (r["sample"], r["index"]))  # the same order whatever the layout
         with self.run.samples.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def _text(self, tokens: Sequence[int]) -> dict[str, str]:
+        """A sample's text (with a Hugging Face tokenizer): up to its first stop token, excluded."""
+        return {} if self.tokenizer is None else {"text": text_before_stop(self.tokenizer, self.stop, tokens)}
 
     def _generate(self, req: gen_calls.Generate) -> list[gen_calls.Generated]:
         """GENERATE on every replica, each with its share of the prompts: every ``dp``-th, from

@@ -41,11 +41,13 @@ import numpy as np
 from core.checkpoint import calls as ckpt_calls
 from core.checkpoint import manifest
 from core.checkpoint.loop import LoopState
+from core.config import tokvocab
 from core.config.plan import count_params
 from core.config.run import RunConfig
 from core.controller.generation import GeneratorFlow
 from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
+from core.data.tokenizer import text_before_stop
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
 from core.rl import advantages, rewards, tasks
@@ -61,14 +63,16 @@ class RLStep:
         self.cfg, self.trainer, self.generator, self.saves = cfg, trainer, generator, saves
         self.checkpoints = saves.checkpoints
         self.reward = rewards.load(cfg.rl.reward, "rl.reward")
-        self.tokenizer: Any = None  # task file: its tokenizer (response_text, end of text)
+        self.tokenizer: Any = None  # task file: its tokenizer (response_text, stop tokens)
+        self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file)
         self.prompts: list[Any] = []
         if cfg.rl.task == "file":
             from core.data import prompts, tokenizer  # a tokenizer: only file tasks need one
 
-            self.tokenizer = tokenizer.load_tokenizer(cfg.rl.tokenizer)
+            self.tokenizer = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
+            self.stop = tokenizer.stop_ids(self.tokenizer, cfg.rl.stop)
             if self.tokenizer.vocab_size > cfg.model.vocab_size:
-                raise ConfigError(f"rl.tokenizer: {cfg.rl.tokenizer} has {self.tokenizer.vocab_size} tokens > "
+                raise ConfigError(f"rl.tokenizer: {self.tokenizer.name} has {self.tokenizer.vocab_size} tokens > "
                                   f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least "
                                   f"{self.tokenizer.vocab_size}")
             self.prompts = prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
@@ -123,10 +127,9 @@ class RLStep:
             asked = self._ask(step)
             prompts = [a.tokens for a in asked for _ in range(rl.n)]
             pads = [a.pad for a in asked for _ in range(rl.n)]  # each left-padded prompt's pads, masked out
-            eos = None if self.tokenizer is None else self.tokenizer.eos_id
-            done = [_until(d, eos) for d in self.generator.rollout(gen_calls.Generate(
+            done = [_until(d, self.stop) for d in self.generator.rollout(gen_calls.Generate(
                 prompts=tuple(prompts), max_new_tokens=rl.max_response_length, temperature=rl.temperature,
-                top_k=rl.top_k, top_p=rl.top_p, eos=eos, seed=(cfg.seed * 7919 + step) * 1009 + 7,
+                top_k=rl.top_k, top_p=rl.top_p, eos=self.stop, seed=(cfg.seed * 7919 + step) * 1009 + 7,
                 pads=tuple(pads)))]
         with _timed(phases, "reward"):
             scores = [rewards.score(self.reward, prompts[i], done[i][0], self._meta(asked[i // rl.n].meta, done[i][0]),
@@ -196,15 +199,10 @@ class RLStep:
         return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
 
     def _meta(self, meta: dict[str, Any], response: tuple[int, ...]) -> dict[str, Any]:
-        """A prompt's metadata for the reward; a file task's with the response's text."""
+        """A prompt's metadata for the reward; a file task's with ``response_text``."""
         if self.tokenizer is None:
             return meta
-        ids = [t for t in response if t != self.tokenizer.eos_id]
-        try:
-            text = self.tokenizer.decode(ids)
-        except UnicodeDecodeError:  # a model may emit bytes that are no UTF-8: U+FFFD for those
-            text = self.tokenizer.decode(ids, errors="replace")
-        return {**meta, "response_text": text}
+        return {**meta, "response_text": text_before_stop(self.tokenizer, self.stop, response)}
 
     def _update(self, step: int, rows: list[Row], pads: list[int], old: list[tuple[float, ...]],
                 ref: list[tuple[float, ...]]) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
@@ -247,13 +245,12 @@ class RLStep:
         return [items[d::dp] for d in range(dp)]
 
 
-def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], eos: int | None
+def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], stop: tuple[int, ...]
            ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """A response up to and including its first ``eos`` (what follows it is padding)."""
+    """A response up to and including its first stop token (what follows it is padding): the
+    policy is trained to emit the stop token, the reward's text ends before it."""
     tokens, logps = generated
-    if eos is None or eos not in tokens:
-        return tokens, logps
-    end = tokens.index(eos) + 1
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
     return tokens[:end], logps[:end]
 
 

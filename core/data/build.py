@@ -260,7 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", type=Path, help=".txt (one document per file), .jsonl, .parquet, or folders")
     p.add_argument("--output", "-o", required=True, type=Path, help="the HDF5 file to write")
     p.add_argument("--tokenizer", default=BYTE, help="'byte' (built-in, vocab 257), 'qwen3' (Qwen2/2.5/3 BPE, offline, vocab 151669) "
-                   "or a local tokenizer.json/folder")
+                   "or a Hugging Face model folder (hf:PATH or PATH) or its tokenizer.json")
     p.add_argument("--text-key", default="text", help="the JSONL field / parquet column holding the text")
 
 

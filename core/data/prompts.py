@@ -1,18 +1,22 @@
 """RL prompts from a file: ``rl.task: file`` reads ``rl.prompts`` (JSONL or Parquet) once, on
 the controller.
 
-Every record is one prompt: its ``rl.prompt_key`` field is the text, tokenized with
-``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a local tokenizer) and **left-padded** with
-the tokenizer's end-of-text id to ``rl.prompt_length`` (the response follows the prompt's
-last token); each prompt keeps its pad count, and the RL calls carry it so that the model
-never sees the pads (core.model.gpt.padding). A prompt longer than that is refused naming
-its record: a silently cut prompt asks a different question. Every other field of the record is the prompt's metadata, handed
-to the reward with ``prompt_text`` (and, per response, ``response_text``).
+Every record is one prompt: its ``rl.prompt_key`` field is either text, tokenized with
+``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a Hugging Face folder's), or chat messages
+(a list of ``{role, content}``), rendered with the Hugging Face tokenizer's chat template and
+its generation prompt (``HFTokenizer.chat_ids(messages, add_generation_prompt=True)``, as
+``apply_chat_template`` gives them). The ids are **left-padded** with the tokenizer's
+end-of-text id to ``rl.prompt_length`` (the response follows the prompt's last token). A
+prompt longer than that is refused naming its record: a silently cut prompt asks a different
+question. Each prompt keeps its pad count, and the RL calls carry it so that the model never
+sees the pads (core.model.gpt.padding). Every other field of the record is the prompt's
+metadata, handed to the reward with ``prompt_text`` (the text, or the rendered conversation; chat prompts also keep their
+``messages``) and, per response, ``response_text``.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,7 @@ class Prompt:
     pad: int = 0  # the leading pad tokens of ``tokens``
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _jsonl(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -40,34 +44,61 @@ def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             try:
                 record = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise PromptFileError(f"rl.prompts: {path}:{lineno}: not a UTF-8 JSON object ({exc}); "
+                raise PromptFileError(f"{what}: {path}:{lineno}: not a UTF-8 JSON object ({exc}); "
                                       "each line must be one JSON object") from None
             if not isinstance(record, dict):
-                raise PromptFileError(f"rl.prompts: {path}:{lineno}: expected a JSON object, "
+                raise PromptFileError(f"{what}: {path}:{lineno}: expected a JSON object, "
                                       f"got {type(record).__name__}")
             yield f"{path}:{lineno}", record
 
 
-def _parquet(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _parquet(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq  # optional: only .parquet prompts need it
     except ImportError:
-        raise PromptFileError(f"rl.prompts: {path}: reading .parquet needs pyarrow; pip install pyarrow") from None
+        raise PromptFileError(f"{what}: {path}: reading .parquet needs pyarrow; pip install pyarrow") from None
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid (an Exception) for non-parquet files
-        raise PromptFileError(f"rl.prompts: {path}: not a readable parquet file ({exc})") from None
+        raise PromptFileError(f"{what}: {path}: not a readable parquet file ({exc})") from None
     for i, record in enumerate(table.to_pylist()):
         yield f"{path} row {i}", record
 
 
-def records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) of every prompt record of ``path``, in order."""
+def records(path: Path, what: str = "rl.prompts") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of every record of ``path``, in order; ``what`` (the config key that named
+    the file) begins every refusal."""
     if path.suffix == ".jsonl":
-        return _jsonl(path)
+        return _jsonl(path, what)
     if path.suffix == ".parquet":
-        return _parquet(path)
-    raise PromptFileError(f"rl.prompts: {path}: unknown extension {path.suffix!r}; give a .jsonl or .parquet file")
+        return _parquet(path, what)
+    raise PromptFileError(f"{what}: {path}: unknown extension {path.suffix!r}; give a .jsonl or .parquet file")
+
+
+def _messages(value: Any) -> list[dict[str, Any]] | None:
+    """A chat prompt's messages, or None when ``value`` is not a list of {role, content}."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        return None
+    return [dict(m) for m in value]
+
+
+def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer) -> tuple[Sequence[int], str, dict[str, Any]]:
+    """A record's prompt: its ids, its text, what it adds to the metadata."""
+    if isinstance(value, str):
+        return tokenizer.encode(value), value, {}
+    messages = _messages(value)
+    if messages is None:
+        raise PromptFileError(f"rl.prompts: {where}: field {key!r} is {type(value).__name__}, neither text nor chat "
+                              "messages (a list of {role, content}); fix the record or set rl.prompt_key")
+    render = getattr(tokenizer, "render", None)
+    if render is None:
+        raise PromptFileError(f"rl.prompts: {where}: chat messages need a tokenizer with a chat template; "
+                              f"{tokenizer.name} has none: set rl.tokenizer to hf (init_from: hf:PATH) or a "
+                              "Hugging Face folder")
+    text = render(messages, add_generation_prompt=True)
+    return tokenizer.encode(text), text, {"messages": messages}
 
 
 def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int) -> list[Prompt]:
@@ -76,17 +107,16 @@ def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: in
     out = []
     try:
         for where, record in records(path):
-            text = record.get(key)
-            if not isinstance(text, str):
+            if key not in record:
                 fields = ", ".join(sorted(map(str, record))[:8]) or "none"
-                raise PromptFileError(f"rl.prompts: {where}: no text field {key!r} (fields: {fields}); set "
+                raise PromptFileError(f"rl.prompts: {where}: no field {key!r} (fields: {fields}); set "
                                       "rl.prompt_key to the field that holds the prompt")
-            ids = tokenizer.encode(text)
+            ids, text, extra = _ids(where, key, record[key], tokenizer)
             if len(ids) > length:
                 raise PromptFileError(f"rl.prompts: {where}: the prompt is {len(ids)} tokens > rl.prompt_length = "
                                       f"{length}; raise rl.prompt_length (and model.seq_length) or shorten it")
             meta = {k: v for k, v in record.items() if k != key}
-            meta["prompt_text"] = text
+            meta.update(extra, prompt_text=text)
             pad = length - len(ids)
             out.append(Prompt(tokens=(tokenizer.eos_id,) * pad + tuple(ids), meta=meta, pad=pad))
     except OSError as exc:

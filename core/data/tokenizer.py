@@ -5,9 +5,9 @@ The byte tokenizer maps UTF-8 bytes to ids 0..255 and adds one special token, EO
 (vocab 257). Text is encoded with ``surrogatepass`` so that *any* Python string, lone
 surrogates included, round-trips exactly: ``decode(encode(s)) == s``.
 
-A Hugging Face tokenizer is used only when a local path is given and ``tokenizers`` (for a
-``tokenizer.json`` file) or ``transformers`` (for a folder) is importable. Nothing is ever
-downloaded (``Tokenizer.from_file``, ``local_files_only=True``).
+A Hugging Face tokenizer (core.data.hf_tokenizer: ``tokenizers`` and jinja2, not
+transformers) is read from a local folder or its ``tokenizer.json``, given as ``hf:PATH`` or
+``PATH``. Nothing is ever downloaded.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from core.data.qwen import QWEN3, load_qwen3
 from core.errors import UserError
@@ -23,8 +23,6 @@ from core.errors import UserError
 logger = logging.getLogger(__name__)
 
 BYTE = "byte"
-# Looked up, in this order, to find a Hugging Face tokenizer's end-of-document token.
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 
 
 class TokenizerError(UserError):
@@ -64,79 +62,55 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors=errors)
 
 
-@dataclass(frozen=True, kw_only=True)
-class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local file or folder."""
-
-    name: str
-    vocab_size: int
-    eos_id: int
-    backend: Any  # tokenizers.Tokenizer or a transformers PreTrainedTokenizer
-
-    def encode(self, text: str) -> list[int]:
-        """Text → ids, without special tokens (EOS is appended per document by the builder)."""
-        if hasattr(self.backend, "encode_batch"):  # tokenizers.Tokenizer
-            return list(self.backend.encode(text, add_special_tokens=False).ids)
-        return list(self.backend.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Ids → text, special tokens skipped."""
-        return str(self.backend.decode([int(i) for i in ids], skip_special_tokens=True))
-
-
-def _find_eos(path: Path, token_to_id: Any) -> int:
-    for token in EOS_CANDIDATES:
-        tid = token_to_id(token)
-        if tid is not None:
-            return int(tid)
-    raise TokenizerError(f"{path}: no end-of-document token found (looked for {', '.join(EOS_CANDIDATES)}); "
-                         "use a tokenizer that defines one, or --tokenizer byte")
-
-
-def _from_tokenizer_json(path: Path) -> HFTokenizer:
-    try:
-        from tokenizers import Tokenizer as HFBackend  # optional: only a tokenizer.json needs it
-    except ImportError:
-        raise TokenizerError(f"{path}: reading a tokenizer.json needs the tokenizers library; "
-                             "pip install tokenizers (or use --tokenizer byte)") from None
-    try:
-        backend = HFBackend.from_file(str(path))
-    except Exception as exc:  # the Rust side raises a bare Exception for malformed files
-        raise TokenizerError(f"{path}: not a valid tokenizer.json ({exc})") from None
-    return HFTokenizer(name=str(path), vocab_size=int(backend.get_vocab_size(with_added_tokens=True)),
-                       eos_id=_find_eos(path, backend.token_to_id), backend=backend)
-
-
-def _from_folder(path: Path) -> HFTokenizer:
-    try:
-        from transformers import AutoTokenizer  # optional: only a tokenizer folder needs it
-    except ImportError:
-        if (path / "tokenizer.json").is_file():
-            return _from_tokenizer_json(path / "tokenizer.json")
-        raise TokenizerError(f"{path}: a tokenizer folder needs transformers (pip install transformers), "
-                             "or pass the path of a tokenizer.json with tokenizers installed") from None
-    try:
-        backend = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path}: transformers cannot load a tokenizer from this folder "
-                             f"({str(exc).splitlines()[0]})") from None
-    eos = backend.eos_token_id
-    if eos is None:
-        eos = _find_eos(path, lambda t: backend.convert_tokens_to_ids(t) if t in backend.get_vocab() else None)
-    return HFTokenizer(name=str(path), vocab_size=len(backend), eos_id=int(eos), backend=backend)
-
-
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"byte"`` → the built-in byte tokenizer; ``"qwen3"`` → Qwen3's (offline); a local
-    path → a Hugging Face tokenizer."""
+    """``"byte"`` → the built-in byte tokenizer; ``"qwen3"`` → Qwen3's (offline); ``hf:PATH``
+    or a local path (a model folder or its tokenizer.json) → a Hugging Face tokenizer with its
+    chat template (core.data.hf_tokenizer)."""
     if str(spec) == BYTE:
         return ByteTokenizer()
     if str(spec) == QWEN3:
         return load_qwen3()
-    path = Path(spec)
+    text = str(spec)
+    path = Path(text[3:] if text.startswith("hf:") else text)
     if not path.exists():
         raise TokenizerError(f"--tokenizer {spec}: no such file or folder; pass 'byte', 'qwen3' or the local path "
                              "of a tokenizer.json / tokenizer folder (nothing is downloaded)")
-    tok = _from_folder(path) if path.is_dir() else _from_tokenizer_json(path)
+    from core.data.hf_tokenizer import load_hf_tokenizer  # tokenizers and jinja2: only a HF tokenizer needs them
+
+    tok = load_hf_tokenizer(path)
     logger.info("tokenizer %s: vocab %d, eos %d", tok.name, tok.vocab_size, tok.eos_id)
     return tok
+
+
+def stop_ids(tok: Tokenizer, stop: Sequence[int | str] | None) -> tuple[int, ...]:
+    """``rl.stop`` resolved on ``tok``: None → the tokenizer's own stop tokens (a Hugging Face
+    folder's ``stop_ids``: generation_config.json's ``eos_token_id``; else its end of text);
+    ids are kept, token strings looked up in a Hugging Face tokenizer; an unknown one is
+    refused naming it."""
+    if stop is None:
+        return tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
+    lookup = getattr(tok, "token_id", None)
+    found: list[int] = []
+    unknown: list[str] = []
+    for token in stop:
+        tid = token if isinstance(token, int) else lookup(token) if lookup is not None else None
+        if tid is None or not 0 <= tid < tok.vocab_size:
+            unknown.append(repr(token))
+        else:
+            found.append(tid)
+    if unknown or not found:
+        raise TokenizerError(f"rl.stop: {', '.join(unknown) or 'an empty list'}: not a token of {tok.name}; give "
+                             "its tokens (as tokenizer.json writes them: <|im_end|>) or ids below its vocabulary")
+    return tuple(dict.fromkeys(found))
+
+
+def text_before_stop(tok: Tokenizer, stop: Sequence[int], ids: Sequence[int]) -> str:
+    """A response's text for the reward (``response_text``) and samples.jsonl: its ids up to
+    its first stop token, the stop token itself excluded (what follows it never reaches the
+    reward), special tokens skipped; bytes that are no UTF-8 (a byte tokenizer's) as U+FFFD."""
+    end = next((i for i, t in enumerate(ids) if t in stop), len(ids))
+    body = [int(t) for t in ids[:end]]
+    try:
+        return tok.decode(body)
+    except UnicodeDecodeError:  # only the byte tokenizer raises: a model may emit bytes that are no UTF-8
+        return ByteTokenizer().decode(body, errors="replace")

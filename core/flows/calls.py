@@ -55,7 +55,7 @@ class Generate:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
     top_p: float = 1.0
-    eos: int | None = None
+    eos: tuple[int, ...] = ()  # stop ids: a response ends at the first of them (core.model.gpt.generate)
     seed: int = 0  # with a prompt's index: the seed of the generator it samples from
     indices: tuple[int, ...] = ()  # each prompt's index in the run's prompt set (default 0, 1, ...)
     pads: tuple[int, ...] = ()  # each prompt's leading pad tokens, masked out (default: none)

@@ -2,7 +2,11 @@
 
 A reward function takes ``(prompt, response, metadata)``, where ``prompt`` and ``response``
 are token-id tuples and ``metadata`` the prompt's own fields (its JSONL row, the task's
-answer), and returns a float. It runs on the controller, once per response.
+answer), and returns a float. It runs on the controller, once per response. ``response``
+ends with the stop token that ended it (``rl.stop``; none when it ran to
+``rl.max_response_length``); a file task's metadata adds ``prompt_text`` and
+``response_text``, the response's text *before* its stop token (special tokens skipped):
+text after a stop token never reaches the reward.
 
 Built in:
 

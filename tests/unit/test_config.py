@@ -246,7 +246,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["program=ppo2"], r"^program: 'ppo2' is not one of pretrain, grpo, ppo$"),
+    (["program=ppo2"], r"^program: 'ppo2' is not one of pretrain, sft, grpo, ppo$"),
     (["generator.enabled=false"], r"^program: grpo needs model.kind: gpt and generator.enabled: true"),
     (["rl.max_response_length=14"], r"^rl.max_response_length: prompt_length \+ max_response_length - 1 = 17 > "
                                     r"model.seq_length = 16; "),
@@ -269,7 +269,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.tokenizer=qwen3"],
      r"^rl.tokenizer: qwen3 has 151669 tokens > model.vocab_size = 32; raise model.vocab_size to at least 151669$"),
     (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.tokenizer=gpt9"],
-     r"^rl.tokenizer: 'gpt9' is neither byte, qwen3 nor an existing local tokenizer path"),
+     r"^rl.tokenizer: 'gpt9' is neither byte, qwen3, hf nor an existing local tokenizer folder"),
 ])
 def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:

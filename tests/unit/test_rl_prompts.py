@@ -33,7 +33,7 @@ def test_qwen3_prompts_are_padded_with_qwen3s_end_of_text(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("rows", "length", "message"), [
     ([{"prompt": "a much longer prompt"}], 4, r"p.jsonl:1: the prompt is 20 tokens > rl.prompt_length = 4; raise "),
-    ([{"prompt": "ok"}, {"text": "x"}], 4, r"p.jsonl:2: no text field 'prompt' \(fields: text\); set rl.prompt_key"),
+    ([{"prompt": "ok"}, {"text": "x"}], 4, r"p.jsonl:2: no field 'prompt' \(fields: text\); set rl.prompt_key"),
     ([], 4, r"p.jsonl: holds no prompt"),
 ])
 def test_bad_prompt_files_are_one_line_naming_the_record(tmp_path: Path, rows: list, length: int, message: str) -> None:

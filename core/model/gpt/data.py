@@ -17,6 +17,15 @@ throughput task that cannot be learned) or an HDF5 token file (``data.kind: hdf5
 tokens at deterministic positions. The last 5 % of the file (at least one window) is
 held out for ``eval`` when the file is large enough for both.
 
+``program: sft`` reads conversations instead (``SFTSource``, core.data.sft): one per row,
+right-padded with end-of-text to seq_length, with a loss mask that is 1 only on the labels
+the assistant wrote. Sample ``i`` of step ``s`` is conversation number ``g = s × G + i`` of
+the run: position ``g mod n`` of epoch ``g // n``'s permutation, keyed by (seed, epoch), so
+the data position is again the step number. Rows are padded, not packed: a packed row would
+need a block-diagonal attention mask (one conversation must not attend to the one before it)
+that Megatron's local and TE causal masks do not build from a batch, and one conversation
+per row keeps a sample a pure function of its index.
+
 No torch here: batches are numpy arrays, converted by ``core.model.gpt.step``.
 """
 from __future__ import annotations
@@ -28,7 +37,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.config import sft as sft_spec
 from core.config.run import RunConfig
+from core.data import sft as chat
 from core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -40,10 +51,16 @@ _HELD_OUT_FRACTION = 0.05
 
 @dataclass(frozen=True, kw_only=True)
 class MicroBatch:
-    """``tokens`` and ``labels``: int64 arrays of shape (micro_batch, seq_length)."""
+    """``tokens`` and ``labels``: int64 arrays of shape (micro_batch, seq_length).
+
+    ``loss_mask`` (bool, same shape): the labels the loss counts, and ``loss_tokens`` how many
+    the whole global batch counts (its denominator); both None: every label counts (pretraining).
+    """
 
     tokens: np.ndarray
     labels: np.ndarray
+    loss_mask: np.ndarray | None = None
+    loss_tokens: int | None = None
 
 
 def dp_sample_range(*, global_batch: int, dp: int, dp_rank: int) -> range:
@@ -179,9 +196,75 @@ class BatchSource:
         return {"kind": self.kind, "task": self.task, "seed": self.seed, "next_step": step}
 
 
-def from_config(cfg: RunConfig, *, dp: int, dp_rank: int) -> BatchSource:
-    """A ``BatchSource`` for one data-parallel rank of a ``RunConfig``."""
+class SFTSource:
+    """``program: sft``'s micro-batches of one data-parallel rank: conversations, a pure
+    function of the step. ``eval`` draws from the same conversations in another order (SFT
+    holds none out)."""
+
+    def __init__(self, conversations: chat.Conversations, *, seed: int, seq_length: int, global_batch: int,
+                 micro_batch: int, dp: int, dp_rank: int) -> None:
+        self.data, self.seed, self.seq = conversations, seed, seq_length
+        self.kind, self.global_batch, self.micro_batch = "sft", global_batch, micro_batch
+        self.samples = dp_sample_range(global_batch=global_batch, dp=dp, dp_rank=dp_rank)
+        self.n_micro = num_micro_batches(global_batch=global_batch, micro_batch=micro_batch, dp=dp)
+        # labels the loss counts per conversation: the global denominator without reading the rows
+        self.counts = np.array([int(m[1:].sum()) for m in conversations.masks], dtype=np.int64)
+        self._orders: dict[tuple[Split, int], np.ndarray] = {}
+
+    def conversation(self, step: int, index: int, split: Split = "train") -> int:
+        """Which conversation is global sample ``index`` of step ``step``."""
+        n = len(self.data)
+        g = step * self.global_batch + index
+        key = (split, g // n)
+        if key not in self._orders:
+            if len(self._orders) > 4:  # a step spans at most a few epochs
+                self._orders.clear()
+            self._orders[key] = np.random.default_rng([self.seed, 11, _SPLIT_ID[split], g // n]).permutation(n)
+        return int(self._orders[key][g % n])
+
+    def sample(self, step: int, index: int, split: Split = "train") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, labels, loss mask) of global sample ``index`` of step ``step``, seq_length each."""
+        c = self.conversation(step, index, split)
+        ids, mask = self.data.ids[c], self.data.masks[c]
+        row = np.full(self.seq + 1, self.data.eos_id, dtype=np.int64)
+        keep = np.zeros(self.seq + 1, dtype=bool)
+        row[:len(ids)], keep[:len(ids)] = ids, mask
+        return row[:-1], row[1:], keep[1:]
+
+    def loss_tokens(self, step: int, split: Split = "train") -> int:
+        """The labels the loss counts in the whole global batch of ``step`` (every rank agrees)."""
+        return int(sum(self.counts[self.conversation(step, i, split)] for i in range(self.global_batch)))
+
+    def micro_batches(self, step: int, split: Split = "train") -> list[MicroBatch]:
+        """This rank's micro-batches of step ``step``, in order."""
+        rows = [self.sample(step, i, split) for i in self.samples]
+        total, m = self.loss_tokens(step, split), self.micro_batch
+        return [MicroBatch(tokens=np.stack([r[0] for r in rows[k:k + m]]), labels=np.stack([r[1] for r in rows[k:k + m]]),
+                           loss_mask=np.stack([r[2] for r in rows[k:k + m]]), loss_tokens=total)
+                for k in range(0, len(rows), m)]
+
+    def position(self, step: int) -> dict[str, Any]:
+        """The data position as a checkpoint blob: the step is all a resumed run needs."""
+        return {"kind": self.kind, "seed": self.seed, "next_step": step}
+
+
+def from_config(cfg: RunConfig, *, dp: int, dp_rank: int, run_dir: Path | None = None) -> BatchSource | SFTSource:
+    """The batch source of one data-parallel rank of a ``RunConfig``: for ``program: sft`` the
+    conversations submit froze in ``run_dir`` (core.data.sft.FROZEN), or, without that file
+    (ranks driven by a test), ``sft.data`` read and tokenized here; else ``data``'s."""
     micro = resolve_micro_batch(cfg.training.micro_batch_size, global_batch=cfg.training.global_batch_size, dp=dp)
+    if cfg.program == "sft":
+        s = cfg.sft
+        frozen = None if run_dir is None else run_dir / chat.FROZEN
+        if frozen is not None and frozen.is_file():
+            conversations = chat.load(frozen)
+        else:
+            assert s.data is not None  # core.config.sft.check
+            tokenizer = chat.load_chat_tokenizer(sft_spec.tokenizer_path(s, cfg.init_from))
+            conversations = chat.read_conversations(s.data, key=s.messages_key, tokenizer=tokenizer,
+                                                    seq_length=cfg.model.seq_length, too_long=s.too_long)
+        return SFTSource(conversations, seed=cfg.seed, seq_length=cfg.model.seq_length,
+                         global_batch=cfg.training.global_batch_size, micro_batch=micro, dp=dp, dp_rank=dp_rank)
     return BatchSource(
         kind=cfg.data.kind,
         task=cfg.data.task,

@@ -7,7 +7,7 @@ KV cache (``megatron.core.inference.contexts.StaticInferenceContext``), then one
 forward; the logits are gathered across the tensor-parallel group, so every TP rank of a
 replica samples the same token from the same generators (one per prompt). Sampling is temperature, then
 top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A sequence that
-produced ``eos`` stops (its later positions hold ``eos`` with log-prob 0). The log-prob of
+produced any of the stop ids ``eos`` stops (its later positions hold ``eos[0]`` with log-prob 0). The log-prob of
 each new token is taken from the distribution it was drawn from before any truncation
 (temperature 1), which is what a trainer's teacher-forced forward computes.
 
@@ -35,7 +35,7 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
-    eos: int | None = None
+    eos: tuple[int, ...] = ()  # stop ids: a sequence ends at the first of them it produces
 
 
 def _causal(n: int, device: torch.device) -> torch.Tensor:
@@ -118,6 +118,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
     gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
     context = StaticInferenceContext(b, n + how.max_new_tokens)
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    stop = torch.tensor(how.eos, dtype=torch.long, device=device) if how.eos else None
     out_tokens: list[torch.Tensor] = []
     out_logp: list[torch.Tensor] = []
     pad = padding.as_tensor(pads, b, device)
@@ -133,10 +134,10 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
             context.increment_sequence_len_offset(step_in.shape[1])
             nxt = _choose(logits.cpu(), how, gens).to(device)
             logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
-            if how.eos is not None:
-                nxt = torch.where(done, torch.full_like(nxt, how.eos), nxt)
+            if stop is not None:
+                nxt = torch.where(done, torch.full_like(nxt, how.eos[0]), nxt)
                 logp = torch.where(done, torch.zeros_like(logp), logp)
-                done |= nxt == how.eos
+                done |= torch.isin(nxt, stop)
             out_tokens.append(nxt)
             out_logp.append(logp)
             context.enable_decode_mode()

@@ -128,7 +128,7 @@ class Rollout:
 
     def generate(self, req: gen_calls.Generate) -> gen_calls.Generated:
         how = gen_mod.Sampling(max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k,
-                               top_p=req.top_p, eos=req.eos)
+                               top_p=req.top_p, eos=tuple(req.eos))
         if not req.prompts:  # more replicas than prompts
             return gen_calls.Generated(replica=self.coords.dp if self.coords.tp == 0 else -1, version=self.version)
         # One stream per (seed, prompt): the controller keys ``seed`` by run seed, step and

@@ -6,6 +6,13 @@ reduction in ``finalize_model_grads``, then one optimizer step. The loss is the 
 micro-batches and over the DP replicas; every last-stage rank computes it (the
 vocab-parallel cross entropy gives the full loss on each TP rank) and the TP-rank-0 one
 reports it.
+
+With a loss mask (``program: sft``) the loss is the mean over the counted labels of the whole
+global batch, not of each micro-batch: a micro-batch returns its masked sum divided by
+``loss_tokens / (micro-batches × dp)``, which the schedule's division by the micro-batch
+count and DDP's average over dp turn into sum / loss_tokens, so neither dp, the micro batch
+nor tp/pp changes it. Without a mask every label counts and the loss is each micro-batch's
+plain mean, as it always was (the same arithmetic: pretraining's numbers do not change).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +33,7 @@ from core.config.dims import Coords, ParallelDims
 from core.config.run import RunConfig
 from core.job import faults, process
 from core.model.gpt import activations
-from core.model.gpt.data import BatchSource, MicroBatch
+from core.model.gpt.data import BatchSource, MicroBatch, SFTSource
 from core.model.gpt.optim import set_lr
 
 log = logging.getLogger(__name__)
@@ -38,7 +46,7 @@ class StepContext:
     cfg: RunConfig
     model_chunks: list[Any]
     optimizer: Any
-    source: BatchSource
+    source: BatchSource | SFTSource
     device: torch.device
     coords: Coords  # this rank's place in the layout
     dims: ParallelDims
@@ -49,20 +57,34 @@ def is_loss_owner() -> bool:
     return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def _to_torch(batches: list[MicroBatch], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+def _to_torch(batches: list[MicroBatch], device: torch.device, *, dp: int = 1) -> Iterator[dict[str, Any]]:
+    """Each micro-batch on ``device``; a masked one with its loss denominator (``loss_per``:
+    the global batch's counted labels over micro-batches × ``dp``, see the module's docstring)."""
     for mb in batches:
         tokens = torch.from_numpy(mb.tokens).to(device)
         seq = tokens.shape[1]
-        yield {
+        batch: dict[str, Any] = {
             "tokens": tokens,
             "labels": torch.from_numpy(mb.labels).to(device),
             "position_ids": torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens),
         }
+        if mb.loss_mask is not None:
+            assert mb.loss_tokens is not None and mb.loss_tokens > 0  # core.data.sft refuses an empty one
+            batch["loss_mask"] = torch.from_numpy(mb.loss_mask).to(device)
+            batch["loss_per"] = mb.loss_tokens / (len(batches) * dp)
+        yield batch
 
 
 def _loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = per_token_loss.float().mean()
     # The schedule divides the returned loss in place by the micro-batch count: report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _masked_loss_func(mask: torch.Tensor, loss_per: float,
+                      per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The counted labels' loss sum over ``loss_per``; a masked label adds nothing (and gets no gradient)."""
+    loss = torch.where(mask, per_token_loss.float(), 0.0).sum() / loss_per
     return loss, {"lm loss": loss.detach().clone()}
 
 
@@ -72,6 +94,8 @@ def _forward_step(storage: str) -> Any:
         with activations.storing(storage):  # the model's forward only (core.model.gpt.activations)
             # attention_mask None: the local and TE specs build the causal mask themselves.
             output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        if "loss_mask" in batch:
+            return output, partial(_masked_loss_func, batch["loss_mask"], batch["loss_per"])
         return output, _loss_func
 
     return forward
@@ -82,7 +106,7 @@ def _run_schedule(ctx: StepContext, batches: list[MicroBatch], *, forward_only: 
     micro = batches[0].tokens.shape[0]
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step(ctx.cfg.training.activation_storage),
-        data_iterator=_to_torch(batches, ctx.device),
+        data_iterator=_to_torch(batches, ctx.device, dp=parallel_state.get_data_parallel_world_size()),
         model=ctx.model_chunks,
         num_microbatches=len(batches),
         seq_length=ctx.cfg.model.seq_length,

@@ -79,7 +79,8 @@ class ActorRole(Role):
             cfg = sizing.with_micro_batch(cfg, sizing.auto_micro_batch(cfg, on_cuda=r.on_cuda))
         r.cfg = cfg
         r.step = step.StepContext(cfg=cfg, model_chunks=self.chunks, optimizer=self.optimizer,
-                                  source=data.from_config(cfg, dp=dims.dp, dp_rank=c.dp), device=r.device,
+                                  source=data.from_config(cfg, dp=dims.dp, dp_rank=c.dp, run_dir=r.ctx.run_dir),
+                                  device=r.device,
                                   coords=coords, dims=dims)
         if cfg.parallel.sync.local:
             self.replicas = Replicas(r.step, cfg.parallel.sync)

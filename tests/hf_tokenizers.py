@@ -1,0 +1,118 @@
+"""Small Hugging Face tokenizer folders built locally (nothing downloaded), as real model
+folders hold them: a byte-level BPE trained with ``tokenizers`` on a few sentences, with the
+model family's pre-tokenizer, saved by transformers' ``PreTrainedTokenizerFast.save_pretrained``
+with a chat template and the family's ``tokenizer_class``, and a ``generation_config.json``
+written by transformers' ``GenerationConfig``.
+
+``chatml_folder``: Qwen2.5-style (NFC, Qwen's split pattern: single digits;
+``tokenizer_class: Qwen2Tokenizer``, which transformers 5 rebuilds from the vocabulary and
+merges with Qwen's own pipeline; ``<|im_start|>role\\n...<|im_end|>\\n``, a default system
+message, eos ``<|im_end|>``, pad ``<|endoftext|>``). ``llama3_folder``: Llama-3-style (digits
+in threes; ``PreTrainedTokenizerFast``: tokenizer.json as is; ``<|begin_of_text|>`` as bos,
+``<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>``, roles checked with
+``raise_exception``). Both templates mark assistant content with
+``{% generation %}``, so transformers' ``return_assistant_tokens_mask`` is an independent
+reference for the assistant mask.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "You are a helpful assistant. How can I help you today?",
+    "Hello! What is two plus two? Two plus two is four.",
+    "héllo wörld, naïve café — 你好，世界 🎉 ça va?",
+    "def add(a, b):\n    return a + b\n",
+    "In 2024 there were 1234567 tokens; I'LL count 3.14159 of them.",
+]
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+              r"""\s+(?!\S)|\s+""")
+LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "{%- if loop.first and message['role'] == 'system' %}{% continue %}{% endif %}\n"
+    "{%- if message['role'] == 'assistant' %}\n"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>\\n' }}{% endgeneration %}\n"
+    "{%- else %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('unknown role ' + message['role'] | tojson) }}{%- endif %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}\n"
+    "    {%- if message['role'] == 'assistant' %}\n"
+    "        {%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}\n"
+    "    {%- else %}\n"
+    "        {{- message['content'] | trim + '<|eot_id|>' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}\n"
+)
+
+
+def _bpe(specials: list[str], split: str, *, nfc: bool) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 3, trainer=trainer)
+    return tok
+
+
+def chatml_folder(folder: Path, *, eos_token_id: int | list[int] | None = None,
+                  template: str = CHATML_TEMPLATE) -> Path:
+    """A Qwen-style folder; ``eos_token_id`` (default: ``<|im_end|>``'s) goes to generation_config.json."""
+    backend = _bpe(CHATML_SPECIALS, QWEN_SPLIT, nfc=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    _set_class(folder, "Qwen2Tokenizer")
+    eos = backend.token_to_id("<|im_end|>") if eos_token_id is None else eos_token_id
+    GenerationConfig(eos_token_id=eos, pad_token_id=backend.token_to_id("<|endoftext|>")).save_pretrained(folder)
+    return folder
+
+
+def llama3_folder(folder: Path) -> Path:
+    """A Llama-3-Instruct-style folder: bos ``<|begin_of_text|>``, eos ``<|eot_id|>``, and
+    generation_config.json's eos list ``[<|end_of_text|>, <|eot_id|>]``."""
+    backend = _bpe(LLAMA3_SPECIALS, LLAMA3_SPLIT, nfc=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    fast.chat_template = LLAMA3_TEMPLATE
+    fast.save_pretrained(folder)
+    _set_class(folder, "PreTrainedTokenizerFast")
+    GenerationConfig(bos_token_id=backend.token_to_id("<|begin_of_text|>"),
+                     eos_token_id=[backend.token_to_id("<|end_of_text|>"), backend.token_to_id("<|eot_id|>")]
+                     ).save_pretrained(folder)
+    return folder
+
+
+def _set_class(folder: Path, name: str) -> None:
+    """tokenizer_config.json's tokenizer_class, as the model family's folders write it."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = name
+    path.write_text(json.dumps(config, indent=2))

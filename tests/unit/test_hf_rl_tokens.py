@@ -1,0 +1,199 @@
+"""A Hugging Face folder's tokenizer in RL: ``rl.tokenizer: hf`` (the default with
+``init_from: hf:PATH``) and its login-node checks, chat-message prompts, stop tokens
+(generation_config.json's, or ``rl.stop``), generation stopping at any of them, and the
+reward's text ending before the stop token. References: transformers' AutoTokenizer and
+apply_chat_template on the same folder; a model whose next token is known."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from core.config import run as config
+from core.config import tokvocab
+from core.controller.generation import GeneratorFlow
+from core.controller.rl_program import _until
+from core.data.prompts import PromptFileError, read_prompts
+from core.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, stop_ids, text_before_stop
+from core.errors import ConfigError
+from core.flows import calls as gen_calls
+from tests.hf_tokenizers import chatml_folder, llama3_folder
+
+REPO = Path(__file__).resolve().parents[2]
+CHATS = [
+    [{"role": "user", "content": "What is two plus two?"}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "héllo wörld 你好 🎉"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return chatml_folder(tmp_path_factory.mktemp("chatml"), eos_token_id=[2, 0])  # <|im_end|>, <|endoftext|>
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return llama3_folder(tmp_path_factory.mktemp("llama3"))
+
+
+def _grpo(*overrides: str) -> config.RunConfig:
+    return config.load(REPO / "experiments" / "grpo_tiny.yaml", ["rl.task=file", "model.vocab_size=512",
+                                                                 f"rl.prompts={REPO / 'experiments' / 'grpo_tiny.yaml'}",
+                                                                 *overrides])
+
+
+# --- config: the login node ----------------------------------------------------------------
+def test_hf_is_the_tokenizer_by_default_with_an_hf_init_and_byte_otherwise(chatml: Path) -> None:
+    assert tokvocab.source(None, f"hf:{chatml}") == f"hf:{chatml}"
+    assert tokvocab.source("hf", f"hf:{chatml}") == f"hf:{chatml}"
+    assert tokvocab.source(None, None) == tokvocab.source(None, "runs/x:10") == "byte"
+    assert tokvocab.source(str(chatml), None) == f"hf:{chatml}"
+    cfg = _grpo(f"init_from=hf:{chatml}")
+    assert cfg.rl.tokenizer is None and tokvocab.read_vocab(tokvocab.source(None, cfg.init_from)).size == \
+        len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.vocab_size=300", "init_from=hf:{chatml}"],
+     r"^rl.tokenizer: {chatml} has {n} tokens > model.vocab_size = 300; raise model.vocab_size to at least {n}$"),
+    (["rl.tokenizer=hf"], r"^rl.tokenizer: hf reads the tokenizer of init_from: hf:PATH, but init_from is None; "),
+    (["rl.tokenizer={chatml}", "rl.stop=[<|im_end|>, <|eot_id|>, '!!']"],
+     r"^rl.stop: '<\|eot_id\|>', '!!' not a token of {chatml}; give tokens of its vocabulary"),
+    (["rl.tokenizer={chatml}", "rl.stop=[2, {n}]"], r"^rl.stop: {n} not an id of {chatml} \(0..{last}\)"),
+    (["rl.stop=[<|im_end|>]"], r"^rl.stop: token strings \('<\|im_end\|>'\) need a Hugging Face tokenizer; byte "),
+    (["rl.stop=[]"], r"^rl.stop: an empty list stops nothing"),
+    (["rl.task=counting", "rl.prompts=null", "rl.stop=[3]"], r"^rl.stop: \(3,\) is read only with rl.task: file"),
+])
+def test_bad_tokenizer_settings_are_refused_in_one_line(chatml: Path, overrides: list[str], message: str) -> None:
+    n = len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
+    fill = {"{chatml}": str(chatml), "{n}": str(n), "{last}": str(n - 1)}
+
+    def filled(text: str) -> str:
+        for k, v in fill.items():
+            text = text.replace(k, v)
+        return text
+
+    with pytest.raises(ConfigError, match=filled(message)) as err:
+        _grpo(*map(filled, overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_the_vocabulary_read_on_the_login_node_is_the_tokenizers(chatml: Path, llama: Path) -> None:
+    for folder in (chatml, llama):
+        ref = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        vocab = tokvocab.read_vocab(f"hf:{folder}")
+        assert vocab.size == len(ref) and vocab.ids == ref.get_vocab()
+
+
+# --- stop tokens and the reward's text -------------------------------------------------------
+def test_stop_ids_default_to_generation_config_and_rl_stop_overrides(chatml: Path, llama: Path) -> None:
+    tok = load_tokenizer(f"hf:{chatml}")
+    ref = AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    assert stop_ids(tok, None) == (ref.convert_tokens_to_ids("<|im_end|>"), ref.convert_tokens_to_ids("<|endoftext|>"))
+    assert stop_ids(load_tokenizer(llama), None) == tuple(json.loads((llama / "generation_config.json").read_text())
+                                                          ["eos_token_id"])
+    assert stop_ids(tok, ("<|endoftext|>", 7, "<|endoftext|>")) == (ref.convert_tokens_to_ids("<|endoftext|>"), 7)
+    assert stop_ids(ByteTokenizer(), None) == (256,)
+    with pytest.raises(TokenizerError, match=r"^rl.stop: '<\|eot_id\|>', 9999: not a token of "):
+        stop_ids(tok, ("<|im_end|>", "<|eot_id|>", 9999))
+
+
+def test_text_after_the_stop_token_never_reaches_the_reward(chatml: Path) -> None:
+    tok = load_tokenizer(chatml)
+    ref = AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    stop = stop_ids(tok, None)
+    answer = ref.encode("Two plus two is four.", add_special_tokens=False)
+    later = ref.encode(" café 🎉", add_special_tokens=False)
+    for end in stop:
+        generated = tuple(answer + [end] + later), tuple(float(-i) for i in range(len(answer) + 1 + len(later)))
+        tokens, logps = _until(generated, stop)
+        assert tokens == tuple(answer + [end]) and logps == generated[1][: len(answer) + 1]  # the stop token trains
+        assert text_before_stop(tok, stop, tokens) == ref.decode(answer) == "Two plus two is four."
+        assert text_before_stop(tok, stop, generated[0]) == "Two plus two is four."
+    assert _until((tuple(answer), ()), stop)[0] == tuple(answer)  # no stop: all of it
+    assert text_before_stop(tok, stop, answer + later) == ref.decode(answer + later)
+
+
+def test_generation_stops_at_any_stop_token() -> None:
+    """A model whose next token is the last one + 1: each sequence ends at the first stop id it
+    reaches, later positions hold the first stop id with log-prob 0."""
+    import torch
+
+    from core.model.gpt.generate import Sampling, generate
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, tokens: torch.Tensor, positions: Any, mask: Any, **_: Any) -> torch.Tensor:
+            return torch.nn.functional.one_hot((tokens + 1) % 16, 16).float() * 5
+
+    tokens, logps = generate(Counting(), [[1], [6], [12]], Sampling(max_new_tokens=6, eos=(9, 5)), seeds=[0, 1, 2],
+                             max_length=16)
+    assert tokens == [[2, 3, 4, 5, 9, 9], [7, 8, 9, 9, 9, 9], [13, 14, 15, 0, 1, 2]]
+    assert [sum(1 for x in row if x != 0.0) for row in logps] == [4, 3, 6]
+
+
+# --- prompts given as chat messages ---------------------------------------------------------
+def test_chat_message_prompts_are_the_chat_templates_ids_left_padded(tmp_path: Path, chatml: Path, llama: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": chat, "answer": str(i)}) + "\n" for i, chat in enumerate(CHATS)))
+    for folder in (chatml, llama):
+        tok = load_tokenizer(f"hf:{folder}")
+        ref = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        got = read_prompts(f, key="prompt", tokenizer=tok, length=64)
+        for chat, prompt in zip(CHATS, got, strict=True):
+            want = list(ref.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
+            assert prompt.tokens == (tok.eos_id,) * (64 - len(want)) + tuple(want)
+            assert prompt.meta["prompt_text"] == ref.apply_chat_template(chat, add_generation_prompt=True,
+                                                                         tokenize=False)
+            assert prompt.meta["messages"] == chat
+    with pytest.raises(PromptFileError, match=r"p.jsonl:1: chat messages need a tokenizer with a chat template; "
+                                              r"byte has none"):
+        read_prompts(f, key="prompt", tokenizer=ByteTokenizer(), length=64)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"content": "no role"}]}) + "\n")
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: field 'prompt' is list, neither text nor chat messages"):
+        read_prompts(bad, key="prompt", tokenizer=load_tokenizer(chatml), length=64)
+
+
+# --- samples.jsonl with init_from hf: -------------------------------------------------------
+class _Generator:
+    """The generator group's workers (a process boundary): records GENERATE, answers scripted tokens."""
+
+    ranks = (0,)
+    dims = SimpleNamespace(dp=1)
+
+    def __init__(self, tokens: list[list[int]]) -> None:
+        self.tokens, self.requests = tokens, []  # type: ignore[var-annotated]
+
+    def call_each(self, method: Any, shares: list[Any], timeout_s: float | None = None) -> list[Any]:
+        self.requests += shares
+        return [gen_calls.Generated(replica=0, version=3, tokens=tuple(map(tuple, self.tokens)),
+                                    logprobs=tuple((0.0,) * len(t) for t in self.tokens))]
+
+
+@pytest.mark.parametrize("eos", [None, 7])
+def test_samples_stop_at_the_folders_stop_tokens_and_carry_their_text(tmp_path: Path, chatml: Path, eos: int | None
+                                                                      ) -> None:
+    ref = AutoTokenizer.from_pretrained(str(chatml), local_files_only=True)
+    answer = ref.encode("Two plus two is four.", add_special_tokens=False)
+    end = ref.convert_tokens_to_ids("<|im_end|>")
+    scripted = [answer + [end] + answer[:2], answer[:3]]
+    cfg = config.load(REPO / "experiments" / "grpo_tiny.yaml", [f"init_from=hf:{chatml}", "model.vocab_size=512",
+                                                                *([f"generator.eos={eos}"] if eos else [])])
+    generator = _Generator(scripted)
+    flow = GeneratorFlow(cfg, SimpleNamespace(samples=tmp_path / "samples.jsonl"), None, generator, generator)
+    flow._prompts = ((1, 2, 3, 4), (5, 6, 7, 8))
+    flow.generate(step=3)
+    assert [r.eos for r in generator.requests] == [(eos,) if eos else (end, ref.convert_tokens_to_ids("<|endoftext|>"))]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    want = [ref.decode(answer), ref.decode(answer[:3])] if not eos else \
+        [ref.decode(t[: t.index(eos)] if eos in t else t, skip_special_tokens=True) for t in scripted]
+    assert [r["text"] for r in rows] == want and [r["tokens"] for r in rows] == scripted
