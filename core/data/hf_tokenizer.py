@@ -138,7 +138,7 @@ class HFTokenizer:
     def _first_generated(self, messages: Sequence[Message], i: int, text: str, ends: Sequence[int],
                          variables: Mapping[str, Any]) -> int:
         """The first token of assistant message ``i`` that generation produces in ``text``."""
-        stops = {self.backend.id_to_token(s) for s in self.stop_ids}
+        stops = {t for s in self.stop_ids if (t := self.backend.id_to_token(s)) is not None}
         held = sorted(s for s in stops for v in messages[i].values() if isinstance(v, str) and s in v)
         if held:
             raise ChatTemplateError(f"{self.name}: assistant messages[{i}] holds the stop token {held[0]!r}, where "

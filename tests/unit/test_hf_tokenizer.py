@@ -13,8 +13,15 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from core.config.rl import RESERVED_TEMPLATE_VARIABLES
 from core.data.dataset import TokenDataset
-from core.data.hf_tokenizer import ChatTemplateError, HFTokenizer, HFTokenizerError, load_hf_tokenizer
+from core.data.hf_tokenizer import (
+    RESERVED_VARIABLES,
+    ChatTemplateError,
+    HFTokenizer,
+    HFTokenizerError,
+    load_hf_tokenizer,
+)
 from core.data.tokenizer import TokenizerError, load_tokenizer
 from tests.hf_tokenizers import CHATML_TEMPLATE, chatml_folder, llama3_folder, qwen3_folder
 
@@ -98,6 +105,10 @@ def test_render_and_chat_ids_equal_apply_chat_template(pair: tuple[HFTokenizer, 
         want = ref.apply_chat_template(messages, tokenize=True, return_dict=True,
                                        add_generation_prompt=generation_prompt, **variables)
         assert ours.chat_ids(messages, add_generation_prompt=generation_prompt, **variables) == list(want["input_ids"])
+
+
+def test_template_variable_names_refused_on_the_login_node_are_the_renderers() -> None:
+    assert RESERVED_VARIABLES == RESERVED_TEMPLATE_VARIABLES  # launcher side: core.config.rl, no jinja2
 
 
 def test_enable_thinking_false_writes_qwen3_empty_think_block(qwen3: tuple[HFTokenizer, Any]) -> None:
