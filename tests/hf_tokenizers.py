@@ -10,7 +10,9 @@ merges with Qwen's own pipeline; ``<|im_start|>role\\n...<|im_end|>\\n``, a defa
 message, eos ``<|im_end|>``, pad ``<|endoftext|>``). ``llama3_folder``: Llama-3-style (digits
 in threes; ``PreTrainedTokenizerFast``: tokenizer.json as is; ``<|begin_of_text|>`` as bos,
 ``<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>``, roles checked with
-``raise_exception``). Both templates mark assistant content with
+``raise_exception``). ``qwen3_folder``: Qwen3's (ChatML's tokens plus ``<think>``,
+``</think>`` and the tool tags as plain added tokens, Qwen3's own chat template verbatim,
+stop tokens ``<|im_end|>`` and ``<|endoftext|>``). The ChatML and Llama 3 templates mark assistant content with
 ``{% generation %}``, so transformers' ``return_assistant_tokens_mask`` is an independent
 reference for the assistant mask.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 CORPUS = [
@@ -45,13 +47,110 @@ CHATML_TEMPLATE = (
     "{%- for message in messages %}\n"
     "{%- if loop.first and message['role'] == 'system' %}{% continue %}{% endif %}\n"
     "{%- if message['role'] == 'assistant' %}\n"
-    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>\\n' }}{% endgeneration %}\n"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{- '\\n' }}\n"
     "{%- else %}\n"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
     "{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
 )
+# Qwen3's chat template (Qwen/Qwen3-8B's tokenizer_config.json), verbatim: tools in the system
+# header; the last user query found by walking the messages backwards; an assistant turn's
+# reasoning (``reasoning_content``, or its content before ``</think>``) kept only on turns after
+# the last query, the last turn always written with its (maybe empty) ``<think>`` block;
+# ``enable_thinking=false`` adds an empty think block to the generation prompt.
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+# Qwen3's added tokens that are not special: they stay in decoded text.
+QWEN3_TEXT_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}\n"
@@ -93,6 +192,21 @@ def chatml_folder(folder: Path, *, eos_token_id: int | list[int] | None = None,
     _set_class(folder, "Qwen2Tokenizer")
     eos = backend.token_to_id("<|im_end|>") if eos_token_id is None else eos_token_id
     GenerationConfig(eos_token_id=eos, pad_token_id=backend.token_to_id("<|endoftext|>")).save_pretrained(folder)
+    return folder
+
+
+def qwen3_folder(folder: Path) -> Path:
+    """A Qwen3-style folder: ChatML's special tokens, the think and tool tags as added tokens
+    that are not special, Qwen3's chat template, eos ``<|im_end|>``, pad ``<|endoftext|>`` and
+    generation_config.json's eos list ``[<|im_end|>, <|endoftext|>]``."""
+    backend = _bpe(CHATML_SPECIALS, QWEN_SPLIT, nfc=True)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TEXT_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = QWEN3_TEMPLATE
+    fast.save_pretrained(folder)
+    _set_class(folder, "Qwen2Tokenizer")
+    end, eot = backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")
+    GenerationConfig(eos_token_id=[end, eot], pad_token_id=eot).save_pretrained(folder)
     return folder
 
 

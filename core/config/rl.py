@@ -10,6 +10,9 @@ the default when ``init_from`` is ``hf:``, else ``byte``) or a local Hugging Fac
 (core.config.tokvocab). A response ends at its first ``stop`` token (token strings or ids;
 default: the tokenizer's stop tokens, generation_config.json's ``eos_token_id`` for a
 Hugging Face folder, else its end of text); the reward's ``response_text`` ends before it.
+``chat_template_kwargs`` (a mapping of simple values) are extra variables of every chat
+template render, as ``apply_chat_template(..., **kwargs)`` passes them (Qwen3 switches
+thinking off with ``enable_thinking: false``); the names apply_chat_template sets itself are refused.
 Under ``grpo`` the first ``rl.warmup_steps`` steps are supervised steps on ``data`` (a warm
 start: a policy that never succeeds gets no signal), then every step is one GRPO iteration:
 ``prompts_per_step`` prompts of ``prompt_length`` tokens from ``rl.task``, each answered
@@ -58,6 +61,8 @@ from core.errors import ConfigError
 PROGRAMS = ("pretrain", "sft", "grpo", "ppo")  # sft: core.config.sft
 RL_PROGRAMS = ("grpo", "ppo")
 BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
+# apply_chat_template's own parameters: never template variables (core.data.hf_tokenizer.RESERVED_VARIABLES)
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +100,8 @@ class RLConfig:
     prompt_key: str = "prompt"
     tokenizer: str | None = None  # task file: byte, qwen3, hf or a local folder; None: hf with init_from hf:, else byte
     stop: tuple[int | str, ...] | None = None  # task file: stop tokens (strings or ids); None: the tokenizer's
+    # task file: extra chat template variables for every render (Qwen3: {enable_thinking: false})
+    chat_template_kwargs: dict[str, bool | int | str | float | None] = field(default_factory=dict)
     reward: str = "counting"
     prompts_per_step: int = bounded(4, gt=0, le=2**20)
     n: int = bounded(8, gt=0, le=2**16)
@@ -133,7 +140,8 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
     """``rl.task`` and what it reads: the prompts file, a tokenizer the model's vocabulary
     holds, stop tokens of that tokenizer."""
     if rl.task != "file":
-        for key, value in (("rl.prompts", rl.prompts), ("rl.stop", rl.stop)):
+        for key, value in (("rl.prompts", rl.prompts), ("rl.stop", rl.stop),
+                           ("rl.chat_template_kwargs", rl.chat_template_kwargs or None)):
             if value is not None:
                 raise ConfigError(f"{key}: {value!r} is read only with rl.task: file (now {rl.task!r}); "
                                   f"set rl.task=file or drop {key}")
@@ -141,4 +149,12 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
     if rl.prompts is None:
         raise ConfigError("rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts")
     check_file("rl.prompts", rl.prompts, "give a .jsonl or .parquet file of prompts")
+    check_template_variables("rl.chat_template_kwargs", rl.chat_template_kwargs)
     tokvocab.check(rl.tokenizer, init_from, rl.stop, vocab_size=vocab_size)
+
+
+def check_template_variables(key: str, variables: dict[str, object]) -> None:
+    """Extra chat template variables: none of the names apply_chat_template sets itself."""
+    if clash := [name for name in variables if name in RESERVED_TEMPLATE_VARIABLES]:
+        raise ConfigError(f"{key}: {', '.join(clash)} is set by the chat template call itself, not a template "
+                          f"variable; drop it from {key}")

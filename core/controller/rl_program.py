@@ -76,7 +76,8 @@ class RLStep:
                                   f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least "
                                   f"{self.tokenizer.vocab_size}")
             self.prompts = prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
-                                                    tokenizer=self.tokenizer, length=cfg.rl.prompt_length)
+                                                tokenizer=self.tokenizer, length=cfg.rl.prompt_length,
+                                                template_variables=cfg.rl.chat_template_kwargs)
         kl = cfg.rl.kl
         coef = advantages.auto_kl_coef(count_params(cfg).total) if kl.coef == "auto" else float(kl.coef)
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)

@@ -41,6 +41,8 @@ HF_PREFIX = "hf:"
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the template sees each one the folder names.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names apply_chat_template sets itself (its parameters): not template variables a config may give.
+RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 Message = Mapping[str, Any]
 
 
@@ -79,49 +81,76 @@ class HFTokenizer:
         tid = self.backend.token_to_id(token)
         return None if tid is None else int(tid)
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
-        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False)``)."""
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool, **variables: Any) -> str:
+        """The conversation as the chat template writes it (``apply_chat_template(tokenize=False,
+        **variables)``): ``variables`` are extra template variables (Qwen3's ``enable_thinking``),
+        over the special tokens' names as in transformers."""
         if self._template is None:
             raise ChatTemplateError(f"{self.name}: has no chat template (no chat_template.jinja, no chat_template in "
                                     "tokenizer_config.json); give prompts as text, or use an instruct model's folder")
+        if clash := sorted(set(variables) & set(RESERVED_VARIABLES)):
+            raise ChatTemplateError(f"{self.name}: chat template variables {', '.join(clash)} are set by Baton "
+                                    "itself; drop them from the template variables")
         try:
             return str(self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                             add_generation_prompt=add_generation_prompt, **self.special_tokens))
+                                             add_generation_prompt=add_generation_prompt,
+                                             **{**self.special_tokens, **variables}))
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: a message the template cannot join
             raise ChatTemplateError(f"{self.name}: the chat template refused the conversation ({exc}); "
                                     "fix the messages (roles, order) or the template") from None
 
-    def chat_ids(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> list[int]:
-        """The rendered conversation's ids (``apply_chat_template(tokenize=True)``)."""
-        return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt))
+    def chat_ids(self, messages: Sequence[Message], *, add_generation_prompt: bool, **variables: Any) -> list[int]:
+        """The rendered conversation's ids (``apply_chat_template(tokenize=True, **variables)``)."""
+        return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt, **variables))
 
-    def sft_ids(self, messages: Sequence[Message]) -> tuple[list[int], list[bool]]:
+    def sft_ids(self, messages: Sequence[Message], **variables: Any) -> tuple[list[int], list[bool]]:
         """The conversation's ids and, per id, whether it is an assistant token that carries loss.
 
-        As verl's multi-turn SFT dataset: assistant message ``i`` owns the ids between
-        ``messages[:i]`` rendered with the generation prompt and ``messages[:i+1]`` rendered
-        without (its content and its end of turn, ``<|im_end|>\\n``). Every such prefix must be
-        a prefix of the whole conversation's ids; a template that writes earlier turns
-        differently once later ones follow (Qwen3 drops an earlier turn's ``<think>``) is refused.
+        The ids are the whole conversation's (``chat_ids(messages, add_generation_prompt=False)``,
+        one encode). Assistant message ``i`` owns what generation would produce: from where
+        ``messages[:i]`` rendered with the generation prompt ends (that text must begin the
+        whole conversation's, else refused) to the first stop token (``stop_ids``) after it,
+        included: its content as the whole render writes it (Qwen3's empty ``<think>`` block on
+        the last turn, or an earlier turn with its reasoning stripped) and its end of turn
+        (``<|im_end|>``, not the newline after it). Character positions become token positions
+        through the tokenizer's offsets: a token holding any generated character carries loss.
         """
         if messages and messages[0].get("role") == "assistant":  # no prompt before it to tell its tokens by
             raise ChatTemplateError(f"{self.name}: the conversation opens with an assistant message; begin it with a "
                                     "system or user message")
-        ids = self.chat_ids(messages, add_generation_prompt=False)
+        text = self.render(messages, add_generation_prompt=False, **variables)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids, ends = [int(i) for i in encoding.ids], [int(end) for _, end in encoding.offsets]
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        firsts = [self._first_generated(messages, i, text, ends, variables) for i in turns]
         mask = [False] * len(ids)
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            start = self.chat_ids(messages[:i], add_generation_prompt=True)
-            end = self.chat_ids(messages[: i + 1], add_generation_prompt=False)
-            for prefix, what in ((start, f"messages[:{i}] with the generation prompt"), (end, f"messages[:{i + 1}]")):
-                if ids[: len(prefix)] != prefix:
-                    raise ChatTemplateError(
-                        f"{self.name}: the chat template renders {what} "
-                        "as other tokens than the start of the whole conversation, so assistant tokens cannot be "
-                        "marked; use a template that renders every turn the same whatever follows it")
-            mask[len(start): len(end)] = [True] * (len(end) - len(start))
+        for k, (i, first) in enumerate(zip(turns, firsts, strict=True)):
+            bound = firsts[k + 1] if k + 1 < len(turns) else len(ids)
+            stop = next((t for t in range(first, bound) if ids[t] in self.stop_ids), None)
+            if stop is None:
+                names = ", ".join(repr(self.backend.id_to_token(s)) for s in self.stop_ids)
+                raise ChatTemplateError(f"{self.name}: assistant messages[{i}] ends with none of the stop tokens "
+                                        f"({names}) before the next turn, so its end cannot be learned; set "
+                                        "generation_config.json's eos_token_id to the template's end of turn")
+            mask[first: stop + 1] = [True] * (stop + 1 - first)
         return ids, mask
+
+    def _first_generated(self, messages: Sequence[Message], i: int, text: str, ends: Sequence[int],
+                         variables: Mapping[str, Any]) -> int:
+        """The first token of assistant message ``i`` that generation produces in ``text``."""
+        stops = {t for s in self.stop_ids if (t := self.backend.id_to_token(s)) is not None}
+        held = sorted(s for s in stops for v in messages[i].values() if isinstance(v, str) and s in v)
+        if held:
+            raise ChatTemplateError(f"{self.name}: assistant messages[{i}] holds the stop token {held[0]!r}, where "
+                                    "generation would end; remove it from the message")
+        prompt = self.render(messages[:i], add_generation_prompt=True, **variables)
+        if not text.startswith(prompt):
+            raise ChatTemplateError(
+                f"{self.name}: the chat template renders messages[:{i}] with the generation prompt otherwise than "
+                "the start of the whole conversation (as Qwen3 with enable_thinking false before an earlier "
+                "assistant turn), so that turn's generated tokens cannot be marked; train on conversations that "
+                "end with that turn, or drop the template variable")
+        return next((t for t, end in enumerate(ends) if end > len(prompt)), len(ends))
 
 
 class _Generation(jinja2.ext.Extension):

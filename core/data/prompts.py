@@ -3,20 +3,21 @@ the controller.
 
 Every record is one prompt: its ``rl.prompt_key`` field is either text, tokenized with
 ``rl.tokenizer`` (``byte``, ``qwen3`` offline, or a Hugging Face folder's), or chat messages
-(a list of ``{role, content}``), rendered with the Hugging Face tokenizer's chat template and
-its generation prompt (``HFTokenizer.chat_ids(messages, add_generation_prompt=True)``, as
-``apply_chat_template`` gives them). The ids are **left-padded** with the tokenizer's
-end-of-text id to ``rl.prompt_length`` (the response follows the prompt's last token). A
-prompt longer than that is refused naming its record: a silently cut prompt asks a different
-question. Each prompt keeps its pad count, and the RL calls carry it so that the model never
-sees the pads (core.model.gpt.padding). Every other field of the record is the prompt's
-metadata, handed to the reward with ``prompt_text`` (the text, or the rendered conversation; chat prompts also keep their
+(a list of ``{role, content}``), rendered with the Hugging Face tokenizer's chat template, its
+generation prompt and the ``rl.chat_template_kwargs`` variables (``HFTokenizer.chat_ids(messages,
+add_generation_prompt=True, **kwargs)``, as ``apply_chat_template`` gives them). The ids are
+**left-padded** with the tokenizer's end-of-text id to ``rl.prompt_length`` (the response
+follows the prompt's last token). A prompt longer than that is refused naming its record: a
+silently cut prompt asks a different question. Each prompt keeps its pad count, and the RL
+calls carry it so that the model never sees the pads (core.model.gpt.padding). Every other
+field of the record is the prompt's metadata, handed to the reward with ``prompt_text`` (the
+text, or the rendered conversation; chat prompts also keep their
 ``messages``) and, per response, ``response_text``.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ def _messages(value: Any) -> list[dict[str, Any]] | None:
     return [dict(m) for m in value]
 
 
-def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer) -> tuple[Sequence[int], str, dict[str, Any]]:
+def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer,
+         variables: Mapping[str, Any]) -> tuple[Sequence[int], str, dict[str, Any]]:
     """A record's prompt: its ids, its text, what it adds to the metadata."""
     if isinstance(value, str):
         return tokenizer.encode(value), value, {}
@@ -97,12 +99,14 @@ def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer) -> tuple[Sequen
         raise PromptFileError(f"rl.prompts: {where}: chat messages need a tokenizer with a chat template; "
                               f"{tokenizer.name} has none: set rl.tokenizer to hf (init_from: hf:PATH) or a "
                               "Hugging Face folder")
-    text = render(messages, add_generation_prompt=True)
+    text = render(messages, add_generation_prompt=True, **variables)
     return tokenizer.encode(text), text, {"messages": messages}
 
 
-def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int) -> list[Prompt]:
-    """Every prompt of the file, tokenized and left-padded to ``length``."""
+def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int,
+                 template_variables: Mapping[str, Any] | None = None) -> list[Prompt]:
+    """Every prompt of the file, tokenized and left-padded to ``length``; chat prompts are
+    rendered with ``template_variables`` (``rl.chat_template_kwargs``)."""
     path = Path(path)
     out = []
     try:
@@ -111,7 +115,7 @@ def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: in
                 fields = ", ".join(sorted(map(str, record))[:8]) or "none"
                 raise PromptFileError(f"rl.prompts: {where}: no field {key!r} (fields: {fields}); set "
                                       "rl.prompt_key to the field that holds the prompt")
-            ids, text, extra = _ids(where, key, record[key], tokenizer)
+            ids, text, extra = _ids(where, key, record[key], tokenizer, template_variables or {})
             if len(ids) > length:
                 raise PromptFileError(f"rl.prompts: {where}: the prompt is {len(ids)} tokens > rl.prompt_length = "
                                       f"{length}; raise rl.prompt_length (and model.seq_length) or shorten it")

@@ -21,7 +21,7 @@ from core.data.prompts import PromptFileError, read_prompts
 from core.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, stop_ids, text_before_stop
 from core.errors import ConfigError
 from core.flows import calls as gen_calls
-from tests.hf_tokenizers import chatml_folder, llama3_folder
+from tests.hf_tokenizers import chatml_folder, llama3_folder, qwen3_folder
 
 REPO = Path(__file__).resolve().parents[2]
 CHATS = [
@@ -68,6 +68,13 @@ def test_hf_is_the_tokenizer_by_default_with_an_hf_init_and_byte_otherwise(chatm
     (["rl.stop=[<|im_end|>]"], r"^rl.stop: token strings \('<\|im_end\|>'\) need a Hugging Face tokenizer; byte "),
     (["rl.stop=[]"], r"^rl.stop: an empty list stops nothing"),
     (["rl.task=counting", "rl.prompts=null", "rl.stop=[3]"], r"^rl.stop: \(3,\) is read only with rl.task: file"),
+    (["rl.task=counting", "rl.prompts=null", "rl.chat_template_kwargs={enable_thinking: false}"],
+     r"^rl.chat_template_kwargs: \{'enable_thinking': False\} is read only with rl.task: file"),
+    (["rl.chat_template_kwargs={enable_thinking: [1]}"],
+     r"^rl.chat_template_kwargs.enable_thinking: \[1\] is not true or false or an integer or a string or a number "),
+    (["rl.chat_template_kwargs=[enable_thinking]"], r"^rl.chat_template_kwargs: \['enable_thinking'\] is not a mapping"),
+    (["rl.chat_template_kwargs={documents: x, enable_thinking: false}"],
+     r"^rl.chat_template_kwargs: documents is set by the chat template call itself, not a template variable; drop "),
 ])
 def test_bad_tokenizer_settings_are_refused_in_one_line(chatml: Path, overrides: list[str], message: str) -> None:
     n = len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
@@ -161,6 +168,25 @@ def test_chat_message_prompts_are_the_chat_templates_ids_left_padded(tmp_path: P
     bad.write_text(json.dumps({"prompt": [{"content": "no role"}]}) + "\n")
     with pytest.raises(PromptFileError, match=r"bad.jsonl:1: field 'prompt' is list, neither text nor chat messages"):
         read_prompts(bad, key="prompt", tokenizer=load_tokenizer(chatml), length=64)
+
+
+def test_chat_template_kwargs_reach_every_prompt_render(tmp_path: Path) -> None:
+    """``rl.chat_template_kwargs: {enable_thinking: false}`` from the config to the prompts'
+    ids: Qwen3's generation prompt with its empty think block, as apply_chat_template gives it."""
+    folder = qwen3_folder(tmp_path / "qwen3")
+    cfg = _grpo(f"rl.tokenizer={folder}", "rl.chat_template_kwargs={enable_thinking: false}")
+    assert cfg.rl.chat_template_kwargs == {"enable_thinking": False}
+    assert config.from_data(config.to_dict(cfg)).rl.chat_template_kwargs == {"enable_thinking": False}
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": chat}) + "\n" for chat in CHATS))
+    ref = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    got = read_prompts(f, key="prompt", tokenizer=load_tokenizer(f"hf:{folder}"), length=64,
+                       template_variables=cfg.rl.chat_template_kwargs)
+    for chat, prompt in zip(CHATS, got, strict=True):
+        text = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        assert prompt.meta["prompt_text"] == text and text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        want = ref.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, enable_thinking=False)
+        assert prompt.tokens[64 - len(want["input_ids"]):] == tuple(want["input_ids"])
 
 
 # --- samples.jsonl with init_from hf: -------------------------------------------------------

@@ -1,6 +1,7 @@
 """A Hugging Face folder's tokenizer and chat template (core.data.hf_tokenizer) against
-transformers' AutoTokenizer and apply_chat_template on the same folder: ids, text, rendered
-conversations and the assistant mask must be identical."""
+transformers' AutoTokenizer and apply_chat_template on the same folder (ChatML, Llama 3 and
+Qwen3's own template): ids, text, rendered conversations (with template variables such as
+``enable_thinking``) and the assistant mask must be identical."""
 from __future__ import annotations
 
 import json
@@ -12,15 +13,23 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from core.config.rl import RESERVED_TEMPLATE_VARIABLES
 from core.data.dataset import TokenDataset
-from core.data.hf_tokenizer import ChatTemplateError, HFTokenizer, HFTokenizerError, load_hf_tokenizer
+from core.data.hf_tokenizer import (
+    RESERVED_VARIABLES,
+    ChatTemplateError,
+    HFTokenizer,
+    HFTokenizerError,
+    load_hf_tokenizer,
+)
 from core.data.tokenizer import TokenizerError, load_tokenizer
-from tests.hf_tokenizers import CHATML_TEMPLATE, chatml_folder, llama3_folder
+from tests.hf_tokenizers import CHATML_TEMPLATE, chatml_folder, llama3_folder, qwen3_folder
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The quick brown fox.", "héllo wörld — 你好 🎉", "  two  spaces\n\nand lines\t", "<|im_end|> inside",
          "", "def add(a, b):\n    return a + b\n", "In 2024: 1234567 tokens; I'LL count 3.14159", "e\u0301 cafe\u0301"]
-CONVERSATIONS: list[list[dict[str, Any]]] = [
+Messages = list[dict[str, Any]]
+CONVERSATIONS: list[Messages] = [
     [{"role": "user", "content": "Hello! What is two plus two?"}],
     [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What is two plus two?"},
      {"role": "assistant", "content": "Quatre."}],
@@ -31,10 +40,42 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module", params=["chatml", "llama3"])
+BUILDERS = {"chatml": chatml_folder, "llama3": llama3_folder, "qwen3": qwen3_folder}
+
+# Qwen3 conversations and, per assistant turn, the text generation produces after the prompt
+# (before <|im_end|>) as Qwen3's template writes the whole conversation: reasoning kept only
+# after the last user query, an empty think block on the last turn, tool calls as <tool_call>.
+TOOL_CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+QWEN3_SFT: list[tuple[Messages, dict[str, Any], list[str]]] = [
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],
+     {}, ["<think>\n\n</think>\n\nHello! How can I help you today?"]),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "<think>\nThey greet.\n</think>\n\nHello!"},
+      {"role": "user", "content": "What is two plus two?"},
+      {"role": "assistant", "content": "Four.", "reasoning_content": "\n2 + 2 = 4\n"}],
+     {}, ["Hello!", "<think>\n2 + 2 = 4\n</think>\n\nFour."]),
+    ([{"role": "user", "content": "héllo wörld 你好 🎉"}, {"role": "assistant", "content": "ça va? naïve café"},
+      {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+      {"role": "assistant", "content": "<think>x</think>\n\nd 1234567"}],
+     {}, ["ça va? naïve café", "b", "<think>\nx\n</think>\n\nd 1234567"]),
+    ([{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+      {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}],
+     {}, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>', "<think>\n\n</think>\n\nIt is 4."]),
+    ([{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Quatre."}],
+     {"enable_thinking": False}, ["Quatre."]),  # the empty think block is the generation prompt's
+]
+QWEN3_CONVERSATIONS = [messages for messages, _, _ in QWEN3_SFT]
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
 def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = chatml_folder if request.param == "chatml" else llama3_folder
-    return build(tmp_path_factory.mktemp(request.param))
+    return BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[HFTokenizer, Any]:
+    path = qwen3_folder(tmp_path_factory.mktemp("qwen3"))
+    return load_hf_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +93,42 @@ def test_encode_and_decode_equal_transformers(pair: tuple[HFTokenizer, Any]) -> 
     assert ours.eos_id == ref.eos_token_id
 
 
+@pytest.mark.parametrize("variables", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 @pytest.mark.parametrize("generation_prompt", [True, False])
-def test_render_and_chat_ids_equal_apply_chat_template(pair: tuple[HFTokenizer, Any], generation_prompt: bool) -> None:
+def test_render_and_chat_ids_equal_apply_chat_template(pair: tuple[HFTokenizer, Any], generation_prompt: bool,
+                                                       variables: dict[str, Any]) -> None:
     ours, ref = pair
-    for messages in CONVERSATIONS:
-        text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        assert ours.render(messages, add_generation_prompt=generation_prompt) == text
-        want = ref.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt)
-        assert ours.chat_ids(messages, add_generation_prompt=generation_prompt) == list(want["input_ids"])
+    qwen3 = ours.token_id("<think>") is not None  # the other templates know no tool role
+    for messages in CONVERSATIONS + (QWEN3_CONVERSATIONS if qwen3 else []):
+        text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **variables)
+        assert ours.render(messages, add_generation_prompt=generation_prompt, **variables) == text
+        want = ref.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                       add_generation_prompt=generation_prompt, **variables)
+        assert ours.chat_ids(messages, add_generation_prompt=generation_prompt, **variables) == list(want["input_ids"])
+
+
+def test_template_variable_names_refused_on_the_login_node_are_the_renderers() -> None:
+    assert RESERVED_VARIABLES == RESERVED_TEMPLATE_VARIABLES  # launcher side: core.config.rl, no jinja2
+
+
+def test_enable_thinking_false_writes_qwen3_empty_think_block(qwen3: tuple[HFTokenizer, Any]) -> None:
+    ours, ref = qwen3
+    messages = CONVERSATIONS[0]
+    off = ours.render(messages, add_generation_prompt=True, enable_thinking=False)
+    assert off == ours.render(messages, add_generation_prompt=True) + "<think>\n\n</think>\n\n"
+    assert ours.chat_ids(messages, add_generation_prompt=True, enable_thinking=False) == \
+        list(ref.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, return_dict=True)[
+            "input_ids"])
+    with pytest.raises(ChatTemplateError, match=r"chat template variables documents, tools are set by Baton"):
+        ours.render(messages, add_generation_prompt=True, tools=[], documents=None)
 
 
 def test_sft_mask_equals_transformers_assistant_mask(pair: tuple[HFTokenizer, Any]) -> None:
+    """ChatML and Llama 3 mark assistant content and its end of turn with ``{% generation %}``:
+    transformers' assistant mask is the reference (Qwen3's template has none: see below)."""
     ours, ref = pair
+    if "endgeneration" not in str(ours.chat_template):
+        pytest.skip("no {% generation %} block in this template")
     for messages in CONVERSATIONS:
         ids, mask = ours.sft_ids(messages)
         want = ref.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -120,16 +185,55 @@ def test_stop_ids_from_generation_config_int_and_list(tmp_path: Path) -> None:
     assert load_hf_tokenizer(tmp_path / "one").stop_ids == (one.eos_id,)
 
 
-def test_inconsistent_template_is_refused_for_sft(tmp_path: Path) -> None:
-    """A template that writes the last assistant turn otherwise than earlier ones (as Qwen3's
-    empty <think> block) cannot mark assistant tokens by prefixes: refused, naming the folder."""
-    qwen3ish = CHATML_TEMPLATE.replace("{% generation %}", "{% generation %}{% if loop.last %}{{- '<think></think>' }}"
-                                       "{% endif %}")
-    folder = chatml_folder(tmp_path / "q3", template=qwen3ish)
-    tok = load_hf_tokenizer(folder)
-    assert tok.sft_ids(CONVERSATIONS[1])[0] == tok.chat_ids(CONVERSATIONS[1], add_generation_prompt=False)
-    with pytest.raises(ChatTemplateError, match=rf"^{folder}: the chat template renders messages\[:2\] as other tokens"):
-        tok.sft_ids(CONVERSATIONS[2])
+def _generated_mask(ref: Any, text: str, generated: list[str]) -> tuple[list[int], list[bool]]:
+    """The reference: each turn's generated text located in the whole render, mapped to tokens
+    through transformers' offsets, plus the <|im_end|> token right after it."""
+    enc = ref(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask, at = [False] * len(ids), 0
+    for want in generated:
+        start = text.index(want + "<|im_end|>", at)
+        at = start + len(want)
+        tokens = [t for t, (a, b) in enumerate(offsets) if a < at and b > start]
+        stop = tokens[-1] + 1
+        assert ids[stop] == ref.convert_tokens_to_ids("<|im_end|>") and offsets[stop][0] == at
+        for t in [*tokens, stop]:
+            mask[t] = True
+    return ids, mask
+
+
+@pytest.mark.parametrize("case", range(len(QWEN3_SFT)))
+def test_qwen3_sft_mask_is_what_generation_produces(qwen3: tuple[HFTokenizer, Any], case: int) -> None:
+    """Qwen3 writes the last assistant turn otherwise than earlier ones (an empty think block;
+    earlier turns lose their reasoning): each turn's loss tokens are what the model generates
+    after the generation prompt, as the whole conversation writes them, up to <|im_end|>."""
+    ours, ref = qwen3
+    messages, variables, generated = QWEN3_SFT[case]
+    ids, mask = ours.sft_ids(messages, **variables)
+    want = ref.apply_chat_template(messages, tokenize=True, return_dict=True, **variables)
+    assert ids == list(want["input_ids"])
+    text = ref.apply_chat_template(messages, tokenize=False, **variables)
+    assert (ids, mask) == _generated_mask(ref, text, generated)
+    assert ref.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False) == \
+        "".join(g + "<|im_end|>" for g in generated)
+
+
+def test_sft_refuses_turns_generation_cannot_produce(qwen3: tuple[HFTokenizer, Any], tmp_path: Path) -> None:
+    """With enable_thinking false the generation prompt ends in an empty think block that an
+    earlier Qwen3 turn does not have; a stop token inside a message; a folder whose stop tokens
+    never end a turn: refused, naming the folder."""
+    ours, _ = qwen3
+    multi = QWEN3_SFT[1][0]
+    assert ours.sft_ids(multi)[0] == ours.chat_ids(multi, add_generation_prompt=False)
+    with pytest.raises(ChatTemplateError, match=rf"^{ours.name}: the chat template renders messages\[:2\] with the "
+                                                "generation prompt otherwise than the start of the whole conversation"):
+        ours.sft_ids(multi, enable_thinking=False)
+    with pytest.raises(ChatTemplateError, match=r"assistant messages\[1\] holds the stop token '<\|endoftext\|>'"):
+        ours.sft_ids([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a<|endoftext|>b"}])
+    folder = chatml_folder(tmp_path / "c", eos_token_id=0)  # <|endoftext|>: the turns end with <|im_end|>
+    with pytest.raises(ChatTemplateError, match=rf"^{folder}: assistant messages\[2\] ends with none of the stop "
+                                                r"tokens \('<\|endoftext\|>'\) before the next turn"):
+        load_hf_tokenizer(folder).sft_ids(CONVERSATIONS[1])
 
 
 def test_bad_folders_are_refused_naming_the_file(tmp_path: Path) -> None:
