@@ -81,7 +81,8 @@ def check_sft(cfg: RunConfig) -> tuple[str, bytes] | None:
     s = cfg.sft
     assert s.data is not None  # core.config.sft.check
     conversations = chat.check(s.data, key=s.messages_key, tokenizer=sft_spec.tokenizer_path(s, cfg.init_from),
-                               seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, too_long=s.too_long)
+                               seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, too_long=s.too_long,
+                               variables=s.chat_template_kwargs)
     return chat.FROZEN, chat.to_bytes(conversations)
 
 

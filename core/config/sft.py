@@ -12,16 +12,18 @@ assistant tokens only, averaged over the assistant tokens of the whole global ba
 tokenizer folder (``hf:`` prefix optional: core.data.hf_tokenizer), or ``byte`` (UTF-8 bytes with a built-in plain chat format: demos and tests).
 ``too_long``: a conversation of more than ``model.seq_length`` + 1 tokens is refused naming its
 record (``refuse``, the default: a silently cut conversation teaches a different answer),
-left out (``drop``) or cut at the end (``truncate``). Every check that reads the file runs
+left out (``drop``) or cut at the end (``truncate``). ``chat_template_kwargs``: extra variables of the chat
+template (as ``rl.chat_template_kwargs``: Qwen3's ``enable_thinking: false``). Every check that reads the file runs
 on the login node at submit (core.data.sft.check), before anything is written.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from core.config.inputs import check_file
+from core.config.rl import check_template_variables
 from core.config.tokvocab import HF_PREFIX, hf_init_folder
 from core.errors import ConfigError
 
@@ -35,6 +37,8 @@ class SFTConfig:
     messages_key: str = "messages"
     tokenizer: str = FROM_INIT  # hf (init_from's), byte, or a local tokenizer folder
     too_long: Literal["refuse", "drop", "truncate"] = "refuse"
+    # extra chat template variables (e.g. Qwen3's enable_thinking: false), as rl.chat_template_kwargs
+    chat_template_kwargs: dict[str, bool | int | str | float | None] = field(default_factory=dict)
 
 
 def tokenizer_path(sft: SFTConfig, init_from: str | None) -> str:
@@ -65,3 +69,7 @@ def check(sft: SFTConfig, *, program: str, init_from: str | None) -> None:
     if path != BYTE and not Path(path).is_dir():
         raise ConfigError(f"sft.tokenizer: {path!r} is neither byte nor an existing local tokenizer folder "
                           "(nothing is downloaded)")
+    check_template_variables("sft.chat_template_kwargs", sft.chat_template_kwargs)
+    if path == BYTE and sft.chat_template_kwargs:
+        raise ConfigError("sft.chat_template_kwargs: the byte tokenizer has no chat template to pass them to; drop "
+                          "them or give sft.tokenizer a Hugging Face folder")

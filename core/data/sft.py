@@ -43,7 +43,7 @@ class ChatTokenizer(Protocol):
     eos_id: int
     vocab_size: int
 
-    def sft_ids(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]: ...
+    def sft_ids(self, messages: Sequence[dict[str, Any]], **variables: Any) -> tuple[list[int], list[int]]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +54,7 @@ class ByteChat:
     vocab_size: int = 257
     eos_id: int = 256
 
-    def sft_ids(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    def sft_ids(self, messages: Sequence[dict[str, Any]], **variables: Any) -> tuple[list[int], list[int]]:
         ids: list[int] = []
         mask: list[int] = []
         for m in messages:
@@ -108,7 +108,7 @@ def _messages(where: str, record: dict[str, Any], key: str) -> list[dict[str, An
 
 
 def read_conversations(path: str | Path, *, key: str, tokenizer: ChatTokenizer, seq_length: int,
-                       too_long: str = "refuse") -> Conversations:
+                       too_long: str = "refuse", variables: dict[str, Any] | None = None) -> Conversations:
     """Every conversation of ``path``, tokenized, fitted to ``seq_length`` (``too_long``)."""
     path, limit = Path(path), seq_length + 1
     ids_out: list[np.ndarray] = []
@@ -119,7 +119,7 @@ def read_conversations(path: str | Path, *, key: str, tokenizer: ChatTokenizer, 
         for where, record in records(path, KEY):
             messages = _messages(where, record, key)
             try:
-                ids, mask = tokenizer.sft_ids(messages)
+                ids, mask = tokenizer.sft_ids(messages, **(variables or {}))
             except UserError as exc:  # a chat template that refuses this conversation: name the record
                 raise ConversationFileError(f"{KEY}: {where}: {exc}") from None
             cut = False
@@ -154,14 +154,16 @@ def read_conversations(path: str | Path, *, key: str, tokenizer: ChatTokenizer, 
                          vocab_size=tokenizer.vocab_size, dropped=dropped)
 
 
-def check(path: str, *, key: str, tokenizer: str, seq_length: int, vocab_size: int, too_long: str) -> Conversations:
+def check(path: str, *, key: str, tokenizer: str, seq_length: int, vocab_size: int, too_long: str,
+          variables: dict[str, Any] | None = None) -> Conversations:
     """The login node's check of ``program: sft``'s input: the tokenizer loads, the model's
     vocabulary holds it, every record is a conversation that fits. The conversations."""
     tok = load_chat_tokenizer(tokenizer)
     if tok.vocab_size > vocab_size:
         raise ConversationFileError(f"sft.tokenizer: {tokenizer} has {tok.vocab_size} tokens > model.vocab_size = "
                                     f"{vocab_size}; raise model.vocab_size to at least {tok.vocab_size}")
-    return read_conversations(path, key=key, tokenizer=tok, seq_length=seq_length, too_long=too_long)
+    return read_conversations(path, key=key, tokenizer=tok, seq_length=seq_length, too_long=too_long,
+                              variables=variables)
 
 
 def to_bytes(conv: Conversations) -> bytes:

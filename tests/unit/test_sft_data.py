@@ -173,7 +173,8 @@ def test_with_a_tokenizer_folder_the_counted_labels_are_the_assistants_turns(cha
     whole = hf.apply_chat_template(TALK, tokenize=True, return_dict=True)["input_ids"]
     n = len(whole)
     assert list(mb.tokens[0, :n - 1]) == whole[:-1] and (mb.tokens[0, n:] == hf.eos_token_id).all()
-    assert hf.decode(mb.labels[0][mb.loss_mask[0]]) == "yo<|im_end|>\nok<|im_end|>\n"
+    # what generation produces after each generation prompt: the content and its stop token (not the newline after)
+    assert hf.decode(mb.labels[0][mb.loss_mask[0]]) == "yo<|im_end|>ok<|im_end|>"
     assert mb.loss_tokens == int(mb.loss_mask.sum()) * 4  # the global batch: 8 rows of the one conversation, 2 here
 
 
@@ -186,3 +187,32 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_at_submit(cha
     assert res.returncode == 2
     assert res.stderr.strip() == (f"baton: error: sft.tokenizer: {chatml} has {size} tokens > model.vocab_size = "
                                   f"264; raise model.vocab_size to at least {size}"), res.stderr
+
+
+def test_chat_template_variables_reach_the_template(tmp_path: Path) -> None:
+    """Qwen3's ``enable_thinking: false`` puts the empty think block into the generation prompt:
+    the assistant's labels are then its answer alone, not the think block the template writes."""
+    from transformers import AutoTokenizer  # the independent reference
+
+    from tests.hf_tokenizers import qwen3_folder
+
+    folder = qwen3_folder(tmp_path / "qwen3")
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    f = _jsonl(tmp_path / "c.jsonl", [{"messages": talk}])
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    learned = {}
+    for thinking in (False, None):
+        sft = {"data": str(f), "tokenizer": str(folder)}
+        if thinking is not None:
+            sft["chat_template_kwargs"] = {"enable_thinking": thinking}
+        cfg = config_mod.from_data(_sft_config(f, sft=sft, model={"kind": "gpt", "vocab_size": 512, "seq_length": 128}))
+        mb = from_config(cfg, dp=1, dp_rank=0).micro_batches(0)[0]
+        learned[thinking] = hf.decode(mb.labels[0][mb.loss_mask[0]])
+    assert learned[False] == "yo<|im_end|>"
+    assert learned[None] == "<think>\n\n</think>\n\nyo<|im_end|>"
+
+
+def test_the_byte_chat_takes_no_template_variables(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="sft.chat_template_kwargs: the byte tokenizer has no chat template"):
+        config_mod.from_data(_sft_config(CHAT, sft={"data": str(CHAT), "tokenizer": "byte",
+                                                    "chat_template_kwargs": {"enable_thinking": False}}))

@@ -262,7 +262,8 @@ def from_config(cfg: RunConfig, *, dp: int, dp_rank: int, run_dir: Path | None =
             assert s.data is not None  # core.config.sft.check
             tokenizer = chat.load_chat_tokenizer(sft_spec.tokenizer_path(s, cfg.init_from))
             conversations = chat.read_conversations(s.data, key=s.messages_key, tokenizer=tokenizer,
-                                                    seq_length=cfg.model.seq_length, too_long=s.too_long)
+                                                    seq_length=cfg.model.seq_length, too_long=s.too_long,
+                                                    variables=s.chat_template_kwargs)
         return SFTSource(conversations, seed=cfg.seed, seq_length=cfg.model.seq_length,
                          global_batch=cfg.training.global_batch_size, micro_batch=micro, dp=dp, dp_rank=dp_rank)
     return BatchSource(
