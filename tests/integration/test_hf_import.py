@@ -64,3 +64,37 @@ def test_imported_models_give_transformers_logits_and_greedy_tokens_in_every_lay
         assert gap < TOL, f"{family} tp{tp}pp{pp}: logits differ from transformers' by {gap}"
         if tokens is not None:
             assert tokens == want_tokens, f"{family} tp{tp}pp{pp}: greedy tokens differ"
+
+
+@pytest.mark.parametrize("program", ["grpo", "ppo"])
+def test_an_rl_run_starts_from_the_imported_model_and_its_reference_is_those_weights(
+        program: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """``init_from: hf:`` under ``program: grpo`` / ``ppo`` with no warm start, two steps on the
+    local backend: the run records where its weights came from (the folder, absolute), and its
+    step-0 checkpoint (the reference policy's) holds exactly the Hugging Face tensors."""
+    import yaml
+    from safetensors.numpy import load_file
+
+    from core.hf import layout
+    from tests.helpers import REPO, checkpoint_weights, history, submit_local
+
+    exp = yaml.safe_load((REPO / "experiments" / "grpo_tiny.yaml").read_text())
+    exp["program"] = program
+    exp["model"] = {"seq_length": 16}  # the shape is config.json's
+    exp["trainer"]["steps"] = 2
+    exp["rl"]["warmup_steps"] = 0
+    exp["generator"]["sync_interval_steps"] = 2
+    exp["init_from"] = f"hf:{hf_models['qwen3']}"
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(exp))
+    run = submit_local(str(tmp_path / "exp.yaml"), f"runs_root={tmp_path / 'runs'}")
+    assert [e["checkpoint"] for e in history(run, "initialised_from")] == [f"hf:{hf_models['qwen3'].resolve()}"]
+    dims = layout.Dims(layers=2, hidden=64, heads=4, groups=2, head_dim=32, ffn=96, vocab=96, qk_norm=True, tied=True)
+    saved: dict[str, np.ndarray] = {}
+    for name, array in checkpoint_weights(run, 0).items():
+        if name.startswith("critic."):  # PPO's value model: the actor's copy, then its own
+            continue
+        saved.update(layout.to_hf(name, array, dims))
+    want = load_file(str(hf_models["qwen3"] / "model.safetensors"))
+    assert saved.keys() == want.keys()
+    for name, array in want.items():
+        np.testing.assert_array_equal(saved[name], array, err_msg=name)
