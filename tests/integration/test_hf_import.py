@@ -76,7 +76,7 @@ def test_an_rl_run_starts_from_the_imported_model_and_its_reference_is_those_wei
     from safetensors.numpy import load_file
 
     from core.hf import layout
-    from tests.helpers import REPO, checkpoint_weights, history, submit_local
+    from tests.helpers import REPO, baton, checkpoint_weights, history, metrics, submit_local
 
     exp = yaml.safe_load((REPO / "experiments" / "grpo_tiny.yaml").read_text())
     exp["program"] = program
@@ -98,3 +98,8 @@ def test_an_rl_run_starts_from_the_imported_model_and_its_reference_is_those_wei
     assert saved.keys() == want.keys()
     for name, array in want.items():
         np.testing.assert_array_equal(saved[name], array, err_msg=name)
+    if program == "grpo":  # a resumed run continues from its own checkpoint: it never imports again
+        res = baton("submit", "--resume", str(run), "trainer.steps=3", "--backend", "local")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert len(history(run, "initialised_from")) == 1 and len(history(run, "resume_requested")) == 1
+        assert [r["step"] for r in metrics(run)] == [0, 1, 2]
