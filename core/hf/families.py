@@ -137,7 +137,9 @@ def model_section(folder: str | Path) -> HFModel:
 
 def hf_config(model: Any, family: str, *, dtype: str = "float32") -> dict[str, Any]:
     """The config.json of a Baton model section (a ModelConfig, or its dict) in ``family``:
-    the inverse of ``to_model``; ``max_position_embeddings`` is the model's seq_length."""
+    the inverse of ``to_model``; ``max_position_embeddings`` is the model's seq_length. The
+    rotary settings are written both as transformers 5 reads them (``rope_parameters``) and as
+    older readers do (``rope_theta``, ``rope_scaling``)."""
     m = dict(model) if isinstance(model, Mapping) else {k: getattr(model, k) for k in _KEYS}
     arch = {v: k for k, v in ARCHITECTURES.items()}.get(family)
     if arch is None:
@@ -164,6 +166,8 @@ def hf_config(model: Any, family: str, *, dtype: str = "float32") -> dict[str, A
         "head_dim": int(m.get("head_dim") or hidden // heads), "vocab_size": int(m["vocab_size"]),
         "max_position_embeddings": int(m["seq_length"]), "rms_norm_eps": float(m.get("norm_eps", 1e-5)),
         "rope_parameters": rope, "tie_word_embeddings": bool(m.get("tie_embeddings")), "dtype": dtype,
+        # transformers 4.x's (and other readers') names for the same: rope_theta, rope_scaling
+        "rope_theta": rope["rope_theta"], "rope_scaling": None if m.get("rope_scaling_factor") is None else dict(rope),
         "attention_dropout": 0.0, "initializer_range": float(m.get("init_method_std", 0.02)),
     }
     if family != "qwen2":
