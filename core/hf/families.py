@@ -47,7 +47,7 @@ def split_source(value: str) -> str | None:
 
 def read_config(folder: str | Path) -> dict[str, Any]:
     """``folder``/config.json as a dict; a missing folder or file or bad JSON is a one-line ConfigError."""
-    path = Path(folder)
+    path = Path(folder).expanduser()
     if not path.is_dir():
         raise ConfigError(f"init_from: hf:{folder}: no such folder; give a Hugging Face checkpoint folder "
                           "(config.json + *.safetensors)")
@@ -132,7 +132,7 @@ def to_model(hf: Mapping[str, Any], where: str = CONFIG) -> HFModel:
 
 def model_section(folder: str | Path) -> HFModel:
     """``folder``/config.json as Baton's model keys (see ``to_model``)."""
-    return to_model(read_config(folder), str(Path(folder) / CONFIG))
+    return to_model(read_config(folder), str(Path(folder).expanduser() / CONFIG))
 
 
 def hf_config(model: Any, family: str, *, dtype: str = "float32") -> dict[str, Any]:
