@@ -21,8 +21,10 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 TOKENS = np.random.default_rng(7).integers(0, 96, size=(2, 24)).tolist()
 PROMPTS, NEW = [row[:6] for row in TOKENS], 10
 TOL = 1e-5
-# family → layouts (tp, pp) it is checked in; every family at tp1pp1 (with generation) and tp2pp2
-LAYOUTS = {"llama": ((1, 1), (1, 2), (2, 2)), "qwen2": ((1, 1), (2, 2)), "qwen3": ((1, 1), (2, 1), (2, 2))}
+# family → layouts (tp, pp, dp) it is checked in; every family at tp1pp1 (with generation) and
+# tp2pp2; qwen2 (sharded files) also under ZeRO-3 over two replicas (each rank reads its half)
+LAYOUTS = {"llama": ((1, 1, 1), (1, 2, 1), (2, 2, 1)), "qwen2": ((1, 1, 1), (2, 2, 1), (1, 1, 2)),
+           "qwen3": ((1, 1, 1), (2, 1, 1), (2, 2, 1))}
 
 
 def _reference(folder: Path) -> tuple[np.ndarray, list[list[int]]]:
@@ -39,17 +41,18 @@ def _reference(folder: Path) -> tuple[np.ndarray, list[list[int]]]:
     return logits, out[:, len(PROMPTS[0]):].tolist()
 
 
-def _imported(folder: Path, tp: int, pp: int, work: Path) -> tuple[np.ndarray, list[list[int]] | None]:
-    world = tp * pp
+def _imported(folder: Path, tp: int, pp: int, dp: int, work: Path) -> tuple[np.ndarray, list[list[int]] | None]:
+    world = tp * pp * dp
+    zero3 = {"parallel": {"sharding": "params"}} if dp > 1 else {}
     cfg: dict[str, Any] = gpt_config(tp=tp, pp=pp, world_size=world, training={"global_batch_size": 2,
-                                                                               "micro_batch_size": 1})
+                                                                               "micro_batch_size": 1}, **zero3)
     cfg["init_from"] = f"hf:{folder}"
     cfg["model"] = {"seq_length": 32}  # the shape comes from config.json
     with RankGroup(cfg, world_size=world, run_dir=work) as g:
         g.setup()
         assert g.call("ckpt_load", step_dir=f"hf:{folder}", into="weights") == [{"step": 0}] * world
         logits = next(x for x in g.apply(logits_on_rank, tokens=TOKENS) if x is not None)
-        tokens = g.apply(greedy_on_rank, prompts=PROMPTS, new_tokens=NEW)[0] if pp == 1 else None
+        tokens = g.apply(greedy_on_rank, prompts=PROMPTS, new_tokens=NEW)[0] if pp == dp == 1 else None
     return logits, tokens
 
 
@@ -57,13 +60,13 @@ def _imported(folder: Path, tp: int, pp: int, work: Path) -> tuple[np.ndarray, l
 def test_imported_models_give_transformers_logits_and_greedy_tokens_in_every_layout(
         family: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
     want_logits, want_tokens = _reference(hf_models[family])
-    for tp, pp in LAYOUTS[family]:
-        logits, tokens = _imported(hf_models[family], tp, pp, tmp_path)
+    for tp, pp, dp in LAYOUTS[family]:
+        logits, tokens = _imported(hf_models[family], tp, pp, dp, tmp_path)
         assert logits.shape == want_logits.shape
         gap = float(np.abs(logits - want_logits).max())
-        assert gap < TOL, f"{family} tp{tp}pp{pp}: logits differ from transformers' by {gap}"
+        assert gap < TOL, f"{family} tp{tp}pp{pp}dp{dp}: logits differ from transformers' by {gap}"
         if tokens is not None:
-            assert tokens == want_tokens, f"{family} tp{tp}pp{pp}: greedy tokens differ"
+            assert tokens == want_tokens, f"{family} tp{tp}pp{pp}dp{dp}: greedy tokens differ"
 
 
 @pytest.mark.parametrize("program", ["grpo", "ppo"])
