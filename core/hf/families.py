@@ -29,6 +29,10 @@ FAMILIES = tuple(ARCHITECTURES.values())
 # Megatron-core 0.16.1 hardcodes these for Llama 3.x's scaled RoPE (rotary_pos_embedding._apply_scaling).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 CONFIG = "config.json"
+# The model keys ``to_model`` gives (a run folder's config.yaml holds them all).
+MODEL_KEYS = ("kind", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "vocab_size", "normalization", "activation", "position_embedding", "rope_base", "bias", "tie_embeddings",
+              "head_dim", "qk_norm", "qkv_bias", "norm_eps", "rope_scaling_factor")
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,16 @@ def test_the_reader_gives_fp32_boxes_of_a_bf16_checkpoint(tmp_path: Path, hf_mod
     np.testing.assert_array_equal(box[0], whole[40:80, 8:32])
     np.testing.assert_array_equal(reader.read("embedding.word_embeddings.weight", (48, 0), (48, 64)),
                                   wide["model.embed_tokens.weight"][48:])
+
+
+def test_a_run_folders_config_loads_once_the_hf_folder_has_gone(tmp_path: Path, hf_models: dict[str, Path]) -> None:
+    """config.yaml holds the whole model section: a resume (from the run's own checkpoints)
+    does not need the folder; a config that leaves the shape to config.json does."""
+    folder = _copy(hf_models["qwen2"], tmp_path / "gone")
+    cfg = config_mod.from_data({"init_from": f"hf:{folder}", "model": {"seq_length": 32}})
+    written = config_mod.dump(cfg)
+    shutil.rmtree(folder)
+    (tmp_path / "config.yaml").write_text(written)
+    assert config_mod.load(tmp_path / "config.yaml") == cfg
+    with pytest.raises(ConfigError, match="no such folder"):
+        config_mod.from_data({"init_from": f"hf:{folder}", "model": {"seq_length": 32}})

@@ -107,7 +107,7 @@ def test_hf_config_and_to_model_are_inverses(family: str, extra: dict[str, objec
     model = _model(**extra)
     hf = families.hf_config(model, family)
     back = families.to_model(hf)
-    assert back.family == family and back.max_positions == 128
+    assert back.family == family and back.max_positions == 128 and tuple(back.model) == families.MODEL_KEYS
     assert back.model == {k: v for k, v in model.items() if k not in ("seq_length", "init_method_std")}
     import transformers  # the reader the exported config.json is for (tests only)
 
