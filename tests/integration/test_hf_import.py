@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.integration.gpt_harness import RankGroup, gpt_config, greedy_on_rank, logits_on_rank
+from tests.integration.gpt_harness import RankGroup, gpt_config, greedy_on_rank, hf_reads_on_rank, logits_on_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 
@@ -41,6 +41,12 @@ def _reference(folder: Path) -> tuple[np.ndarray, list[list[int]]]:
     return logits, out[:, len(PROMPTS[0]):].tolist()
 
 
+def _elements(folder: Path) -> int:
+    from safetensors.numpy import load_file
+
+    return sum(a.size for f in folder.glob("*.safetensors") for a in load_file(str(f)).values())
+
+
 def _imported(folder: Path, tp: int, pp: int, dp: int, work: Path) -> tuple[np.ndarray, list[list[int]] | None]:
     world = tp * pp * dp
     zero3 = {"parallel": {"sharding": "params"}} if dp > 1 else {}
@@ -51,6 +57,9 @@ def _imported(folder: Path, tp: int, pp: int, dp: int, work: Path) -> tuple[np.n
     with RankGroup(cfg, world_size=world, run_dir=work) as g:
         g.setup()
         assert g.call("ckpt_load", step_dir=f"hf:{folder}", into="weights") == [{"step": 0}] * world
+        if tp == pp == 2:  # each rank reads about its quarter; together they read every element
+            reads, total = g.apply(hf_reads_on_rank, folder=str(folder)), _elements(folder)
+            assert max(reads) < total / 3 and sum(reads) >= total, (reads, total)
         logits = next(x for x in g.apply(logits_on_rank, tokens=TOKENS) if x is not None)
         tokens = g.apply(greedy_on_rank, prompts=PROMPTS, new_tokens=NEW)[0] if pp == dp == 1 else None
     return logits, tokens
