@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ConfigError
+from core.hf import families
 
 HF = "hf"
 HF_PREFIX = "hf:"
@@ -25,10 +26,9 @@ BUILTIN_VOCAB = {"byte": 257, "qwen3": 151669}  # core.data.tokenizer's built-in
 
 
 def hf_init_folder(init_from: str | None) -> str | None:
-    """``init_from: hf:PATH`` → PATH; anything else → None."""
-    if init_from is not None and init_from.startswith(HF_PREFIX):
-        return init_from[len(HF_PREFIX):]
-    return None
+    """``init_from: hf:PATH`` → PATH (``~`` expanded); anything else → None."""
+    folder = None if init_from is None else families.split_source(init_from)
+    return None if folder is None else str(Path(folder).expanduser())
 
 
 def source(tokenizer: str | None, init_from: str | None) -> str:

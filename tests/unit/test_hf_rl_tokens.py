@@ -5,12 +5,15 @@ reward's text ending before the stop token. References: transformers' AutoTokeni
 apply_chat_template on the same folder; a model whose next token is known."""
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 from transformers import AutoTokenizer
 
 from core.config import run as config
@@ -21,6 +24,7 @@ from core.data.prompts import PromptFileError, read_prompts
 from core.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, stop_ids, text_before_stop
 from core.errors import ConfigError
 from core.flows import calls as gen_calls
+from tests.helpers import save_hf_model
 from tests.hf_tokenizers import chatml_folder, llama3_folder, qwen3_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +37,15 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return chatml_folder(tmp_path_factory.mktemp("chatml"), eos_token_id=[2, 0])  # <|im_end|>, <|endoftext|>
+    """A Hugging Face model folder (a random Qwen3 of vocabulary 512) with a ChatML tokenizer."""
+    folder = save_hf_model("qwen3", tmp_path_factory.mktemp("chatml"), vocab_size=512)
+    return chatml_folder(folder, eos_token_id=[2, 0])  # <|im_end|>, <|endoftext|>
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tokenizer over a model whose vocabulary (300) is smaller than its ids."""
+    return chatml_folder(save_hf_model("qwen3", tmp_path_factory.mktemp("small"), vocab_size=300))
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +53,26 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return llama3_folder(tmp_path_factory.mktemp("llama3"))
 
 
+@functools.cache
+def _grpo_without_shape() -> Path:
+    """grpo_tiny.yaml without its model's shape: with ``init_from: hf:`` config.json gives it."""
+    exp = yaml.safe_load((REPO / "experiments" / "grpo_tiny.yaml").read_text())
+    exp["model"] = {"kind": "gpt", "seq_length": exp["model"]["seq_length"]}
+    path = Path(tempfile.mkdtemp(prefix="baton-hf-rl-")) / "grpo_hf.yaml"
+    path.write_text(yaml.safe_dump(exp))
+    return path
+
+
+def _exp(*overrides: str) -> tuple[Path, list[str]]:
+    """grpo_tiny.yaml and ``overrides``; with an ``hf:`` init, the model's shape is the folder's."""
+    if any(o.startswith("init_from=hf:") for o in overrides):
+        return _grpo_without_shape(), list(overrides)
+    return REPO / "experiments" / "grpo_tiny.yaml", ["model.vocab_size=512", *overrides]
+
+
 def _grpo(*overrides: str) -> config.RunConfig:
-    return config.load(REPO / "experiments" / "grpo_tiny.yaml", ["rl.task=file", "model.vocab_size=512",
-                                                                 f"rl.prompts={REPO / 'experiments' / 'grpo_tiny.yaml'}",
-                                                                 *overrides])
+    path, more = _exp(*overrides)
+    return config.load(path, ["rl.task=file", f"rl.prompts={REPO / 'experiments' / 'grpo_tiny.yaml'}", *more])
 
 
 # --- config: the login node ----------------------------------------------------------------
@@ -59,8 +87,8 @@ def test_hf_is_the_tokenizer_by_default_with_an_hf_init_and_byte_otherwise(chatm
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["model.vocab_size=300", "init_from=hf:{chatml}"],
-     r"^rl.tokenizer: {chatml} has {n} tokens > model.vocab_size = 300; raise model.vocab_size to at least {n}$"),
+    (["init_from=hf:{small}"],
+     r"^rl.tokenizer: {small} has {n} tokens > model.vocab_size = 300; raise model.vocab_size to at least {n}$"),
     (["rl.tokenizer=hf"], r"^rl.tokenizer: hf reads the tokenizer of init_from: hf:PATH, but init_from is None; "),
     (["rl.tokenizer={chatml}", "rl.stop=[<|im_end|>, <|eot_id|>, '!!']"],
      r"^rl.stop: '<\|eot_id\|>', '!!' not a token of {chatml}; give tokens of its vocabulary"),
@@ -76,9 +104,10 @@ def test_hf_is_the_tokenizer_by_default_with_an_hf_init_and_byte_otherwise(chatm
     (["rl.chat_template_kwargs={documents: x, enable_thinking: false}"],
      r"^rl.chat_template_kwargs: documents is set by the chat template call itself, not a template variable; drop "),
 ])
-def test_bad_tokenizer_settings_are_refused_in_one_line(chatml: Path, overrides: list[str], message: str) -> None:
+def test_bad_tokenizer_settings_are_refused_in_one_line(chatml: Path, small: Path, overrides: list[str],
+                                                        message: str) -> None:
     n = len(AutoTokenizer.from_pretrained(str(chatml), local_files_only=True))
-    fill = {"{chatml}": str(chatml), "{n}": str(n), "{last}": str(n - 1)}
+    fill = {"{chatml}": str(chatml), "{small}": str(small), "{n}": str(n), "{last}": str(n - 1)}
 
     def filled(text: str) -> str:
         for k, v in fill.items():
@@ -212,8 +241,8 @@ def test_samples_stop_at_the_folders_stop_tokens_and_carry_their_text(tmp_path: 
     answer = ref.encode("Two plus two is four.", add_special_tokens=False)
     end = ref.convert_tokens_to_ids("<|im_end|>")
     scripted = [answer + [end] + answer[:2], answer[:3]]
-    cfg = config.load(REPO / "experiments" / "grpo_tiny.yaml", [f"init_from=hf:{chatml}", "model.vocab_size=512",
-                                                                *([f"generator.eos={eos}"] if eos else [])])
+    path, more = _exp(f"init_from=hf:{chatml}", *([f"generator.eos={eos}"] if eos else []))
+    cfg = config.load(path, more)
     generator = _Generator(scripted)
     flow = GeneratorFlow(cfg, SimpleNamespace(samples=tmp_path / "samples.jsonl"), None, generator, generator)
     flow._prompts = ((1, 2, 3, 4), (5, 6, 7, 8))

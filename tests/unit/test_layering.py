@@ -15,22 +15,23 @@ HEAVY = ("torch", "megatron", "h5py", "zmq")
 # may always import its own modules. Read it from the bottom: values, then adapters, then roles.
 RULES: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"errors"},
+    "config": {"errors", "hf"},
+    "hf": {"errors"},
     "record": {"errors", "config"},
     "wire": {"errors", "config"},
     "job": {"errors"},
     "data": {"errors"},
     "rl": {"errors"},
     "parallel": {"errors", "config"},
-    "checkpoint": {"errors", "config", "record", "wire"},
+    "checkpoint": {"errors", "config", "record", "wire", "hf"},
     "supervisor": {"errors", "config", "record", "job", "checkpoint"},
     "flows": {"errors", "config", "wire", "checkpoint"},
     "controller": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl", "data"},
     "worker": {"errors", "config", "record", "wire", "job"},
     "model": {"errors", "config", "wire", "job", "checkpoint", "parallel", "data", "worker", "flows"},
     "entrypoint": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "controller", "worker",
-                   "model", "flows"},
-    "launcher": {"errors", "config", "record", "checkpoint", "supervisor", "controller", "data"},
+                   "model", "flows", "hf"},
+    "launcher": {"errors", "config", "record", "checkpoint", "supervisor", "controller", "data", "hf"},
 }
 # Where a package may reach into another only through some of its modules.
 ONLY = {
@@ -41,6 +42,8 @@ ONLY = {
     ("launcher", "checkpoint"): {"core.checkpoint.manifest"},  # list and verify from file bytes
     ("launcher", "data"): {"core.data.sft"},  # an SFT submit checks the conversations it will train on
     ("supervisor", "checkpoint"): {"core.checkpoint.manifest"},
+    ("config", "hf"): {"core.hf.families"},  # config.json as the model section; no numpy
+    ("launcher", "hf"): {"core.hf.families", "core.hf.files", "core.hf.layout"},  # checks, never the reader
 }
 # Each third-party library has its home module(s) or package; nothing else imports it.
 HOMES = {
@@ -49,7 +52,8 @@ HOMES = {
     "yaml": {"core/config/run.py"},
     "xxhash": {"core/checkpoint/manifest.py", "core/checkpoint/hdf5.py"},
     "h5py": {"core/checkpoint/hdf5.py", "core/data/build.py", "core/data/dataset.py", "core/model/gpt/data.py"},
-    "torch": {"core/parallel/", "core/model/gpt/"},
+    "torch": {"core/parallel/", "core/model/gpt/", "core/hf/reader.py"},
+    "safetensors": {"core/hf/files.py", "core/hf/reader.py"},
     "megatron": {"core/parallel/", "core/model/gpt/"},
     "prometheus_client": {"core/controller/metrics.py"},
     "submitit": {"launcher/slurm.py"},
