@@ -9,7 +9,12 @@ attention: that many key/value heads, shared by ``num_attention_heads / num_quer
 query heads each; null: one per head). ``bias: false`` drops every linear layer's bias.
 ``tie_embeddings``: the output layer is the word embedding (Megatron keeps a copy on the last
 stage when pp > 1, its gradients all-reduced with the first stage's; a checkpoint holds the
-embedding once).
+embedding once). ``head_dim``: each head's width (null: hidden_size / num_attention_heads;
+Megatron's ``kv_channels``). ``qk_norm``: a norm of the model's kind on each head's query
+and key (Qwen3). ``qkv_bias``: a bias on the query, key and value projections only (null: as
+``bias``; Qwen2 has ``bias: false, qkv_bias: true``). ``norm_eps``: every norm's epsilon.
+``rope_scaling_factor``: Llama 3.x's scaled rotary frequencies (Megatron's, with low/high
+frequency factors 1 and 4 over 8192 original positions).
 """
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ from core.errors import ConfigError
 # The shape options and their defaults: a model hash leaves them out at these values, so a
 # checkpoint saved before they existed still belongs to the same model.
 SHAPE_DEFAULTS: dict[str, Any] = {"normalization": "layernorm", "activation": "gelu", "position_embedding": "learned",
-                                  "rope_base": 10000, "num_query_groups": None, "bias": True, "tie_embeddings": False}
+                                  "rope_base": 10000, "num_query_groups": None, "bias": True, "tie_embeddings": False,
+                                  "head_dim": None, "qk_norm": False, "qkv_bias": None, "norm_eps": 1e-5,
+                                  "rope_scaling_factor": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,12 +53,24 @@ class ModelConfig:
     num_query_groups: int | None = bounded(None, gt=0, le=2**16)
     bias: bool = True
     tie_embeddings: bool = False
+    head_dim: int | None = bounded(None, gt=0, le=2**16)  # null: hidden_size / num_attention_heads
+    qk_norm: bool = False
+    qkv_bias: bool | None = None  # null: as bias
+    norm_eps: float = bounded(1e-5, gt=0, le=1)
+    rope_scaling_factor: float | None = bounded(None, ge=1, le=1e6)
 
     def __post_init__(self) -> None:
         check_bounds(self, "model")
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"model.hidden_size: {self.hidden_size} is not divisible by "
-                              f"model.num_attention_heads = {self.num_attention_heads}")
+                              f"model.num_attention_heads = {self.num_attention_heads}; set model.head_dim "
+                              "or pick a divisor")
+        if self.bias and self.qkv_bias is False:
+            raise ConfigError("model.qkv_bias: False with model.bias: True cannot be built (Megatron biases q, k, v "
+                              "whenever the linear layers have biases); leave qkv_bias null")
+        if self.rope_scaling_factor is not None and self.position_embedding != "rope":
+            raise ConfigError(f"model.rope_scaling_factor: {self.rope_scaling_factor} needs "
+                              f"model.position_embedding: rope, not {self.position_embedding!r}")
         if self.num_attention_heads % self.query_groups:
             raise ConfigError(f"model.num_query_groups: {self.num_query_groups} does not divide "
                               f"model.num_attention_heads = {self.num_attention_heads}; pick a divisor of it")
@@ -66,9 +85,24 @@ class ModelConfig:
         return self.num_query_groups or self.num_attention_heads
 
     @property
+    def head_size(self) -> int:
+        """One head's width: ``head_dim``, or hidden_size / num_attention_heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_width(self) -> int:
+        """The query projection's width: heads × head size (hidden_size unless ``head_dim`` says otherwise)."""
+        return self.num_attention_heads * self.head_size
+
+    @property
     def kv_channels(self) -> int:
         """The key/value width: query groups × head size."""
-        return self.query_groups * (self.hidden_size // self.num_attention_heads)
+        return self.query_groups * self.head_size
+
+    @property
+    def qkv_has_bias(self) -> bool:
+        """Whether the query, key and value projections have a bias (``qkv_bias``, else ``bias``)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
 
 def hashed(model: dict[str, Any]) -> dict[str, Any]:

@@ -120,13 +120,16 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def _layer_params(cfg: RunConfig, tp: int) -> int:
-    """One transformer layer's parameters on one tensor-parallel rank: QKV (``kv_channels``
-    wide keys and values), fc1 (gate and up under SwiGLU) and their biases, proj and fc2
-    split over tp; the row-parallel biases and the two norms replicated."""
+    """One transformer layer's parameters on one tensor-parallel rank: QKV (``query_width``
+    wide queries, ``kv_channels`` wide keys and values), fc1 (gate and up under SwiGLU) and
+    their biases, proj and fc2 split over tp; the row-parallel biases, the two norms and the
+    q/k norms (one head wide) replicated."""
     m = cfg.model
     h, f, kv, bias = m.hidden_size, m.ffn * (2 if m.activation == "swiglu" else 1), m.kv_channels, int(m.bias)
-    sharded = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + h * f + bias * f + m.ffn * h
-    replicated = 2 * bias * h + 2 * _norm(cfg)  # proj and fc2 biases, 2 norms
+    q, qkv_bias = m.query_width, int(m.qkv_has_bias)
+    sharded = h * (q + 2 * kv) + qkv_bias * (q + 2 * kv) + q * h + h * f + bias * f + m.ffn * h
+    qk_norm = 2 * m.head_size * (1 if m.normalization == "rmsnorm" else 2) if m.qk_norm else 0
+    replicated = 2 * bias * h + 2 * _norm(cfg) + qk_norm  # proj and fc2 biases, 2 norms, q/k norms
     return ceil_div(sharded, tp) + replicated
 
 

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: their families (config.json), their tensors as Baton's, reading them."""

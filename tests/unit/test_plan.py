@@ -294,14 +294,15 @@ def test_an_rl_program_plans_memory_for_its_reference_and_its_critic() -> None:
 
 
 MODERN = ("model.normalization=rmsnorm", "model.activation=swiglu", "model.position_embedding=rope",
-          "model.num_query_groups=2", "model.bias=false", "model.tie_embeddings=true")
+          "model.num_query_groups=2", "model.bias=false", "model.tie_embeddings=true", "model.head_dim=24",
+          "model.qk_norm=true", "model.qkv_bias=true")
 
 
 @pytest.mark.megatron
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 def test_param_counts_of_modern_shapes_match_the_models_baton_builds() -> None:
-    """rmsnorm, swiglu, rope, grouped-query attention and bias-free linears, each alone and
-    together: the plan's count equals the parameters of the GPT core.model.gpt.model builds."""
+    """rmsnorm, swiglu, rope, grouped-query attention, bias-free linears, a head size that is
+    not hidden/heads, q/k norms and q/k/v-only biases, each alone and together: the plan's count equals the parameters of the GPT core.model.gpt.model builds."""
     variants = [MODERN, *((o,) for o in MODERN)]
     code = textwrap.dedent("""
         import json, os, sys, warnings

@@ -90,7 +90,9 @@ def transformer_config(
 def _shape_options(model: ModelConfig) -> dict[str, object]:
     """core.config.modelcfg's shape options as Megatron's TransformerConfig fields."""
     out: dict[str, object] = {"normalization": "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
-                              "add_bias_linear": model.bias, "num_query_groups": model.query_groups}
+                              "add_bias_linear": model.bias, "num_query_groups": model.query_groups,
+                              "kv_channels": model.head_size, "qk_layernorm": model.qk_norm,
+                              "add_qkv_bias": model.qkv_has_bias, "layernorm_epsilon": model.norm_eps}
     if model.activation == "swiglu":
         out.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                    bias_activation_fusion=False)
@@ -100,7 +102,9 @@ def _shape_options(model: ModelConfig) -> dict[str, object]:
 def position_options(model: ModelConfig) -> dict[str, object]:
     """GPTModel's position arguments for ``model.position_embedding``."""
     if model.position_embedding == "rope":
-        return {"position_embedding_type": "rope", "rotary_base": model.rope_base}
+        scaling = model.rope_scaling_factor
+        return {"position_embedding_type": "rope", "rotary_base": model.rope_base, "rope_scaling": scaling is not None,
+                "rope_scaling_factor": 8.0 if scaling is None else scaling}
     return {"position_embedding_type": "learned_absolute"}
 
 
@@ -111,8 +115,8 @@ def layer_spec(config: TransformerConfig, *, on_cuda: bool) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=config.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
 
 
 def build_model(config: TransformerConfig, model: ModelConfig, *, on_cuda: bool) -> torch.nn.Module:
