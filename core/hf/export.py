@@ -15,19 +15,22 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from core.checkpoint.hdf5 import CheckpointReader
+from core.checkpoint.manifest import TensorEntry
 from core.config import run as config_mod
 from core.config.modelcfg import ModelConfig
-from core.errors import ConfigError, ExitCode, UserError
+from core.errors import CheckpointError, ConfigError, ExitCode, UserError
 from core.hf import families, layout, shards, source
 
 log = logging.getLogger(__name__)
@@ -65,32 +68,102 @@ def hf_config(model: ModelConfig, family: str, dtype: str, source_cfg: dict[str,
     return out
 
 
-def _read_block(reader: CheckpointReader, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+@dataclass(frozen=True)
+class Unit:
+    """One read of the export: a Megatron global tensor (one layer of it, for a stacked one)
+    and the HF tensors it holds (``layout.to_hf``: q, k, v of ``linear_qkv``; gate, up of fc1)."""
+
+    name: str
+    layer: int | None
+    box: tuple[tuple[int, ...], tuple[int, ...]]  # offset, shape in the global tensor
+    outputs: tuple[shards.Planned, ...]
+
+
+def _hf_names(name: str, layer: int | None, array: np.ndarray, dims: layout.Dims) -> dict[str, np.ndarray]:
+    """``layout.to_hf`` of one box: a layer box is given as layer 0 and named as ``layer``."""
+    out = layout.to_hf(name, array, dims)
+    if layer is None:
+        return out
+    pre = "model.layers.0."
+    return {f"model.layers.{layer}.{k[len(pre):]}": v for k, v in out.items()}
+
+
+def plan_units(tensors: dict[str, TensorEntry], dims: layout.Dims) -> list[Unit]:
+    """The reads of an export, in Hugging Face's order (the embedding, layer by layer, the final
+    norm, the output layer); what each gives is found from the mapping on unfilled arrays."""
+    model = {n: t for n, t in tensors.items() if not n.startswith("optim.")}
+    stacked = sorted(n for n in model if n.startswith(layout.P))
+    units = []
+    firsts = [n for n in model if n not in stacked and n != "decoder.final_layernorm.weight"
+              and n != "output_layer.weight"]
+    for name in sorted(firsts):
+        units.append(_unit(name, None, model[name].global_shape, dims))
+    for layer in range(dims.layers):
+        units += [_unit(name, layer, model[name].global_shape, dims) for name in stacked]
+    units += [_unit(n, None, model[n].global_shape, dims) for n in ("decoder.final_layernorm.weight",
+                                                                       "output_layer.weight") if n in model]
+    got = {p.name for u in units for p in u.outputs}
+    missing = sorted(set(layout.hf_shapes(dims)) - got)
+    if missing:
+        raise CheckpointError(f"export: the checkpoint holds no tensor for {', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''}; it was not saved with this run's model section")
+    return units
+
+
+def _unit(name: str, layer: int | None, shape: tuple[int, ...], dims: layout.Dims) -> Unit:
+    offset = (layer, *(0,) * (len(shape) - 1)) if layer is not None else (0,) * len(shape)
+    box = (1, *shape[1:]) if layer is not None else tuple(shape)
+    try:
+        shapes = _hf_names(name, layer, np.empty(box, np.float32), dims)  # never touched: no memory used
+    except KeyError as exc:
+        raise CheckpointError(f"export: {exc.args[0]}; this checkpoint holds a tensor no family has") from None
+    outputs = tuple(shards.Planned(n, tuple(a.shape)) for n, a in shapes.items())
+    return Unit(name, layer, (offset, box), outputs)
+
+
+def _read(reader: CheckpointReader, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
     """fp32 box of a global tensor: the optimizer's fp32 main weights where the run kept them apart
     (what a resume loads), else the model's."""
     main = f"optim.main_param.{name}"
     return reader.read(main if main in reader.manifest.tensors else name, offset, shape)
 
 
-def produce(reader: CheckpointReader, tensor: layout.HFTensor, dtype: str) -> np.ndarray:
-    """One HF tensor in ``dtype``'s storage, filled from its boxes in row blocks."""
-    out = np.empty(tensor.shape, dtype=np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
-    flat = out.reshape(-1)
-    pos = 0
-    for box in tensor.boxes:
-        rows = box.shape[box.row_axis]
-        row_elems = math.prod(box.shape) // max(rows, 1)
-        step = max(1, _BLOCK_BYTES // max(4 * row_elems, 1))
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            offset = tuple(o + (r if a == box.row_axis else 0) for a, o in enumerate(box.offset))
-            shape = tuple(n if a == box.row_axis else s for a, s in enumerate(box.shape))
-            block = shards.to_dtype(_read_block(reader, box.name, offset, shape), dtype).reshape(-1)
-            flat[pos:pos + block.size] = block
-            pos += block.size
-    if pos != flat.size:
-        raise AssertionError(f"{tensor.name}: boxes filled {pos} of {flat.size} elements")
-    return out
+def _convert_by_rows(reader: CheckpointReader, unit: Unit, dtype: str) -> np.ndarray:
+    """A one-to-one tensor read and rounded in row blocks: at most ``_BLOCK_BYTES`` of fp32 at once."""
+    (offset, box), out = unit.box, unit.outputs[0]
+    array = np.empty(out.shape, dtype=np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
+    flat, axis = array.reshape(-1), 1 if unit.layer is not None else 0
+    rows = box[axis] if len(box) > axis else 1
+    per_row = math.prod(box) // max(rows, 1)
+    step = max(1, _BLOCK_BYTES // max(4 * per_row, 1))
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        at = tuple(o + r if a == axis else o for a, o in enumerate(offset))
+        shape = tuple(n if a == axis else s for a, s in enumerate(box))
+        flat[r * per_row:(r + n) * per_row] = shards.to_dtype(_read(reader, unit.name, at, shape), dtype).reshape(-1)
+    return array
+
+
+class Producer:
+    """HF tensors in order, each unit read once; a unit's other outputs wait for their turn."""
+
+    def __init__(self, reader: CheckpointReader, units: list[Unit], dims: layout.Dims, dtype: str) -> None:
+        self.reader, self.dims, self.dtype = reader, dims, dtype
+        self.unit_of = {p.name: u for u in units for p in u.outputs}
+        self.pending: dict[str, np.ndarray] = {}
+
+    def __call__(self, planned: shards.Planned) -> np.ndarray:
+        if planned.name in self.pending:
+            return self.pending.pop(planned.name)
+        unit = self.unit_of[planned.name]
+        if len(unit.outputs) == 1 and math.prod(unit.outputs[0].shape) == math.prod(unit.box[1]):
+            return _convert_by_rows(self.reader, unit, self.dtype)
+        whole = _read(self.reader, unit.name, *unit.box)
+        parts = {n: shards.to_dtype(a, self.dtype) for n, a in _hf_names(unit.name, unit.layer, whole, self.dims).items()}
+        del whole
+        mine = parts.pop(planned.name)
+        self.pending.update(parts)
+        return mine
 
 
 def export(step_dir: Path, out: Path, max_shard_bytes: int) -> dict[str, Any]:
@@ -103,17 +176,19 @@ def export(step_dir: Path, out: Path, max_shard_bytes: int) -> dict[str, Any]:
     dtype = source.export_dtype(src_cfg)
     config = hf_config(cfg.model, family, dtype, src_cfg)
     with CheckpointReader(step_dir) as reader:
-        tensors = layout.hf_tensors(cfg.model, reader.manifest.tensors)
-        plan = shards.plan_shards([shards.Planned(t.name, t.shape) for t in tensors], dtype, max_shard_bytes)
-        by_name = {t.name: t for t in tensors}
+        dims = layout.dims_of(cfg.model)
+        units = plan_units(reader.manifest.tensors, dims)
+        tensors = [p for u in units for p in u.outputs]
+        plan = shards.plan_shards(tensors, dtype, max_shard_bytes)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            index = shards.write_shards(tmp, plan, dtype, lambda p: produce(reader, by_name[p.name], dtype))
+            index = shards.write_shards(tmp, plan, dtype, Producer(reader, units, dims, dtype))
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             (tmp / "generation_config.json").write_text(
                 json.dumps(source.generation_config(src, config), indent=2) + "\n")
             copied = source.copy_tokenizer(src, tmp)
+            publish_modes(tmp)
             shards.fsync_tree(tmp)
             if out.exists():
                 out.rmdir()  # the login node checked it is empty
@@ -123,6 +198,15 @@ def export(step_dir: Path, out: Path, max_shard_bytes: int) -> dict[str, Any]:
             raise
     return {"out": str(out), "family": family, "dtype": dtype, "tensors": len(tensors), "shards": len(plan),
             "bytes": index["metadata"]["total_size"], "tokenizer": copied, "source": str(src) if src else None}
+
+
+def publish_modes(folder: Path) -> None:
+    """The modes a new folder and files get under the umask (mkdtemp and safetensors make them private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for p in folder.iterdir():
+        os.chmod(p, 0o666 & ~umask)
 
 
 def build_parser() -> argparse.ArgumentParser:

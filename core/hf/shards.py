@@ -21,9 +21,7 @@ import numpy as np
 from safetensors import TensorSpec, serialize_file
 
 INDEX_NAME = "model.safetensors.index.json"
-# The safetensors header's dtype codes of the dtypes an export writes; bfloat16 travels as
-# its raw 16-bit words (numpy has no bfloat16).
-ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# The dtypes an export writes; bfloat16 travels as its raw 16-bit words (numpy has none).
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -84,7 +82,7 @@ def write_shards(out: Path, shards: list[list[Planned]], dtype: str,
             arrays[t.name] = array
             weight_map[t.name] = name
             total += array.nbytes
-        specs = {n: TensorSpec(dtype=ST_DTYPES[dtype], shape=list(a.shape), data_ptr=a.ctypes.data,
+        specs = {n: TensorSpec(dtype=dtype, shape=list(a.shape), data_ptr=a.ctypes.data,
                                data_len=a.nbytes) for n, a in arrays.items()}
         serialize_file(specs, str(out / name), metadata={"format": "pt"})  # arrays alive until it returns
         del arrays, specs

