@@ -35,7 +35,7 @@ from core.hf import families, layout, shards, source
 
 log = logging.getLogger(__name__)
 FAMILIES_NEED = "Llama/Qwen2/Qwen3 need"
-_BLOCK_BYTES = 64 << 20  # fp32 read per piece: conversion holds at most this beside the tensor
+_BLOCK_BYTES = 16 << 20  # fp32 read per block of a one-to-one tensor: the conversion's working memory
 
 
 def supported_family(model: ModelConfig, source_family: str | None) -> str:

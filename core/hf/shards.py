@@ -59,7 +59,13 @@ def to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float16":
         return np.ascontiguousarray(array, dtype=np.float16)
     bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    word = np.right_shift(bits, 16)  # in place from here on: one temporary beside the result
+    np.bitwise_and(word, 1, out=word)
+    np.add(word, 0x7FFF, out=word)
+    np.add(word, bits, out=word)
+    np.right_shift(word, 16, out=word)
+    rounded = word.astype(np.uint16)
+    del word
     nan = np.isnan(array)
     if nan.any():  # a NaN stays a (quiet) NaN; the rounding above could carry it into the sign bit
         rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
