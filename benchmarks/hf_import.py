@@ -15,7 +15,7 @@ beside its shard (its parameters, fp32) and its largest box; the goal is at most
 largest + 20 %. Each rank then writes its parameters as a Baton checkpoint shard, committed
 as a checkpoint of that layout.
 
-Export, of each of those checkpoints: ``python -m core.hf.export`` (bfloat16: the source's
+Export, of each of those checkpoints: ``python -m core.checkpoint.hf_export`` (bfloat16: the source's
 dtype) beside raw: reading the checkpoint's files (preadv) and writing the same number of
 bytes the export writes (write + fsync). Its peak resident memory (the process's, from
 wait4) beside its largest output shard + largest tensor + 20 %. Every exported tensor is
@@ -235,11 +235,11 @@ def raw_export(step_dir: Path, out_bytes: int, scratch: Path) -> float:
 
 
 def export_once(step_dir: Path, out: Path) -> tuple[float, int]:
-    """One `python -m core.hf.export` run: (seconds, peak resident bytes of the process)."""
+    """One `python -m core.checkpoint.hf_export` run: (seconds, peak resident bytes of the process)."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "core.hf.export", str(step_dir), "--hf", str(out)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "core.checkpoint.hf_export", str(step_dir), "--hf", str(out)], env=env,
                             stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     took = time.perf_counter() - t0

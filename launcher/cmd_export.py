@@ -2,7 +2,7 @@
 
 The login node checks what it can from file names and the manifest (a run folder, a
 committed checkpoint of that step, an OUT that is new or empty) and then runs
-``python -m core.hf.export`` in a subprocess, as ``baton data build`` does: the export reads
+``python -m core.checkpoint.hf_export`` in a subprocess, as ``baton data build`` does: the export reads
 HDF5 shards (h5py, numpy), which the login-node CLI never imports. That process checks the
 model's shape against the families Hugging Face has before it writes anything.
 """
@@ -21,7 +21,7 @@ from core.config.rl import init_from
 from core.errors import CheckpointError, UserError
 from core.record.runfolder import RunFolder
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # so `-m core.hf.export` resolves without an install
+REPO_ROOT = Path(__file__).resolve().parents[1]  # so `-m core.checkpoint.hf_export` resolves without an install
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -79,7 +79,7 @@ def check_out(out: Path) -> None:
 
 def build_command(step_dir: Path, args: argparse.Namespace) -> list[str]:
     """The subprocess command line."""
-    return [sys.executable, "-m", "core.hf.export", str(step_dir), "--hf", str(Path(args.hf).expanduser()),
+    return [sys.executable, "-m", "core.checkpoint.hf_export", str(step_dir), "--hf", str(Path(args.hf).expanduser()),
             "--max-shard-size", str(args.max_shard_size)]
 
 

@@ -17,6 +17,8 @@ from core.config import run as config_mod
 from core.config.run import RunConfig
 from core.config.runplan import plan_run
 from core.errors import UserError
+from core.hf import files as hf_files
+from core.hf import layout as hf_layout
 from core.record import events as ev
 from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, write_atomic
@@ -58,6 +60,8 @@ def resolve_init(cfg: RunConfig) -> RunConfig:
     with its step, so a later allocation never starts from a newer checkpoint of that run."""
     if cfg.init_from is None:
         return cfg
+    if cfg.init_from.startswith("hf:"):
+        return resolve_hf(cfg)
     run_dir, step = rl_spec.init_from(cfg.init_from)
     step_dir = manifest.init_checkpoint(run_dir, step)
     saved = manifest.read_manifest(step_dir)
@@ -65,6 +69,14 @@ def resolve_init(cfg: RunConfig) -> RunConfig:
         raise UserError(f"init_from: {step_dir} was saved with another model (config hash {saved.config_hash}, this "
                         f"config {config_mod.model_hash(cfg)}); give the model section that run had")
     return replace(cfg, init_from=f"{step_dir.parent.parent.resolve()}:{saved.step}")
+
+
+def resolve_hf(cfg: RunConfig) -> RunConfig:
+    """``init_from: hf:PATH`` checked (every tensor the model needs, of config.json's shape, in
+    readable safetensors files) and pinned absolute."""
+    folder = Path(cfg.init_from[len("hf:"):]).expanduser().resolve()  # type: ignore[index]
+    hf_files.check_folder(folder, hf_layout.dims_of(cfg.model))
+    return replace(cfg, init_from=f"hf:{folder}")
 
 
 @dataclass(frozen=True)

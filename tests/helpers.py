@@ -271,3 +271,38 @@ def same_samples(got: list[dict], want: list[dict]) -> None:
         assert {k: v for k, v in g.items() if k not in ("replica", "logprobs")} == \
             {k: v for k, v in w.items() if k not in ("replica", "logprobs")}
         assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) <= 1e-5, (g, w)
+
+
+# --- small Hugging Face models (transformers only here, in tests) -----------------------------
+HF_SHAPE = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def save_hf_model(family: str, folder: Path, *, seed: int = 0) -> Path:
+    """A random fp32 ``family`` model saved with save_pretrained into ``folder``: ``llama`` (Llama
+    3.1's scaled rotary frequencies, untied), ``qwen2`` (q/k/v biases, untied), ``qwen3`` (q/k
+    norms, head_dim 32 where hidden/heads is 16, tied embeddings); all with grouped-query
+    attention (4 heads over 2 key/value groups). Biases and norms are random too, so a weight
+    loaded into the wrong place shows in the logits. Qwen2 is saved in shards of 100 kB
+    (model.safetensors.index.json), the others as one model.safetensors."""
+    import torch  # transformers' models are torch modules (tests only)
+    import transformers  # tests only: the independent reference
+
+    torch.manual_seed(seed)
+    if family == "llama":
+        config = transformers.LlamaConfig(**HF_SHAPE, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**HF_SHAPE, rope_theta=1e6, tie_word_embeddings=False)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**HF_SHAPE, head_dim=32, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
+    model.to(torch.float32).save_pretrained(folder, max_shard_size="100KB" if family == "qwen2" else "5GB")
+    return folder

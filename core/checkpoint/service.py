@@ -8,7 +8,9 @@ A task that can be checkpointed offers two functions:
 and, optionally, ``restore_weights(read)`` (only the model weights of a checkpoint, the
 optimizer fresh: ``init_from``) and ``restore_reference(read)`` (the model weights into a
 frozen copy that is not part of the state: an RL run's reference policy); both are
-``CKPT_LOAD`` with ``into="weights"`` / ``"reference"``. Also optionally,
+``CKPT_LOAD`` with ``into="weights"`` / ``"reference"``; their ``step_dir`` may be
+``hf:PATH``, a Hugging Face checkpoint folder read through core.hf.reader (the same
+``read``, each rank reading only its boxes). Also optionally,
 ``bind_checkpoint_fence(fence)``. A task that binds the fence may export
 its live state (views, ``core.checkpoint.spec.LiveArray``) and promises to call
 ``fence()`` before it next changes that state (before its optimizer step, before a
@@ -34,13 +36,16 @@ import numpy as np
 from core.checkpoint import calls
 from core.checkpoint.manifest import rank_file_name
 from core.checkpoint.spec import ShardAck, TensorSlice, current
+from core.config.modelcfg import ModelConfig
 from core.errors import BatonRuntimeError
+from core.hf import families, layout
 from core.wire.contract import Method
 
 log = logging.getLogger(__name__)
 
 Items = list[tuple[TensorSlice, Any]]  # np.ndarray or LiveArray
 ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
+HF = "hf:"  # a Load.step_dir that names a Hugging Face checkpoint folder (init_from: hf:PATH)
 
 
 
@@ -139,6 +144,8 @@ class CheckpointService:
             raise BatonRuntimeError(f"rank {self.rank}: this task cannot load a checkpoint into {req.into!r}")
         if req.into != "reference":
             self.fence()  # restoring changes the state a pending async save may still be copying
+        if req.step_dir.startswith(HF):
+            return self._load_hf(req, partial)
         reader = CheckpointReader(Path(req.step_dir))
         try:
             if partial is not None:
@@ -157,6 +164,22 @@ class CheckpointService:
             reader.close()
         log.info("loaded checkpoint %s", req.step_dir)
         return calls.Loaded(step=int(reader.manifest.step))
+
+    def _load_hf(self, req: calls.Load, partial: Callable[[ReadFn], None] | None) -> calls.Loaded:
+        """The model weights of a Hugging Face checkpoint folder (``hf:PATH``), read box by box."""
+        from core.hf.reader import HFReader  # torch and safetensors: only on workers, only for an hf: source
+
+        folder = req.step_dir[len(HF):]
+        if partial is None:
+            raise BatonRuntimeError(f"rank {self.rank}: {req.step_dir} holds model weights only, not a training state")
+        dims = layout.dims_of(ModelConfig(**families.model_section(folder).model))
+        reader = HFReader(folder, dims)
+        try:
+            partial(reader.read)
+        finally:
+            reader.close()
+        log.info("loaded the model weights of Hugging Face checkpoint %s (into %s)", folder, req.into)
+        return calls.Loaded(step=0)
 
     def shutdown(self) -> None:
         if self._pending is not None:

@@ -34,7 +34,9 @@ no target: no reference model at all.
 committed checkpoint of another run (its newest without STEP; any layout), with a fresh
 optimizer; under ``grpo`` with no warm start, its weights are the reference policy. ``baton submit``
 checks it and stores it resolved (absolute, with its step), so every allocation of the run
-starts from, and compares against, the same weights.
+starts from, and compares against, the same weights. ``init_from: hf:PATH`` starts from a
+Hugging Face checkpoint folder instead (Llama 3.x, Qwen2/2.5, Qwen3 dense: core.config.hfinit
+fills the model section from its config.json; submit checks its files and pins PATH absolute).
 
 What these settings need from the rest of the config (a GPT, a generator, lengths within
 the model's) is checked by ``core.config.run`` against the whole config.

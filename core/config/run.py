@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from core.config import inputs, modelcfg, schema
+from core.config import hfinit, inputs, modelcfg, schema
 from core.config import rl as rl_spec
 from core.config.dims import ParallelDims
 from core.config.generator import GeneratorConfig
@@ -60,7 +60,7 @@ class RunConfig:
 
     name: str = "run"
     program: str = "pretrain"  # or grpo, ppo (core.config.rl)
-    init_from: str | None = None  # RUN_DIR[:STEP]: start from another run's model weights (core.config.rl)
+    init_from: str | None = None  # RUN_DIR[:STEP] or hf:PATH: start from a model's weights (core.config.rl, hfinit)
     seed: int = bounded(1234, ge=0, le=2**63 - 1, why=" (seeds are 64-bit)")
     runs_root: str = "runs"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -172,7 +172,9 @@ def _check_generator(cfg: RunConfig) -> None:
 def _check_rl(cfg: RunConfig) -> None:
     """``init_from``, ``program`` and what a GRPO or PPO run needs from the rest of the config."""
     if cfg.init_from is not None and not rl_spec.init_from(cfg.init_from)[0]:
-        raise ConfigError(f"init_from: {cfg.init_from!r} names no run folder; give RUN_DIR or RUN_DIR:STEP")
+        raise ConfigError(f"init_from: {cfg.init_from!r} names no run folder; give RUN_DIR, RUN_DIR:STEP or hf:PATH")
+    tps = {"parallel.tp": cfg.parallel.tp, **({"generator.tp": cfg.generator.tp} if cfg.generator.enabled else {})}
+    hfinit.check(cfg.init_from, cfg.model, tps)
     if cfg.init_from is not None and cfg.model.kind != "gpt":
         raise ConfigError(f"init_from: model.kind {cfg.model.kind!r} has no weights to start from; init_from needs "
                           "model.kind: gpt")
@@ -290,7 +292,7 @@ def read_yaml(path: str | Path, *, kind: FileKind = "experiment") -> tuple[dict[
 
 def from_data(data: dict[str, Any]) -> RunConfig:
     """Plain data → validated ``RunConfig`` (NaN and the infinities are refused)."""
-    return build(RunConfig, data, finite=True)
+    return build(RunConfig, hfinit.fill_model(data), finite=True)
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -159,7 +159,13 @@ class Program:
         self.last_loss = kept[-1].loss if kept else None
 
     def _initialise(self) -> ev.Event:
-        """``init_from``: the trainer's model weights from another run's checkpoint."""
+        """``init_from``: the trainer's model weights from another run's checkpoint, or from a
+        Hugging Face checkpoint folder (``hf:PATH``, pinned absolute at submit)."""
+        if str(self.cfg.init_from).startswith("hf:"):
+            self.trainer.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(self.cfg.init_from), into="weights"),
+                              timeout_s=self.cfg.timeouts.checkpoint_s)
+            log.info("model weights imported from %s", self.cfg.init_from)
+            return ev.InitialisedFrom(checkpoint=str(self.cfg.init_from), step=0)
         init = manifest.init_checkpoint(*rl_spec.init_from(str(self.cfg.init_from)))
         self.trainer.call(ckpt_calls.CKPT_LOAD, ckpt_calls.Load(step_dir=str(init), into="weights"),
                           timeout_s=self.cfg.timeouts.checkpoint_s)

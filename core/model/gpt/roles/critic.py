@@ -31,7 +31,9 @@ class CriticRole(Role):
         self.ctx: Any = None  # core.model.gpt.step.StepContext: the actor's, with this model and optimizer
 
     def build(self) -> None:
-        cfg = self.rank.cfg
+        # Never tied: the value head replaces the output layer, so there is no vocabulary
+        # projection to share with the embedding (Megatron would tie the head to it).
+        cfg = dataclasses.replace(self.rank.cfg, model=dataclasses.replace(self.rank.cfg.model, tie_embeddings=False))
         _, self.chunks, self.optimizer = build.trained(cfg, on_cuda=self.rank.on_cuda, rank=self.rank.ctx.rank,
                                                        head=lambda gpt: critic.attach_head(gpt, seed=cfg.seed))
 

@@ -1,4 +1,4 @@
-"""``python -m core.hf.export STEP_DIR --hf OUT``: one committed checkpoint as a Hugging Face folder.
+"""``python -m core.checkpoint.hf_export STEP_DIR --hf OUT``: one committed checkpoint as a Hugging Face folder.
 
 What ``baton export`` runs in a subprocess (launcher/cmd_export.py has checked the run folder,
 the step and OUT). Here: the model's shape against the families (one line naming every
@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from core.checkpoint import hf_source as source
 from core.checkpoint.hdf5 import CheckpointReader
 from core.checkpoint.manifest import TensorEntry
 from core.config import run as config_mod
 from core.config.modelcfg import ModelConfig
 from core.errors import CheckpointError, ConfigError, ExitCode, UserError
-from core.hf import families, layout, shards, source
+from core.hf import families, layout, shards
 
 log = logging.getLogger(__name__)
 FAMILIES_NEED = "Llama/Qwen2/Qwen3 need"
@@ -210,7 +211,7 @@ def publish_modes(folder: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m core.hf.export", description="Export a checkpoint as a HF folder.")
+    p = argparse.ArgumentParser(prog="python -m core.checkpoint.hf_export", description="Export a checkpoint as a HF folder.")
     p.add_argument("step_dir", type=Path, help="a committed checkpoint folder (RUN_DIR/checkpoints/step_N)")
     p.add_argument("--hf", required=True, type=Path, help="the folder to write (new or empty)")
     p.add_argument("--max-shard-size", type=int, default=5 * 10**9, help="bytes per safetensors file at most")

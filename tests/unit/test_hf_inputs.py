@@ -1,0 +1,93 @@
+"""``init_from: hf:PATH`` refuses bad model folders through the real CLI, on the login node:
+exit code 2, one line on stderr naming the folder or file (and the tensor), nothing written.
+A good folder fills the model section from its config.json (the user writes no shape keys).
+The folders are small transformers models (tests.helpers.save_hf_model), broken on purpose."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from core.config import run as config_mod
+from core.errors import ConfigError
+from tests.helpers import baton
+
+EXP = "name: hfbad\ntrainer:\n  steps: 2\nmodel:\n  seq_length: 32\n"
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def _refused(tmp_path: Path, folder: Path | str, named: list[str], *overrides: str) -> str:
+    (tmp_path / "exp.yaml").write_text(EXP)
+    before = _snapshot(tmp_path)
+    res = baton("submit", "exp.yaml", "--backend", "local", "runs_root=runs", f"init_from=hf:{folder}", *overrides,
+                cwd=tmp_path, timeout=120)
+    line = res.stderr.strip()
+    assert res.returncode == 2, f"exit {res.returncode}; stderr: {res.stderr!r}"
+    assert line and "\n" not in line and "Traceback" not in line, res.stderr
+    for word in named:
+        assert word in line, f"{word!r} not named in {line!r}"
+    assert _snapshot(tmp_path) == before and not (tmp_path / "runs").exists()
+    return line
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_the_model_section_is_config_jsons_and_a_disagreeing_key_is_refused(hf_models: dict[str, Path]) -> None:
+    cfg = config_mod.from_data({"init_from": f"hf:{hf_models['qwen3']}", "model": {"seq_length": 48}})
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, m.vocab_size) == \
+        (2, 64, 4, 2, 32, 96)
+    assert (m.qk_norm, m.tie_embeddings, m.bias, m.norm_eps, m.seq_length) == (True, True, False, 1e-6, 48)
+    assert config_mod.from_data({"init_from": f"hf:{hf_models['llama']}"}).model.rope_scaling_factor == 8.0
+    with pytest.raises(ConfigError, match=r"model.hidden_size: 32 disagrees with .*config.json, which gives 64"):
+        config_mod.from_data({"init_from": f"hf:{hf_models['qwen2']}", "model": {"hidden_size": 32}})
+    with pytest.raises(ConfigError, match=r"model.seq_length: 65 exceeds .*max_position_embeddings = 64"):
+        config_mod.from_data({"init_from": f"hf:{hf_models['qwen2']}", "model": {"seq_length": 65}})
+
+
+def test_bad_folders_are_refused_on_the_login_node(tmp_path: Path, hf_models: dict[str, Path]) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _refused(tmp_path, bad / "nowhere", ["init_from:", "nowhere", "no such folder"])
+    (bad / "empty").mkdir()
+    _refused(tmp_path, bad / "empty", ["init_from:", "empty", "no config.json"])
+    nofiles = _copy(hf_models["llama"], bad / "nofiles")
+    (nofiles / "model.safetensors").unlink()
+    _refused(tmp_path, nofiles, ["init_from:", "nofiles", "no weights"])
+    truncated = _copy(hf_models["llama"], bad / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-100])
+    _refused(tmp_path, truncated, ["truncated/model.safetensors", "truncated or corrupt"])
+    corrupt = _copy(hf_models["llama"], bad / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(data[:8] + b"{not json" + data[17:])
+    _refused(tmp_path, corrupt, ["corrupt/model.safetensors", "truncated or corrupt"])
+    shard = _copy(hf_models["qwen2"], bad / "shard")
+    next(shard.glob("model-00002-*.safetensors")).unlink()
+    _refused(tmp_path, shard, ["model-00002-of-00003.safetensors", "missing"])
+    shape = _copy(hf_models["qwen3"], bad / "shape")
+    _edit_config(shape, intermediate_size=128)
+    _refused(tmp_path, shape, ["model.layers.0.mlp.gate_proj.weight", "[96, 64]", "[128, 64]"])
+    moe = _copy(hf_models["qwen3"], bad / "moe")
+    _edit_config(moe, architectures=["Qwen3MoeForCausalLM"])
+    _refused(tmp_path, moe, ["'Qwen3MoeForCausalLM' is not supported", "Qwen3ForCausalLM"])
+    window = _copy(hf_models["qwen2"], bad / "window")
+    _edit_config(window, use_sliding_window=True, sliding_window=16)
+    _refused(tmp_path, window, ["sliding-window"])
+    odd = _copy(hf_models["qwen3"], bad / "odd")
+    _edit_config(odd, vocab_size=95)
+    _refused(tmp_path, odd, ["parallel.tp: 2 does not divide", "vocab_size = 95"], "parallel.tp=2",
+             "trainer.n_gpus_per_node=2")
+    _refused(tmp_path, hf_models["qwen3"], ["model.num_layers: 3 disagrees", "gives 2"], "model.num_layers=3")
