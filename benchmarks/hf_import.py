@@ -63,15 +63,16 @@ def make_model(folder: Path, layers: int) -> None:
 
 def run_config(folder: Path, run_dir: Path, layers: int) -> None:
     """A run folder's config.yaml for a run imported from ``folder`` (what `baton export` reads)."""
+    import yaml
+
     from core.config import run as config_mod
 
-    overrides = [f"runs_root={run_dir.parent}", "parallel.tp=1", "parallel.pp=1", "trainer.n_gpus_per_node=1",
-                 f"init_from=hf:{folder}", "model.normalization=rmsnorm", "model.activation=swiglu",
-                 "model.position_embedding=rope", "model.bias=false", "model.tie_embeddings=true",
-                 "model.qk_norm=true", "model.head_dim=128", "model.norm_eps=1e-6", "model.rope_base=1000000",
-                 f"model.num_layers={layers}", "model.hidden_size=1024", "model.num_attention_heads=16",
-                 "model.num_query_groups=8", "model.ffn_hidden_size=3072", "model.vocab_size=151936"]
-    cfg = config_mod.load(REPO / "experiments" / "tiny_gpt.yaml", overrides)
+    data = yaml.safe_load((REPO / "experiments" / "tiny_gpt.yaml").read_text())
+    data.update(runs_root=str(run_dir.parent), init_from=f"hf:{folder}", parallel={"tp": 1, "pp": 1},
+                model={"seq_length": 32})  # the shape is config.json's
+    data["trainer"]["n_gpus_per_node"] = 1
+    cfg = config_mod.from_data(data)
+    assert cfg.model.num_layers == layers
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
 
@@ -311,6 +312,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp folder)")
     ap.add_argument("--json", type=Path, help="write the numbers here")
+    ap.add_argument("--keep", action="store_true", help="keep the model, checkpoints and exports (printed)")
     ap.add_argument("--rank-of", nargs=4, metavar=("TP", "RANK", "FOLDER", "STEP_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_of:
@@ -326,7 +328,10 @@ def main() -> int:
         imports = [r for tp in (1, 2) for r in import_layout(work, folder, tp, args.repeat, args.layers)]
         exports = [run_export(work, folder, tp, args.repeat) for tp in (1, 2)]
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return report(imports, exports, args)
 
 

@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,42 +129,39 @@ def _read(reader: CheckpointReader, name: str, offset: tuple[int, ...], shape: t
     return reader.read(main if main in reader.manifest.tensors else name, offset, shape)
 
 
-def _convert_by_rows(reader: CheckpointReader, unit: Unit, dtype: str) -> np.ndarray:
+def _blocks_by_rows(reader: CheckpointReader, unit: Unit, dtype: str) -> Iterator[np.ndarray]:
     """A one-to-one tensor read and rounded in row blocks: at most ``_BLOCK_BYTES`` of fp32 at once."""
-    (offset, box), out = unit.box, unit.outputs[0]
-    array = np.empty(out.shape, dtype=np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
-    flat, axis = array.reshape(-1), 1 if unit.layer is not None else 0
+    offset, box = unit.box
+    axis = 1 if unit.layer is not None else 0
     rows = box[axis] if len(box) > axis else 1
-    per_row = math.prod(box) // max(rows, 1)
-    step = max(1, _BLOCK_BYTES // max(4 * per_row, 1))
+    step = max(1, _BLOCK_BYTES // max(4 * math.prod(box) // max(rows, 1), 1))
     for r in range(0, rows, step):
         n = min(step, rows - r)
         at = tuple(o + r if a == axis else o for a, o in enumerate(offset))
         shape = tuple(n if a == axis else s for a, s in enumerate(box))
-        flat[r * per_row:(r + n) * per_row] = shards.to_dtype(_read(reader, unit.name, at, shape), dtype).reshape(-1)
-    return array
+        yield shards.to_dtype(_read(reader, unit.name, at, shape), dtype)
 
 
 class Producer:
-    """HF tensors in order, each unit read once; a unit's other outputs wait for their turn."""
+    """HF tensors in order, as blocks, each unit read once; a unit's other outputs wait for their turn."""
 
     def __init__(self, reader: CheckpointReader, units: list[Unit], dims: layout.Dims, dtype: str) -> None:
         self.reader, self.dims, self.dtype = reader, dims, dtype
         self.unit_of = {p.name: u for u in units for p in u.outputs}
         self.pending: dict[str, np.ndarray] = {}
 
-    def __call__(self, planned: shards.Planned) -> np.ndarray:
+    def __call__(self, planned: shards.Planned) -> Iterator[np.ndarray]:
         if planned.name in self.pending:
-            return self.pending.pop(planned.name)
+            return iter([self.pending.pop(planned.name)])
         unit = self.unit_of[planned.name]
         if len(unit.outputs) == 1 and math.prod(unit.outputs[0].shape) == math.prod(unit.box[1]):
-            return _convert_by_rows(self.reader, unit, self.dtype)
+            return _blocks_by_rows(self.reader, unit, self.dtype)
         whole = _read(self.reader, unit.name, *unit.box)
         parts = {n: shards.to_dtype(a, self.dtype) for n, a in _hf_names(unit.name, unit.layer, whole, self.dims).items()}
         del whole
         mine = parts.pop(planned.name)
         self.pending.update(parts)
-        return mine
+        return iter([mine])
 
 
 def export(step_dir: Path, out: Path, max_shard_bytes: int) -> dict[str, Any]:

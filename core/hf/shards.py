@@ -5,23 +5,24 @@ most ``max_shard_bytes`` each (transformers' rule: a tensor starts a new shard w
 push the current one past the limit; a tensor larger than the limit is a shard of its own)
 and an index naming each tensor's file. The plan is made from the tensors' shapes before any
 data is read, so the file names (which carry N) are known up front; then each shard is
-filled one tensor at a time and written by safetensors itself (``serialize_file`` over the
-arrays' own buffers: no copy), so a process holds one shard at most, never the model.
+streamed to its file block by block (``write_file``), so a process holds one tensor's
+read at most, never a shard or the model.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import TensorSpec, serialize_file
 
 INDEX_NAME = "model.safetensors.index.json"
-# The dtypes an export writes; bfloat16 travels as its raw 16-bit words (numpy has none).
+# The dtypes an export writes (safetensors' codes); bfloat16 travels as its raw 16-bit words
+# (numpy has none).
+ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -73,28 +74,47 @@ def to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def write_shards(out: Path, shards: list[list[Planned]], dtype: str,
-                 produce: Callable[[Planned], np.ndarray]) -> dict[str, object]:
-    """Write every shard into ``out`` (``produce`` gives a tensor's array in ``dtype``'s
-    storage) and the index; returns the index."""
+                 produce: Callable[[Planned], Iterator[np.ndarray]]) -> dict[str, object]:
+    """Write every shard into ``out`` and the index; returns the index. ``produce`` gives a
+    tensor's data in ``dtype``'s storage as blocks, in order, each written as it comes."""
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
         name = shard_file_name(i, len(shards))
-        arrays: dict[str, np.ndarray] = {}
-        for t in shard:
-            array = np.ascontiguousarray(produce(t))
-            if tuple(array.shape) != t.shape or array.dtype.itemsize != ITEMSIZE[dtype]:
-                raise AssertionError(f"{t.name}: produced {array.shape} {array.dtype}, planned {t.shape} {dtype}")
-            arrays[t.name] = array
-            weight_map[t.name] = name
-            total += array.nbytes
-        specs = {n: TensorSpec(dtype=dtype, shape=list(a.shape), data_ptr=a.ctypes.data,
-                               data_len=a.nbytes) for n, a in arrays.items()}
-        serialize_file(specs, str(out / name), metadata={"format": "pt"})  # arrays alive until it returns
-        del arrays, specs
+        total += write_file(out / name, shard, dtype, produce)
+        weight_map.update((t.name, name) for t in shard)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return index
+
+
+def write_file(path: Path, tensors: list[Planned], dtype: str, produce: Callable[[Planned], Iterator[np.ndarray]]) -> int:
+    """One safetensors file, streamed: the header (from the planned shapes), then each tensor's
+    blocks as ``produce`` makes them; the data bytes written.
+
+    Why not ``safetensors.serialize_file``: it needs every tensor of the file in memory at
+    once (a 5 GB shard), and writes slower than plain writes here; the format is the
+    header's length (u64, little-endian), the JSON header (padded with spaces to 8 bytes,
+    as safetensors pads it) and the tensors' bytes back to back. Tests read it with
+    safetensors and transformers.
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for t in tensors:
+        n = math.prod(t.shape) * ITEMSIZE[dtype]
+        header[t.name] = {"dtype": ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for t in tensors:
+            start, want = f.tell(), header[t.name]["data_offsets"]  # type: ignore[index]
+            for block in produce(t):
+                f.write(memoryview(np.ascontiguousarray(block)).cast("B"))
+            if f.tell() - start != want[1] - want[0]:
+                raise AssertionError(f"{t.name}: wrote {f.tell() - start} bytes, planned {want[1] - want[0]}")
+    return pos
 
 
 def fsync_tree(folder: Path) -> None:

@@ -45,7 +45,8 @@ def test_written_shards_and_their_index_read_back(tmp_path: Path) -> None:
     arrays = {f"model.layers.{i}.w": rng.standard_normal((64, 32)).astype(np.float32) for i in range(5)}
     planned = [shards.Planned(n, a.shape) for n, a in arrays.items()]
     plan = shards.plan_shards(planned, "bfloat16", 3 * 64 * 32 * 2)
-    index = shards.write_shards(tmp_path, plan, "bfloat16", lambda p: shards.to_dtype(arrays[p.name], "bfloat16"))
+    index = shards.write_shards(tmp_path, plan, "bfloat16",
+                                lambda p: iter(np.split(shards.to_dtype(arrays[p.name], "bfloat16"), 4)))  # in blocks
     assert json.loads((tmp_path / shards.INDEX_NAME).read_text()) == index
     assert index["metadata"]["total_size"] == 5 * 64 * 32 * 2
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
