@@ -17,8 +17,7 @@ as a checkpoint of that layout.
 
 Export, of each of those checkpoints: ``python -m core.checkpoint.hf_export`` (bfloat16: the source's
 dtype) beside raw: reading the checkpoint's files (preadv) and writing the same number of
-bytes the export writes (write + fsync). Its peak resident memory (the process's, from
-wait4) beside its largest output shard + largest tensor + 20 %. Every exported tensor is
+bytes the export writes (write + fsync). Its peak resident memory (the process's VmHWM) beside its largest output shard + largest tensor + 20 %. Every exported tensor is
 checked bit for bit against the original file.
 
     python benchmarks/hf_import.py [--layers N] [--repeat N] [--dir PATH] [--json PATH]
@@ -235,18 +234,27 @@ def raw_export(step_dir: Path, out_bytes: int, scratch: Path) -> float:
     return took
 
 
+# The export's own peak: VmHWM of its process, read as it ends (the resource usage of a
+# child counts the parent's memory it was forked with, before exec).
+_PEAK_WRAPPER = """import atexit, runpy, sys
+path = sys.argv[1]
+atexit.register(lambda: open(path, 'w').write([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]))
+sys.argv = ['hf_export', *sys.argv[2:]]
+runpy.run_module('core.checkpoint.hf_export', run_name='__main__')
+"""
+
+
 def export_once(step_dir: Path, out: Path) -> tuple[float, int]:
-    """One `python -m core.checkpoint.hf_export` run: (seconds, peak resident bytes of the process)."""
+    """One `python -m core.checkpoint.hf_export` run: (seconds, peak resident bytes of its process)."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    peak_file = out.parent / "peak.txt"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "core.checkpoint.hf_export", str(step_dir), "--hf", str(out)], env=env,
-                            stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
+    res = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, str(peak_file), str(step_dir), "--hf", str(out)],
+                         env=env, stdout=subprocess.DEVNULL, check=False)
     took = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, f"export of {step_dir} failed ({proc.returncode})"
-    return took, usage.ru_maxrss * 1024
+    assert res.returncode == 0, f"export of {step_dir} failed ({res.returncode})"
+    return took, int(peak_file.read_text()) * 1024
 
 
 def check_bits(original: Path, out: Path) -> int:
