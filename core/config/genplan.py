@@ -45,7 +45,8 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
     m = cfg.model
     weights = size * rank_params(cfg, tp=dims.tp, first=True, last=True, n_layers=m.num_layers)
     batch = ceil_div(g.num_prompts, dims.dp)
-    kv = 2 * m.num_layers * batch * (g.prompt_length + g.max_new_tokens) * ceil_div(m.hidden_size, dims.tp) * size
+    # Megatron's static KV cache: per layer, a key and a value of the rank's query groups × head size
+    kv = 2 * m.num_layers * batch * (g.prompt_length + g.max_new_tokens) * ceil_div(m.kv_channels, dims.tp) * size
     logits = batch * g.prompt_length * m.vocab_size * 4
     total = weights + kv + logits
     together = total if g.split else total + trainer.memory.total_bytes

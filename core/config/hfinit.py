@@ -3,7 +3,9 @@
 When a config is loaded, ``fill_model`` puts the folder's shape into the model section (the
 user writes no shape keys); a ``model.*`` key the user also gives must agree with it, and
 ``model.seq_length`` stays the user's, at most the model's ``max_position_embeddings``.
-``check`` refuses what the import cannot lay out (a tensor-parallel size that does not divide
+A config whose model section is complete (a run folder's config.yaml) loads without the folder,
+so a run that has checkpoints of its own resumes even if the folder has gone (submit checks a
+new run's folder itself). ``check`` refuses what the import cannot lay out (a tensor-parallel size that does not divide
 the vocabulary: an imported vocabulary is not padded). The weights themselves are checked on
 the login node (core.hf.files) and read on every rank (core.hf.reader).
 """
@@ -32,7 +34,12 @@ def fill_model(data: dict[str, Any]) -> dict[str, Any]:
         return data
     if not folder:
         raise ConfigError("init_from: 'hf:' names no folder; give hf:PATH (a Hugging Face checkpoint folder)")
-    hf = families.model_section(folder)
+    try:
+        hf = families.model_section(folder)
+    except ConfigError:
+        if all(k in user for k in families.MODEL_KEYS):  # a run folder's config.yaml: the shape is written
+            return data  # out already; its run resumes from its own checkpoints without the folder
+        raise
     merged = dict(user)
     for key, value in hf.model.items():
         given = user.get(key, value)

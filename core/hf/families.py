@@ -29,6 +29,10 @@ FAMILIES = tuple(ARCHITECTURES.values())
 # Megatron-core 0.16.1 hardcodes these for Llama 3.x's scaled RoPE (rotary_pos_embedding._apply_scaling).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 CONFIG = "config.json"
+# The model keys ``to_model`` gives (a run folder's config.yaml holds them all).
+MODEL_KEYS = ("kind", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "vocab_size", "normalization", "activation", "position_embedding", "rope_base", "bias", "tie_embeddings",
+              "head_dim", "qk_norm", "qkv_bias", "norm_eps", "rope_scaling_factor")
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ def split_source(value: str) -> str | None:
 
 def read_config(folder: str | Path) -> dict[str, Any]:
     """``folder``/config.json as a dict; a missing folder or file or bad JSON is a one-line ConfigError."""
-    path = Path(folder)
+    path = Path(folder).expanduser()
     if not path.is_dir():
         raise ConfigError(f"init_from: hf:{folder}: no such folder; give a Hugging Face checkpoint folder "
                           "(config.json + *.safetensors)")
@@ -132,12 +136,14 @@ def to_model(hf: Mapping[str, Any], where: str = CONFIG) -> HFModel:
 
 def model_section(folder: str | Path) -> HFModel:
     """``folder``/config.json as Baton's model keys (see ``to_model``)."""
-    return to_model(read_config(folder), str(Path(folder) / CONFIG))
+    return to_model(read_config(folder), str(Path(folder).expanduser() / CONFIG))
 
 
 def hf_config(model: Any, family: str, *, dtype: str = "float32") -> dict[str, Any]:
     """The config.json of a Baton model section (a ModelConfig, or its dict) in ``family``:
-    the inverse of ``to_model``; ``max_position_embeddings`` is the model's seq_length."""
+    the inverse of ``to_model``; ``max_position_embeddings`` is the model's seq_length. The
+    rotary settings are written both as transformers 5 reads them (``rope_parameters``) and as
+    older readers do (``rope_theta``, ``rope_scaling``)."""
     m = dict(model) if isinstance(model, Mapping) else {k: getattr(model, k) for k in _KEYS}
     arch = {v: k for k, v in ARCHITECTURES.items()}.get(family)
     if arch is None:
@@ -164,6 +170,8 @@ def hf_config(model: Any, family: str, *, dtype: str = "float32") -> dict[str, A
         "head_dim": int(m.get("head_dim") or hidden // heads), "vocab_size": int(m["vocab_size"]),
         "max_position_embeddings": int(m["seq_length"]), "rms_norm_eps": float(m.get("norm_eps", 1e-5)),
         "rope_parameters": rope, "tie_word_embeddings": bool(m.get("tie_embeddings")), "dtype": dtype,
+        # transformers 4.x's (and other readers') names for the same: rope_theta, rope_scaling
+        "rope_theta": rope["rope_theta"], "rope_scaling": None if m.get("rope_scaling_factor") is None else dict(rope),
         "attention_dropout": 0.0, "initializer_range": float(m.get("init_method_std", 0.02)),
     }
     if family != "qwen2":

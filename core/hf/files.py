@@ -22,7 +22,7 @@ FLOATS = ("F32", "F16", "BF16")
 
 def weight_files(folder: str | Path) -> dict[str, Path]:
     """Each tensor name → the safetensors file that holds it (from the index, or the single file's header)."""
-    root = Path(folder)
+    root = Path(folder).expanduser()
     index = root / INDEX
     if index.is_file():
         try:

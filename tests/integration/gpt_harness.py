@@ -393,3 +393,22 @@ def greedy_on_rank(task: Any, prompts: list[list[int]], new_tokens: int) -> list
     tokens, _ = generate(model, prompts, Sampling(max_new_tokens=new_tokens), seeds=[0] * len(prompts),
                          max_length=ctx.cfg.model.seq_length)
     return tokens
+
+
+def hf_reads_on_rank(task: Any, folder: str) -> int:
+    """The elements this rank reads from the HF folder ``folder`` to load its weights (the task's
+    ``restore_weights`` over core.hf.reader, its reads counted)."""
+    from core.hf import layout
+    from core.hf.reader import HFReader
+
+    reader = HFReader(folder, layout.dims_of(task.role("actor").rank.cfg.model))
+    rows, count = reader.rows, [0]
+
+    def counted(name: str, start: int, stop: int, rest: tuple[slice, ...]) -> np.ndarray:
+        out = rows(name, start, stop, rest)
+        count[0] += out.size
+        return out
+
+    reader.rows = counted  # type: ignore[method-assign]
+    task.restore_weights(reader.read)
+    return count[0]

@@ -14,15 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.integration.gpt_harness import RankGroup, gpt_config, greedy_on_rank, logits_on_rank
+from tests.integration.gpt_harness import RankGroup, gpt_config, greedy_on_rank, hf_reads_on_rank, logits_on_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 
 TOKENS = np.random.default_rng(7).integers(0, 96, size=(2, 24)).tolist()
 PROMPTS, NEW = [row[:6] for row in TOKENS], 10
 TOL = 1e-5
-# family → layouts (tp, pp) it is checked in; every family at tp1pp1 (with generation) and tp2pp2
-LAYOUTS = {"llama": ((1, 1), (1, 2), (2, 2)), "qwen2": ((1, 1), (2, 2)), "qwen3": ((1, 1), (2, 1), (2, 2))}
+# family → layouts (tp, pp, dp) it is checked in; every family at tp1pp1 (with generation) and
+# tp2pp2; qwen2 (sharded files) also under ZeRO-3 over two replicas (each rank reads its half)
+LAYOUTS = {"llama": ((1, 1, 1), (1, 2, 1), (2, 2, 1)), "qwen2": ((1, 1, 1), (2, 2, 1), (1, 1, 2)),
+           "qwen3": ((1, 1, 1), (2, 1, 1), (2, 2, 1))}
 
 
 def _reference(folder: Path) -> tuple[np.ndarray, list[list[int]]]:
@@ -39,17 +41,27 @@ def _reference(folder: Path) -> tuple[np.ndarray, list[list[int]]]:
     return logits, out[:, len(PROMPTS[0]):].tolist()
 
 
-def _imported(folder: Path, tp: int, pp: int, work: Path) -> tuple[np.ndarray, list[list[int]] | None]:
-    world = tp * pp
+def _elements(folder: Path) -> int:
+    from safetensors.numpy import load_file
+
+    return sum(a.size for f in folder.glob("*.safetensors") for a in load_file(str(f)).values())
+
+
+def _imported(folder: Path, tp: int, pp: int, dp: int, work: Path) -> tuple[np.ndarray, list[list[int]] | None]:
+    world = tp * pp * dp
+    zero3 = {"parallel": {"sharding": "params"}} if dp > 1 else {}
     cfg: dict[str, Any] = gpt_config(tp=tp, pp=pp, world_size=world, training={"global_batch_size": 2,
-                                                                               "micro_batch_size": 1})
+                                                                               "micro_batch_size": 1}, **zero3)
     cfg["init_from"] = f"hf:{folder}"
     cfg["model"] = {"seq_length": 32}  # the shape comes from config.json
     with RankGroup(cfg, world_size=world, run_dir=work) as g:
         g.setup()
         assert g.call("ckpt_load", step_dir=f"hf:{folder}", into="weights") == [{"step": 0}] * world
+        if tp == pp == 2:  # each rank reads about its quarter; together they read every element
+            reads, total = g.apply(hf_reads_on_rank, folder=str(folder)), _elements(folder)
+            assert max(reads) < total / 3 and sum(reads) >= total, (reads, total)
         logits = next(x for x in g.apply(logits_on_rank, tokens=TOKENS) if x is not None)
-        tokens = g.apply(greedy_on_rank, prompts=PROMPTS, new_tokens=NEW)[0] if pp == 1 else None
+        tokens = g.apply(greedy_on_rank, prompts=PROMPTS, new_tokens=NEW)[0] if pp == dp == 1 else None
     return logits, tokens
 
 
@@ -57,13 +69,13 @@ def _imported(folder: Path, tp: int, pp: int, work: Path) -> tuple[np.ndarray, l
 def test_imported_models_give_transformers_logits_and_greedy_tokens_in_every_layout(
         family: str, hf_models: dict[str, Path], tmp_path: Path) -> None:
     want_logits, want_tokens = _reference(hf_models[family])
-    for tp, pp in LAYOUTS[family]:
-        logits, tokens = _imported(hf_models[family], tp, pp, tmp_path)
+    for tp, pp, dp in LAYOUTS[family]:
+        logits, tokens = _imported(hf_models[family], tp, pp, dp, tmp_path)
         assert logits.shape == want_logits.shape
         gap = float(np.abs(logits - want_logits).max())
-        assert gap < TOL, f"{family} tp{tp}pp{pp}: logits differ from transformers' by {gap}"
+        assert gap < TOL, f"{family} tp{tp}pp{pp}dp{dp}: logits differ from transformers' by {gap}"
         if tokens is not None:
-            assert tokens == want_tokens, f"{family} tp{tp}pp{pp}: greedy tokens differ"
+            assert tokens == want_tokens, f"{family} tp{tp}pp{pp}dp{dp}: greedy tokens differ"
 
 
 @pytest.mark.parametrize("program", ["grpo", "ppo"])
@@ -76,7 +88,7 @@ def test_an_rl_run_starts_from_the_imported_model_and_its_reference_is_those_wei
     from safetensors.numpy import load_file
 
     from core.hf import layout
-    from tests.helpers import REPO, checkpoint_weights, history, submit_local
+    from tests.helpers import REPO, baton, checkpoint_weights, history, metrics, submit_local
 
     exp = yaml.safe_load((REPO / "experiments" / "grpo_tiny.yaml").read_text())
     exp["program"] = program
@@ -98,3 +110,8 @@ def test_an_rl_run_starts_from_the_imported_model_and_its_reference_is_those_wei
     assert saved.keys() == want.keys()
     for name, array in want.items():
         np.testing.assert_array_equal(saved[name], array, err_msg=name)
+    if program == "grpo":  # a resumed run continues from its own checkpoint: it never imports again
+        res = baton("submit", "--resume", str(run), "trainer.steps=3", "--backend", "local")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert len(history(run, "initialised_from")) == 1 and len(history(run, "resume_requested")) == 1
+        assert [r["step"] for r in metrics(run)] == [0, 1, 2]

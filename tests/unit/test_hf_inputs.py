@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from core.config import run as config_mod
@@ -91,3 +92,40 @@ def test_bad_folders_are_refused_on_the_login_node(tmp_path: Path, hf_models: di
     _refused(tmp_path, odd, ["parallel.tp: 2 does not divide", "vocab_size = 95"], "parallel.tp=2",
              "trainer.n_gpus_per_node=2")
     _refused(tmp_path, hf_models["qwen3"], ["model.num_layers: 3 disagrees", "gives 2"], "model.num_layers=3")
+
+
+def test_the_reader_gives_fp32_boxes_of_a_bf16_checkpoint(tmp_path: Path, hf_models: dict[str, Path]) -> None:
+    """Real checkpoints are bf16 (numpy has none): a rank's box of linear_qkv and of the
+    embedding are the bf16 values widened to fp32, whatever rows the box covers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from core.hf import layout
+    from core.hf.reader import HFReader
+
+    folder = _copy(hf_models["llama"], tmp_path / "bf16")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(folder / "model.safetensors")).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    dims = layout.Dims(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=96, vocab=96)
+    reader = HFReader(folder, dims)
+    wide = {k: v.float().numpy() for k, v in tensors.items()}
+    q, k, v = (wide[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
+    whole = np.concatenate([q[:32], k[:16], v[:16], q[32:], k[16:], v[16:]])  # group 0, then group 1
+    box = reader.read("decoder.layers.self_attention.linear_qkv.weight", (1, 40, 8), (1, 40, 24))
+    assert box.dtype == np.float32
+    np.testing.assert_array_equal(box[0], whole[40:80, 8:32])
+    np.testing.assert_array_equal(reader.read("embedding.word_embeddings.weight", (48, 0), (48, 64)),
+                                  wide["model.embed_tokens.weight"][48:])
+
+
+def test_a_run_folders_config_loads_once_the_hf_folder_has_gone(tmp_path: Path, hf_models: dict[str, Path]) -> None:
+    """config.yaml holds the whole model section: a resume (from the run's own checkpoints)
+    does not need the folder; a config that leaves the shape to config.json does."""
+    folder = _copy(hf_models["qwen2"], tmp_path / "gone")
+    cfg = config_mod.from_data({"init_from": f"hf:{folder}", "model": {"seq_length": 32}})
+    written = config_mod.dump(cfg)
+    shutil.rmtree(folder)
+    (tmp_path / "config.yaml").write_text(written)
+    assert config_mod.load(tmp_path / "config.yaml") == cfg
+    with pytest.raises(ConfigError, match="no such folder"):
+        config_mod.from_data({"init_from": f"hf:{folder}", "model": {"seq_length": 32}})

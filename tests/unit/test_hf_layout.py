@@ -107,8 +107,12 @@ def test_hf_config_and_to_model_are_inverses(family: str, extra: dict[str, objec
     model = _model(**extra)
     hf = families.hf_config(model, family)
     back = families.to_model(hf)
-    assert back.family == family and back.max_positions == 128
+    assert back.family == family and back.max_positions == 128 and tuple(back.model) == families.MODEL_KEYS
     assert back.model == {k: v for k, v in model.items() if k not in ("seq_length", "init_method_std")}
+    import transformers  # the reader the exported config.json is for (tests only)
+
+    read = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    assert families.to_model(read.to_dict()).model == back.model
 
 
 @pytest.mark.parametrize(("change", "words"), [
