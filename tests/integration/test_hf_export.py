@@ -4,7 +4,8 @@ every refusal is one line, exit 2, nothing written.
 
 Run A trains a Llama-shaped GPT (RMSNorm, SwiGLU, rotary positions, 2 key/value groups for 4
 heads, no biases, untied) at tp1. Run B starts from A's last checkpoint (``init_from``) at
-tp2pp2 and takes one step at a learning rate of 1e-30: Adam moves each weight by about 1e-30,
+tp2pp2 (and, as runs zero1 and zero3, at tp2 x dp2 with ZeRO-1 and at dp2 with ZeRO-3) and
+takes one step at a learning rate of 1e-30: Adam moves each weight by about 1e-30,
 far below the spacing of float32 near the weights' sizes, so B's checkpoint holds A's
 weights exactly, in another layout, and B's first loss is Megatron's own forward of A's
 weights on the step-0 batch: the reference for transformers' forward of the export.
@@ -39,9 +40,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export")
     a = submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}/a", "trainer.steps=3", "parallel.tp=1",
                      "parallel.pp=1", "trainer.n_gpus_per_node=1", *_model())
-    b = submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}/b", f"init_from={a}", "trainer.steps=1",
-                     "optimizer.lr=1e-30", "optimizer.min_lr=0", "optimizer.warmup_steps=0", *_model())
-    return {"root": root, "a": a, "b": b}
+    still = (f"init_from={a}", "trainer.steps=1", "optimizer.lr=1e-30", "optimizer.min_lr=0", "optimizer.warmup_steps=0")
+    b = submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}/b", *still, *_model())
+    zero1 = submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}/zero1", *still, "parallel.pp=1",
+                         "parallel.sharding=optimizer", *_model())  # tp2 x dp2
+    zero3 = submit_local("experiments/tiny_gpt.yaml", f"runs_root={root}/zero3", *still, "parallel.tp=1", "parallel.pp=1",
+                         "parallel.sharding=params", "trainer.n_gpus_per_node=2", *_model())
+    return {"root": root, "a": a, "b": b, "zero1": zero1, "zero3": zero3}
 
 
 def _export(run: str | Path, out: Path, *extra: str) -> None:
@@ -51,9 +56,10 @@ def _export(run: str | Path, out: Path, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def exported(runs: dict[str, Path]) -> dict[str, Path]:
-    out = {"a": runs["root"] / "hf_a", "b": runs["root"] / "hf_b"}
-    _export(runs["a"], out["a"], "--max-shard-size", "300KB")
-    _export(runs["b"], out["b"], "--max-shard-size", "300KB")
+    out = {}
+    for name in ("a", "b", "zero1", "zero3"):
+        out[name] = runs["root"] / f"hf_{name}"
+        _export(runs[name], out[name], "--max-shard-size", "300KB")
     return out
 
 
@@ -102,12 +108,16 @@ def test_the_export_holds_the_checkpoints_tensors(runs: dict, exported: dict) ->
     assert len(tensors) == 2 + 1 + 4 * 9
 
 
-def test_the_export_of_a_tp2pp2_checkpoint_is_the_tp1_export_byte_for_byte(exported: dict) -> None:
+@pytest.mark.parametrize("layout", ["b", "zero1", "zero3"])
+def test_the_export_of_a_tp2pp2_zero1_or_zero3_checkpoint_is_the_tp1_export_byte_for_byte(exported: dict,
+                                                                                           layout: str) -> None:
+    """b: tp2pp2; zero1: tp2 x dp2 with the optimizer's state sharded; zero3: dp2 with the
+    parameters sharded (FSDP2)."""
     names = sorted(p.name for p in exported["a"].iterdir())
-    assert names == sorted(p.name for p in exported["b"].iterdir())
+    assert names == sorted(p.name for p in exported[layout].iterdir())
     assert any(n.endswith(".safetensors") for n in names)
     for name in names:
-        assert (exported["a"] / name).read_bytes() == (exported["b"] / name).read_bytes(), name
+        assert (exported["a"] / name).read_bytes() == (exported[layout] / name).read_bytes(), name
 
 
 # --- refusals: one line, exit 2, nothing written ------------------------------------------------
