@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "and the tokenizer files of the Hugging Face folder the run was imported from (init_from: "
                     "hf:PATH). Weights are written in that folder's dtype (its config.json's dtype or torch_dtype), "
                     "or float32 for a run trained from scratch. Llama, Qwen2 and Qwen3 shapes are supported. "
-                    "Tensors are streamed one at a time: memory stays near one shard.",
+                    "Tensors are read and written one at a time: memory stays near one tensor, not a shard.",
     )
     p.add_argument("run", type=arg_text, metavar="RUN_DIR[:STEP]",
                    help="the run folder; :STEP picks a committed step (default: the newest)")
