@@ -19,6 +19,7 @@ from launcher import (
     cmd_ckpt,
     cmd_data,
     cmd_doctor,
+    cmd_export,
     cmd_logs,
     cmd_plan,
     cmd_report,
@@ -27,7 +28,7 @@ from launcher import (
     cmd_sweep,
 )
 
-COMMANDS = [cmd_submit, cmd_plan, cmd_status, cmd_logs, cmd_cancel, cmd_ckpt, cmd_data, cmd_sweep, cmd_report, cmd_doctor]
+COMMANDS = [cmd_submit, cmd_plan, cmd_status, cmd_logs, cmd_cancel, cmd_ckpt, cmd_data, cmd_export, cmd_sweep, cmd_report, cmd_doctor]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,377 @@
+"""Hugging Face checkpoints in and out: Baton's reader and ``baton export`` beside raw file I/O.
+
+A random model of Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 key/value heads,
+head_dim 128, ffn 3072, vocab 151936, tied, q/k norms), saved by transformers in bfloat16.
+
+Import, at tp1 and tp2: each tensor-parallel rank is a process of its own that reads the
+boxes a Megatron rank of that layout owns (one layer of one global tensor at a time; tp
+splits qkv and fc1 rows per group/half, proj and fc2 columns, the embedding's rows; norms
+whole) with core.hf.reader.HFReader into its preallocated fp32 parameters, beside
+  raw   os.preadv of exactly the safetensors rows those reads touch (the same bytes), into
+        one reused buffer: the ceiling of any reader
+(median of --repeat rounds, alternating, page cache warm). Memory: the rank's peak anonymous
+resident memory (sampled every 2 ms, less what it held before its parameters were made)
+beside its shard (its parameters, fp32) and its largest box; the goal is at most shard +
+largest + 20 %. Each rank then writes its parameters as a Baton checkpoint shard, committed
+as a checkpoint of that layout.
+
+Export, of each of those checkpoints: ``python -m core.checkpoint.hf_export`` (bfloat16: the source's
+dtype) beside raw: reading the checkpoint's files (preadv) and writing the same number of
+bytes the export writes (write + fsync). Its peak resident memory (the process's VmHWM) beside its largest output shard + largest tensor + 20 %. Every exported tensor is
+checked bit for bit against the original file.
+
+    python benchmarks/hf_import.py [--layers N] [--repeat N] [--dir PATH] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPE = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+         "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
+TIME_GOAL, MEM_GOAL = 0.5, 1.2
+
+
+# --- the model -------------------------------------------------------------------------------------
+def make_model(folder: Path, layers: int) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**{**SHAPE, "num_hidden_layers": layers}, max_position_embeddings=4096, dtype="bfloat16")
+    torch.set_default_dtype(torch.bfloat16)
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(folder)
+
+
+def run_config(folder: Path, run_dir: Path, layers: int) -> None:
+    """A run folder's config.yaml for a run imported from ``folder`` (what `baton export` reads)."""
+    import yaml
+
+    from core.config import run as config_mod
+
+    data = yaml.safe_load((REPO / "experiments" / "tiny_gpt.yaml").read_text())
+    data.update(runs_root=str(run_dir.parent), init_from=f"hf:{folder}", parallel={"tp": 1, "pp": 1},
+                model={"seq_length": 32})  # the shape is config.json's
+    data["trainer"]["n_gpus_per_node"] = 1
+    cfg = config_mod.from_data(data)
+    assert cfg.model.num_layers == layers
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
+
+
+# --- one tensor-parallel rank's boxes -------------------------------------------------------------
+def rank_boxes(d, tp: int, rank: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:  # noqa: ANN001
+    """(global name, offset, shape) of every box a Megatron rank of ``tp`` owns, one layer each."""
+    q, kv, h = d.heads * d.head_dim, d.groups * d.head_dim, d.hidden
+    p = "decoder.layers."
+    layer: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    rows = (q + 2 * kv) // tp
+    layer.append((p + "self_attention.linear_qkv.weight", (rank * rows, 0), (rows, h)))
+    layer.append((p + "self_attention.linear_proj.weight", (0, rank * q // tp), (h, q // tp)))
+    f = d.ffn // tp
+    layer += [(p + "mlp.linear_fc1.weight", (rank * f, 0), (f, h)), (p + "mlp.linear_fc1.weight", (d.ffn + rank * f, 0), (f, h))]
+    layer.append((p + "mlp.linear_fc2.weight", (0, rank * f), (h, f)))
+    if rank == 0:  # replicated: the first rank's copy is the one a checkpoint holds
+        layer += [(p + "self_attention.linear_qkv.layer_norm_weight", (0,), (h,)),
+                  (p + "mlp.linear_fc1.layer_norm_weight", (0,), (h,)),
+                  (p + "self_attention.q_layernorm.weight", (0,), (d.head_dim,)),
+                  (p + "self_attention.k_layernorm.weight", (0,), (d.head_dim,))]
+    v = d.vocab // tp
+    out = [("embedding.word_embeddings.weight", (rank * v, 0), (v, h))]
+    out += [(n, (i, *o), (1, *s)) for i in range(d.layers) for n, o, s in layer]
+    if rank == 0:
+        out.append(("decoder.final_layernorm.weight", (0,), (h,)))
+    return out
+
+
+def global_shapes(d) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+    q, kv, h, p = d.heads * d.head_dim, d.groups * d.head_dim, d.hidden, "decoder.layers."
+    return {"embedding.word_embeddings.weight": (d.vocab, h), "decoder.final_layernorm.weight": (h,),
+            p + "self_attention.linear_qkv.weight": (d.layers, q + 2 * kv, h),
+            p + "self_attention.linear_proj.weight": (d.layers, h, q),
+            p + "mlp.linear_fc1.weight": (d.layers, 2 * d.ffn, h), p + "mlp.linear_fc2.weight": (d.layers, h, d.ffn),
+            p + "self_attention.linear_qkv.layer_norm_weight": (d.layers, h),
+            p + "mlp.linear_fc1.layer_norm_weight": (d.layers, h),
+            p + "self_attention.q_layernorm.weight": (d.layers, d.head_dim),
+            p + "self_attention.k_layernorm.weight": (d.layers, d.head_dim)}
+
+
+class Sampler:
+    """Peak RssAnon of this process, sampled every 2 ms on a thread."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = anon(), threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, anon())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return max(self.peak, anon())
+
+
+def anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def raw_spans(folder: Path, touched: list[tuple[str, int, int]]) -> list[tuple[Path, int, int]]:
+    """(file, byte offset, byte count) of the full rows [start, stop) of each touched HF tensor."""
+    from core.hf import files
+
+    spans, headers = [], {}
+    weight_files = files.weight_files(folder)
+    for name, start, stop in touched:
+        path = weight_files[name]
+        if path not in headers:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                headers[path] = (8 + n, json.loads(f.read(n)))
+        base, header = headers[path]
+        t = header[name]
+        row = math.prod(t["shape"][1:]) * 2
+        spans.append((path, base + t["data_offsets"][0] + start * row, (stop - start) * row))
+    return spans
+
+
+def import_rank(folder: Path, tp: int, rank: int, repeat: int, step_dir: Path) -> dict:
+    """One rank: its parameters from the HF folder (reader and raw, alternating), then its shard written."""
+    import torch
+
+    from core.checkpoint.hdf5 import write_shard
+    from core.checkpoint.spec import TensorSlice
+    from core.hf import layout, reader
+
+    torch.set_num_threads(1)
+    d = layout.dims_of(_model_config(folder))
+    boxes = rank_boxes(d, tp, rank)
+    before = anon()
+    params = [np.ones(s, np.float32) for _, _, s in boxes]  # touched: the rank's model, as Megatron holds it
+    shard = sum(a.nbytes for a in params)
+    r = reader.HFReader(folder, d)
+    touched: list[tuple[str, int, int]] = []
+    rows = r.rows
+    r.rows = lambda n, a, b, rest: (touched.append((n, a, b)), rows(n, a, b, rest))[1]  # type: ignore[method-assign]
+    r.read(*boxes[0][:2], boxes[0][2])
+    touched.clear()
+    for (name, off, shape), p in zip(boxes, params, strict=True):
+        p[...] = r.read(name, off, shape)
+    r.rows = rows  # type: ignore[method-assign]
+    spans = raw_spans(folder, touched)
+    buf = bytearray(max(n for _, _, n in spans))
+    fds = {p: os.open(p, os.O_RDONLY) for p in {s[0] for s in spans}}
+    times: dict[str, list[float]] = {"reader": [], "raw": []}
+    peak = 0
+    for _ in range(repeat):
+        sampler = Sampler()
+        t0 = time.perf_counter()
+        for (name, off, shape), p in zip(boxes, params, strict=True):
+            p[...] = r.read(name, off, shape)
+        times["reader"].append(time.perf_counter() - t0)
+        peak = max(peak, sampler.stop() - before)
+        t0 = time.perf_counter()
+        for path, off, n in spans:
+            os.preadv(fds[path], [memoryview(buf)[:n]], off)
+        times["raw"].append(time.perf_counter() - t0)
+    largest = max(a.nbytes for a in params)
+    items = [(TensorSlice(name=n, global_shape=global_shapes(d)[n], offset=o, shape=s, dtype="float32"), a)
+             for (n, o, s), a in zip(boxes, params, strict=True)]
+    ack = write_shard(step_dir / f"rank_{rank:05d}.h5", items, {}, {"rank": rank, "step": 0, "layout": f"tp{tp}"})
+    return {"tp": tp, "rank": rank, "reader_s": statistics.median(times["reader"]), "raw_s": statistics.median(times["raw"]),
+            "bytes": sum(n for _, _, n in spans), "peak": peak, "shard": shard, "largest": largest,
+            "ack": dataclasses.asdict(ack)}
+
+
+def _model_config(folder: Path):  # noqa: ANN202
+    from core.config.modelcfg import ModelConfig
+    from core.hf import families
+
+    keys = families.model_section(folder).model
+    return ModelConfig(**{**keys, "seq_length": 4096})
+
+
+# --- export ----------------------------------------------------------------------------------------
+def raw_export(step_dir: Path, out_bytes: int, scratch: Path) -> float:
+    """Read the checkpoint's files and write as many bytes as the export wrote, durably."""
+    buf = bytearray(64 << 20)
+    t0 = time.perf_counter()
+    for f in sorted(step_dir.glob("rank_*.h5")):
+        fd = os.open(f, os.O_RDONLY)
+        while os.readv(fd, [buf]):
+            pass
+        os.close(fd)
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    left = out_bytes
+    while left > 0:
+        left -= os.write(fd, memoryview(buf)[:min(left, len(buf))])
+    os.fsync(fd)
+    os.close(fd)
+    took = time.perf_counter() - t0
+    scratch.unlink()
+    return took
+
+
+# The export's own peak: VmHWM of its process, read as it ends (the resource usage of a
+# child counts the parent's memory it was forked with, before exec).
+_PEAK_WRAPPER = """import atexit, runpy, sys
+path = sys.argv[1]
+atexit.register(lambda: open(path, 'w').write([l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]))
+sys.argv = ['hf_export', *sys.argv[2:]]
+runpy.run_module('core.checkpoint.hf_export', run_name='__main__')
+"""
+
+
+def export_once(step_dir: Path, out: Path) -> tuple[float, int]:
+    """One `python -m core.checkpoint.hf_export` run: (seconds, peak resident bytes of its process)."""
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    peak_file = out.parent / "peak.txt"
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, str(peak_file), str(step_dir), "--hf", str(out)],
+                         env=env, stdout=subprocess.DEVNULL, check=False)
+    took = time.perf_counter() - t0
+    assert res.returncode == 0, f"export of {step_dir} failed ({res.returncode})"
+    return took, int(peak_file.read_text()) * 1024
+
+
+def check_bits(original: Path, out: Path) -> int:
+    """Every tensor of the export equals the original file's, bit for bit; how many."""
+    import torch
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    with safe_open(str(original / "model.safetensors"), "pt") as src:
+        assert sorted(src.keys()) == sorted(index["weight_map"]), "the export's tensor names differ from the original's"
+        for name, file in index["weight_map"].items():
+            with safe_open(str(out / file), "pt") as f:
+                a, b = src.get_tensor(name), f.get_tensor(name)
+            assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+    return len(index["weight_map"])
+
+
+def run_export(work: Path, folder: Path, tp: int, repeat: int) -> dict:
+    step_dir = work / f"run_tp{tp}" / "checkpoints" / "step_00000000"
+    out = work / f"hf_tp{tp}"
+    runs = [export_once(step_dir, out) for _ in range(repeat)]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = max((out / f).stat().st_size for f in set(index["weight_map"].values()))
+    largest = max(math.prod(v) * 2 for v in _hf_shapes(folder).values())
+    raws = [raw_export(step_dir, index["metadata"]["total_size"], work / "raw.bin") for _ in range(repeat)]
+    return {"tp": tp, "export_s": statistics.median(t for t, _ in runs), "raw_s": statistics.median(raws),
+            "peak": max(p for _, p in runs), "shard": shard, "largest": largest,
+            "bytes": index["metadata"]["total_size"], "tensors": check_bits(folder, out)}
+
+
+def _hf_shapes(folder: Path) -> dict:
+    from core.hf import layout
+
+    return layout.hf_shapes(layout.dims_of(_model_config(folder)))
+
+
+# --- the table -------------------------------------------------------------------------------------
+def import_layout(work: Path, folder: Path, tp: int, repeat: int, layers: int) -> list[dict]:
+    """Every rank of ``tp`` in its own process, one after another; their shards committed."""
+    from core.checkpoint.commit import commit, tmp_step_dir
+    from core.checkpoint.spec import ShardAck, SliceAck
+
+    run_dir = work / f"run_tp{tp}"
+    run_config(folder, run_dir, layers)
+    tmp = tmp_step_dir(run_dir / "checkpoints", 0)
+    results = []
+    for rank in range(tp):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        res = subprocess.run([sys.executable, __file__, "--rank-of", str(tp), str(rank), str(folder), str(tmp),
+                              "--repeat", str(repeat)], env=env, capture_output=True, text=True, check=False)
+        assert res.returncode == 0, res.stderr[-3000:]
+        results.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    acks = [ShardAck(**{**r["ack"], "slices": tuple(SliceAck(**{k: tuple(v) if isinstance(v, list) else v
+                                                                 for k, v in s.items()}) for s in r["ack"]["slices"])})
+            for r in results]
+    commit(run_dir / "checkpoints", 0, tmp, acks, {"layout": f"tp{tp}"}, keep_last=1)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=28, help="transformer layers (28: Qwen3-0.6B; fewer: a quick check)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp folder)")
+    ap.add_argument("--json", type=Path, help="write the numbers here")
+    ap.add_argument("--keep", action="store_true", help="keep the model, checkpoints and exports (printed)")
+    ap.add_argument("--rank-of", nargs=4, metavar=("TP", "RANK", "FOLDER", "STEP_DIR"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_of:
+        tp, rank, folder, step_dir = args.rank_of
+        print(json.dumps(import_rank(Path(folder), int(tp), int(rank), args.repeat, Path(step_dir))))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="baton-hf-bench-", dir=args.dir))
+    try:
+        folder = work / "qwen3"
+        make_model(folder, args.layers)
+        size = (folder / "model.safetensors").stat().st_size
+        print(f"Qwen3-0.6B shape, {args.layers} layers, bfloat16: {size / 2**20:.0f} MiB; medians of {args.repeat}")
+        imports = [r for tp in (1, 2) for r in import_layout(work, folder, tp, args.repeat, args.layers)]
+        exports = [run_export(work, folder, tp, args.repeat) for tp in (1, 2)]
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return report(imports, exports, args)
+
+
+def report(imports: list[dict], exports: list[dict], args: argparse.Namespace) -> int:
+    mib = 2**20
+    print(f"{'':<18}{'Baton s':>9}{'raw s':>8}{'speed':>7}  {'peak MiB':>9}{'shard':>7}{'largest':>8}{'mem':>6}")
+    missed: list[str] = []
+    rows = []
+    for r in imports:
+        speed, mem = r["raw_s"] / r["reader_s"], r["peak"] / (r["shard"] + r["largest"])
+        missed += _missed(f"import tp{r['tp']} rank {r['rank']}", speed, mem)
+        rows.append({**{k: v for k, v in r.items() if k != "ack"}, "speed": speed, "mem": mem, "what": "import"})
+        print(f"import tp{r['tp']} rank {r['rank']:<3}{r['reader_s']:>9.2f}{r['raw_s']:>8.2f}{speed:>6.2f}x  "
+              f"{r['peak'] / mib:>9.0f}{r['shard'] / mib:>7.0f}{r['largest'] / mib:>8.0f}{mem:>6.2f}")
+    for r in exports:
+        speed, mem = r["raw_s"] / r["export_s"], r["peak"] / (r["shard"] + r["largest"])
+        missed += _missed(f"export from tp{r['tp']}", speed, mem)
+        rows.append({**r, "speed": speed, "mem": mem, "what": "export"})
+        print(f"export from tp{r['tp']:<7}{r['export_s']:>9.2f}{r['raw_s']:>8.2f}{speed:>6.2f}x  "
+              f"{r['peak'] / mib:>9.0f}{r['shard'] / mib:>7.0f}{r['largest'] / mib:>8.0f}{mem:>6.2f}")
+    print(f"goals: speed >= {TIME_GOAL}x of raw, peak <= {MEM_GOAL:.1f} x (shard + largest); "
+          f"exports bit for bit: {', '.join(str(r['tensors']) + ' tensors' for r in exports)}")
+    if args.json:
+        args.json.write_text(json.dumps({"layers": args.layers, "repeat": args.repeat, "rows": rows}, indent=1))
+    assert not missed, "goals missed: " + "; ".join(missed)
+    return 0
+
+
+def _missed(what: str, speed: float, mem: float) -> list[str]:
+    return ([f"{what} speed {speed:.2f}x < {TIME_GOAL}x"] if speed < TIME_GOAL else []) + \
+           ([f"{what} memory {mem:.2f} > {MEM_GOAL}"] if mem > MEM_GOAL else [])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
