@@ -53,6 +53,11 @@ class Vocab:
     ids: dict[str, int]  # token string → id (empty for the built-ins)
 
 
+def has_tokenizer(folder: str | None) -> bool:
+    """Whether ``folder`` (a model folder) holds a Hugging Face tokenizer (its ``tokenizer.json``)."""
+    return folder is not None and _tokenizer_json(folder).is_file()
+
+
 def _tokenizer_json(folder: str) -> Path:
     path = Path(folder)
     return path if path.is_file() else path / "tokenizer.json"

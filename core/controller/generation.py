@@ -50,10 +50,11 @@ class GeneratorFlow:
         self._plan: list[reshard.Piece] | None = None
         self._prompts: tuple[tuple[int, ...], ...] = ()
         self.version = -1
-        self.tokenizer: Any = None  # init_from hf:PATH: the folder's (the samples' stop tokens and text)
+        # init_from hf:PATH with a tokenizer in the folder: the samples' stop tokens and text
+        self.tokenizer: Any = None
         self.stop: tuple[int, ...] = () if cfg.generator.eos is None else (cfg.generator.eos,)
         folder = tokvocab.hf_init_folder(cfg.init_from)
-        if folder is not None:
+        if tokvocab.has_tokenizer(folder):
             self.tokenizer = load_tokenizer(tokvocab.HF_PREFIX + folder)
             self.stop = self.stop or tuple(self.tokenizer.stop_ids)
 
