@@ -12,6 +12,7 @@ from core.config.inputs import arg_number
 from core.config.plan import make_plan
 from core.config.planview import format_plan
 from core.errors import ExitCode, UserError
+from core.hf import families
 from launcher.plan_check import run_check
 
 
@@ -33,6 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
+def _source(cfg: config.RunConfig) -> str:
+    """``model: qwen3 from FOLDER`` for ``init_from: hf:FOLDER`` (its shape is config.json's), else nothing."""
+    folder = families.split_source(cfg.init_from or "")
+    if folder is None:
+        return ""
+    family = families.model_section(Path(folder).expanduser()).family
+    return f"model: {family} from {folder} (its config.json gives the shape; weights read at start)\n"
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the config, print the plan (and the generator's); 1 if it does not fit the GPU memory."""
     if args.check:
@@ -48,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**plan.to_dict(), "generator": gen and dataclasses.asdict(gen)}, indent=2))
     else:
-        print(format_plan(plan) + ("" if gen is None else "\n" + format_generator(gen)))
+        print(_source(cfg) + format_plan(plan) + ("" if gen is None else "\n" + format_generator(gen)))
     return ExitCode.FAILED if plan.fits is False or (gen is not None and gen.fits is False) else ExitCode.OK

@@ -129,3 +129,17 @@ def test_a_run_folders_config_loads_once_the_hf_folder_has_gone(tmp_path: Path, 
     assert config_mod.load(tmp_path / "config.yaml") == cfg
     with pytest.raises(ConfigError, match="no such folder"):
         config_mod.from_data({"init_from": f"hf:{folder}", "model": {"seq_length": 32}})
+
+
+def test_plan_names_the_family_and_folder_and_counts_config_jsons_model(tmp_path: Path,
+                                                                       hf_models: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM  # the independent count: transformers' own model
+
+    (tmp_path / "exp.yaml").write_text(EXP)
+    res = baton("plan", "exp.yaml", f"init_from=hf:{hf_models['qwen2']}", "--json", cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    counted = json.loads(res.stdout)["params"]["total"]
+    hf = AutoModelForCausalLM.from_pretrained(hf_models["qwen2"])
+    assert counted == sum(p.numel() for p in hf.parameters())
+    text = baton("plan", "exp.yaml", f"init_from=hf:{hf_models['qwen2']}", cwd=tmp_path, timeout=120).stdout
+    assert text.splitlines()[0].startswith(f"model: qwen2 from {hf_models['qwen2']}")
