@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv demo test test-fast test-unit test-integration bench lint clean
+.PHONY: venv demo hf-demo test test-fast test-unit test-integration bench lint clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: venv
 	$(PY) -m launcher.cli submit experiments/tiny_gpt.yaml --backend local
 	$(PY) -m launcher.cli submit --resume "$$(ls -d runs/tiny-gpt/* | tail -n 1)" trainer.steps=30 --backend local
 	$(PY) -m launcher.cli report "$$(ls -d runs/tiny-gpt/* | tail -n 1)"
+
+# Baton -> Hugging Face -> Baton on a CPU (about a minute): pretrain a tiny Qwen3-shaped GPT,
+# baton export --hf, transformers continues its prompts, GRPO from the exported folder.
+hf-demo: venv
+	$(PY) experiments/hf_roundtrip.py
 
 test: venv
 	$(PYTEST) -q --durations=25 tests

@@ -62,7 +62,7 @@ from core.errors import ConfigError
 
 PROGRAMS = ("pretrain", "sft", "grpo", "ppo")  # sft: core.config.sft
 RL_PROGRAMS = ("grpo", "ppo")
-BUILTIN_REWARDS = ("counting",)  # core.rl.rewards.BUILTIN
+BUILTIN_REWARDS = ("counting", "exact_match")  # core.rl.rewards.BUILTIN
 # apply_chat_template's own parameters: never template variables (core.data.hf_tokenizer.RESERVED_VARIABLES)
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 

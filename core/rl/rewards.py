@@ -14,6 +14,9 @@ Built in:
   the whole response counts on (``9 10 11 ...``), else 0.0. Exact match: partial credit
   would also reward the wrong tokens after a response's first miss, and teach them. A
   supervised warm start on ``data.task: increment`` learns the same rule.
+- ``exact_match``: for a file task whose records carry an ``answer``: 1.0 when the
+  response's text (before its stop token), stripped of surrounding whitespace, is the
+  answer's text, else 0.0.
 
 A user reward that raises is a user error naming the prompt (the step fails, not retried);
 one that returns a non-finite number or a non-number is refused the same way.
@@ -40,7 +43,14 @@ def counting(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[s
     return 1.0 if [int(t) for t in response] == want else 0.0
 
 
-BUILTIN: dict[str, RewardFn] = {"counting": counting}
+def exact_match(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any]) -> float:
+    """1.0 when the response's text, stripped, is the record's ``answer``, else 0.0."""
+    if "answer" not in metadata or "response_text" not in metadata:
+        raise KeyError("exact_match needs a file task (rl.task: file) whose records have an 'answer' field")
+    return 1.0 if str(metadata["response_text"]).strip() == str(metadata["answer"]).strip() else 0.0
+
+
+BUILTIN: dict[str, RewardFn] = {"counting": counting, "exact_match": exact_match}
 
 
 def load(spec: str, key: str = "reward") -> RewardFn:

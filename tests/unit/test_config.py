@@ -80,6 +80,8 @@ def test_every_shipped_experiment_validates() -> None:
     for f in files:
         if "sweep" in f.name or "grid" in f.name:
             continue
+        if "init_from: hf:/path/to/" in f.read_text():  # a placeholder the user edits: validated with a real
+            continue  # folder in tests/unit/test_grpo_qwen3_1p7b.py and tests/integration/test_sft_hf.py
         config.load(f)
 
 
@@ -253,7 +255,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.n=3"], r"^rl.prompts_per_step: prompts_per_step × n = 12 responses do not split into 2 data-parallel "),
     (["rl.warmup_steps=500"], r"^rl.warmup_steps: 500 > trainer.steps = 130"),
     (["rl.clip_low=2"], r"^rl.clip_low: "),
-    (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting\) nor "),
+    (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting, exact_match\) nor "),
     (["rl.kl.coef=-1"], r"^rl.kl.coef: -1"),
     (["rl.lam=0.9"], r"^rl.lam: read only with program: ppo \(now grpo\): GRPO has no critic; set program=ppo "),
     (["rl.critic.lr=0.01"], r"^rl.critic: read only with program: ppo \(now grpo\)"),

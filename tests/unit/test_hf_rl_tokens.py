@@ -252,3 +252,19 @@ def test_samples_stop_at_the_folders_stop_tokens_and_carry_their_text(tmp_path: 
     want = [ref.decode(answer), ref.decode(answer[:3])] if not eos else \
         [ref.decode(t[: t.index(eos)] if eos in t else t, skip_special_tokens=True) for t in scripted]
     assert [r["text"] for r in rows] == want and [r["tokens"] for r in rows] == scripted
+
+
+def test_a_model_folder_without_a_tokenizer_generates_ids_without_text(tmp_path: Path) -> None:
+    """An export of a run trained on token ids has no tokenizer.json: its samples are ids only,
+    stopping only at generator.eos (none here)."""
+    folder = save_hf_model("qwen3", tmp_path / "model", vocab_size=512)
+    assert not (folder / "tokenizer.json").exists()
+    path, more = _exp(f"init_from=hf:{folder}")
+    generator = _Generator([[5, 6, 7], [8, 9]])
+    flow = GeneratorFlow(config.load(path, more), SimpleNamespace(samples=tmp_path / "samples.jsonl"), None,
+                         generator, generator)
+    flow._prompts = ((1, 2, 3, 4), (5, 6, 7, 8))
+    flow.generate(step=0)
+    assert [r.eos for r in generator.requests] == [()]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in rows] == [[5, 6, 7], [8, 9]] and all("text" not in r for r in rows)
