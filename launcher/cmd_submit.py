@@ -112,6 +112,8 @@ def _run_slurm(args: argparse.Namespace, cfg: config_mod.RunConfig, run_folder: 
     spec = slurm.job_spec_for(cfg, args)  # built once: the dry run, preflight and submit use this value
     runs_root = Path(cfg.runs_root).expanduser().resolve()
     if args.dry_run:
+        if run_folder is None:  # the inputs a submit checks, checked (nothing written)
+            cfg = runprep.checked(cfg)[0]
         planned = run_folder or RunFolder(runs_root / cfg.name / new_run_id())
         print(slurm.render(planned, cfg, spec, epoch=epoch), end="")
         return ExitCode.OK

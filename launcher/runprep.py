@@ -15,6 +15,7 @@ from core.checkpoint import manifest
 from core.config import rl as rl_spec
 from core.config import run as config_mod
 from core.config import sft as sft_spec
+from core.config import tokvocab
 from core.config.run import RunConfig
 from core.config.runplan import plan_run
 from core.errors import UserError
@@ -36,10 +37,12 @@ def generate_keys(keys_dir: Path) -> None:
         raise UserError(f"{keys_dir}: key generation failed: {proc.stderr.strip().splitlines()[-1:]}")
 
 
-def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> RunFolder:
-    """Create the run folder of a validated config: config, plan, keys, the first state. A
-    relative ``data.path`` is stored resolved, so a later resume from another folder reads the same file;
-    ``init_from`` too, with the step of the checkpoint it names (``resolve_init``)."""
+def checked(cfg: RunConfig) -> tuple[RunConfig, tuple[str, bytes] | None]:
+    """Every input of a new run checked on the login node, nothing written: ``init_from``
+    (pinned: ``resolve_init``), the files a relative path names stored resolved (a later
+    resume from another folder reads the same ones), an SFT run's conversations and an RL
+    file task's prompts read through their tokenizer. The config to store, and an SFT run's
+    tokenized conversations (``check_sft``)."""
     cfg = resolve_init(cfg)
     if cfg.rl.prompts and not Path(cfg.rl.prompts).is_absolute():
         cfg = replace(cfg, rl=replace(cfg.rl, prompts=str(Path(cfg.rl.prompts).resolve())))
@@ -51,7 +54,14 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     cfg = resolve_sft(cfg)
-    conversations = check_sft(cfg)
+    check_prompts(cfg)
+    return cfg, check_sft(cfg)
+
+
+def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> RunFolder:
+    """Create the run folder of a validated config (``checked`` first): config, plan, keys,
+    the first state."""
+    cfg, conversations = checked(cfg)
     run = RunFolder.create(Path(cfg.runs_root).expanduser().resolve(), cfg.name, run_id)
     if conversations is not None:  # every allocation trains on what was checked here
         write_atomic(run.path / conversations[0], conversations[1])
@@ -61,6 +71,19 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
     now = time.time()
     RunRecord(run).create(RunState(total_steps=cfg.trainer.steps, created=now, updated=now), ev.Created(backend=backend))
     return run
+
+
+def check_prompts(cfg: RunConfig) -> None:
+    """An RL file task: every prompt of ``rl.prompts`` read, rendered and tokenized as the
+    controller will, so a bad record or a prompt longer than ``rl.prompt_length`` is refused
+    here, naming it (core.data.prompts), not when the job starts."""
+    if cfg.program not in rl_spec.RL_PROGRAMS or cfg.rl.task != "file":
+        return
+    from core.data import prompts, tokenizer  # the tokenizer's libraries: only a file task's submit reads prompts
+
+    tok = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
+    prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key, tokenizer=tok, length=cfg.rl.prompt_length,
+                         template_variables=cfg.rl.chat_template_kwargs)
 
 
 def resolve_sft(cfg: RunConfig) -> RunConfig:

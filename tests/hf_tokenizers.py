@@ -230,3 +230,19 @@ def _set_class(folder: Path, name: str) -> None:
     config = json.loads(path.read_text())
     config["tokenizer_class"] = name
     path.write_text(json.dumps(config, indent=2))
+
+
+QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+
+
+def with_qwen_ids(folder: Path) -> Path:
+    """``folder``'s ChatML special tokens moved to Qwen2/3's own ids (151643-151645), so the
+    real generation_config.json's eos ids name them; the rest of the small vocabulary stays."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    for token in data["added_tokens"]:
+        token["id"] = QWEN_SPECIAL_IDS.get(token["content"], token["id"])
+    vocab = data["model"]["vocab"]
+    vocab.update({k: v for k, v in QWEN_SPECIAL_IDS.items() if k in vocab})
+    path.write_text(json.dumps(data))
+    return folder

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, baton
-from tests.hf_tokenizers import chatml_folder
+from tests.hf_tokenizers import chatml_folder, with_qwen_ids
 
 EXP = "experiments/grpo_qwen3_1p7b.yaml"
 QWEN3_1P7B = {  # Qwen/Qwen3-1.7B's config.json
@@ -61,7 +61,8 @@ def _sparse_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
 def qwen3_1p7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3-1.7B's folder as it ships (two shards and an index), weights as holes."""
     folder = tmp_path_factory.mktemp("Qwen3-1.7B")
-    chatml_folder(folder, eos_token_id=[151645, 151643])  # the small tokenizer: ids below 420
+    # a small ChatML tokenizer whose special tokens have Qwen3's ids: the real generation config names them
+    with_qwen_ids(chatml_folder(folder, eos_token_id=[151645, 151643]))
     (folder / "config.json").write_text(json.dumps(QWEN3_1P7B, indent=2))
     names = list(_shapes(QWEN3_1P7B).items())
     shards = [dict(names[:len(names) // 2]), dict(names[len(names) // 2:])]

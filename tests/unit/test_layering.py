@@ -40,7 +40,7 @@ ONLY = {
     ("flows", "checkpoint"): {"core.checkpoint.spec"},
     ("launcher", "controller"): {"core.controller.slurm_entry"},  # submitit pickles it; it imports nothing
     ("launcher", "checkpoint"): {"core.checkpoint.manifest"},  # list and verify from file bytes
-    ("launcher", "data"): {"core.data.sft"},  # an SFT submit checks the conversations it will train on
+    ("launcher", "data"): {"core.data.sft", "core.data.prompts", "core.data.tokenizer"},  # submit reads the data it will train on
     ("supervisor", "checkpoint"): {"core.checkpoint.manifest"},
     ("config", "hf"): {"core.hf.families"},  # config.json as the model section; no numpy
     ("launcher", "hf"): {"core.hf.families", "core.hf.files", "core.hf.layout"},  # checks, never the reader

@@ -53,3 +53,19 @@ def test_the_cursor_asks_every_prompt_once_per_epoch_and_is_a_function_of_the_st
         assert Counter(m["prompt_text"] for m in asked if m["epoch"] == epoch) == Counter(r["prompt"] for r in rows)
     assert [m["prompt_text"] for m in asked[:6]] != [m["prompt_text"] for m in asked[6:]]  # each epoch its own order
     assert tasks.from_file(prompts, 1234, 3, 3) == tasks.from_file(prompts, 1234, 3, 3)  # a resume asks the same
+
+
+@pytest.mark.parametrize("backend", [["--backend", "local"], ["--backend", "slurm", "--dry-run"]])
+def test_submit_reads_the_prompts_and_refuses_a_bad_one_before_writing(tmp_path: Path, backend: list[str]) -> None:
+    """The controller would refuse it at the job's start; the login node refuses it first."""
+    from tests.helpers import baton  # the real CLI in a subprocess
+
+    exp = Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml"
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "' + "x" * 40 + '"}\n')
+    res = baton("submit", str(exp), *backend, f"runs_root={tmp_path / 'runs'}", "rl.task=file",
+                f"rl.prompts={bad}", "model.vocab_size=257", "rl.prompt_length=8", cwd=tmp_path, timeout=120)
+    line = res.stderr.strip()
+    assert res.returncode == 2 and "\n" not in line, res.stderr
+    assert f"{bad}:2" in line and "rl.prompt_length = 8" in line, line
+    assert not (tmp_path / "runs").exists()
