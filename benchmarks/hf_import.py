@@ -3,17 +3,22 @@
 A random model of Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 key/value heads,
 head_dim 128, ffn 3072, vocab 151936, tied, q/k norms), saved by transformers in bfloat16.
 
-Import, at tp1 and tp2: each tensor-parallel rank is a process of its own that reads the
-boxes a Megatron rank of that layout owns (one layer of one global tensor at a time; tp
-splits qkv and fc1 rows per group/half, proj and fc2 columns, the embedding's rows; norms
-whole) with core.hf.reader.HFReader into its preallocated fp32 parameters, beside
-  raw   os.preadv of exactly the safetensors rows those reads touch (the same bytes), into
-        one reused buffer: the ceiling of any reader
-(median of --repeat rounds, alternating, page cache warm). Memory: the rank's peak anonymous
-resident memory (sampled every 2 ms, less what it held before its parameters were made)
-beside its shard (its parameters, fp32) and its largest box; the goal is at most shard +
-largest + 20 %. Each rank then writes its parameters as a Baton checkpoint shard, committed
-as a checkpoint of that layout.
+Import, at tp1 and tp2: each tensor-parallel rank reads the boxes a Megatron rank of that
+layout owns (one layer of one global tensor at a time; tp splits qkv and fc1 rows per
+group/half, proj and fc2 columns, the embedding's rows; norms whole) the way a worker does on
+CKPT_LOAD hf:PATH: a fresh core.hf.reader.HFReader per round, and for each box
+core.model.gpt.state.copy_box (what load_model_slices calls per parameter) into preallocated
+parameters of fp32 and, in a second process, of bf16. Beside it, in a process of its own:
+  raw   os.preadv of exactly the safetensors rows those boxes touch (core.hf.layout.pieces:
+        the same bytes, whole rows), into one reused buffer: the ceiling of any reader.
+Each is timed page cache warm (after an untimed round) and cold (the model's files evicted
+with fsync + posix_fadvise DONTNEED before each round: this machine's page cache, not the
+disk's or a host's); medians of --repeat rounds. Memory: the rank's peak anonymous resident
+memory in one more round, untimed (sampled every 2 ms on a thread, less what it held before its
+parameters were made) beside its
+shard (its parameters) and its largest box; the goal is at most shard + largest + 20 %.
+The fp32 ranks then write their parameters as a Baton checkpoint shard, committed as a
+checkpoint of that layout.
 
 Export, of each of those checkpoints: ``python -m core.checkpoint.hf_export`` (bfloat16: the source's
 dtype) beside raw: reading the checkpoint's files (preadv) and writing the same number of
@@ -230,8 +235,9 @@ def import_rank(folder: Path, tp: int, rank: int, dtype: str, repeat: int, step_
         r.close()
         return time.perf_counter() - t0
 
-    sampler = Sampler()
     times = rounds(once, folder, repeat)
+    sampler = Sampler()  # the memory round, untimed (the sampling thread would slow the import)
+    once()
     peak = sampler.stop() - before
     out = {"tp": tp, "rank": rank, "dtype": dtype, **times, "peak": peak, "shard": shard,
            "largest": max(p.numel() * p.element_size() for p in params)}

@@ -28,16 +28,20 @@ class HFReader:
 
     def __init__(self, folder: str | Path, dims: layout.Dims) -> None:
         self.folder, self.dims = Path(folder), dims
-        self.files = files.weight_files(folder)
-        self._handles: dict[Path, Any] = {}
+        self.files = {name: str(path) for name, path in files.weight_files(folder).items()}
+        self._handles: dict[str, Any] = {}
+        self._whole: dict[str, torch.Tensor] = {}  # each HF tensor a view of its file's memory map
 
     def view(self, name: str, start: int, stop: int, rest: tuple[slice, ...]) -> torch.Tensor:
         """Rows [start, stop) of the HF tensor ``name`` (the other axes cut by ``rest``) in the
         file's dtype: a view of the memory-mapped file, nothing read yet."""
-        path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_slice(name)[(slice(start, stop), *rest)]
+        whole = self._whole.get(name)
+        if whole is None:
+            path = self.files[name]
+            if path not in self._handles:
+                self._handles[path] = safe_open(path, framework="pt")
+            whole = self._whole[name] = self._handles[path].get_slice(name)[:]  # a view: nothing read
+        return whole[(slice(start, stop), *rest)]
 
     def rows(self, name: str, start: int, stop: int, rest: tuple[slice, ...]) -> np.ndarray:
         """The same rows as a new fp32 array."""
@@ -63,4 +67,5 @@ class HFReader:
         return self.read(name, offset, shape)
 
     def close(self) -> None:
+        self._whole.clear()
         self._handles.clear()
