@@ -3,17 +3,22 @@
 A random model of Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 key/value heads,
 head_dim 128, ffn 3072, vocab 151936, tied, q/k norms), saved by transformers in bfloat16.
 
-Import, at tp1 and tp2: each tensor-parallel rank is a process of its own that reads the
-boxes a Megatron rank of that layout owns (one layer of one global tensor at a time; tp
-splits qkv and fc1 rows per group/half, proj and fc2 columns, the embedding's rows; norms
-whole) with core.hf.reader.HFReader into its preallocated fp32 parameters, beside
-  raw   os.preadv of exactly the safetensors rows those reads touch (the same bytes), into
-        one reused buffer: the ceiling of any reader
-(median of --repeat rounds, alternating, page cache warm). Memory: the rank's peak anonymous
-resident memory (sampled every 2 ms, less what it held before its parameters were made)
-beside its shard (its parameters, fp32) and its largest box; the goal is at most shard +
-largest + 20 %. Each rank then writes its parameters as a Baton checkpoint shard, committed
-as a checkpoint of that layout.
+Import, at tp1 and tp2: each tensor-parallel rank reads the boxes a Megatron rank of that
+layout owns (one layer of one global tensor at a time; tp splits qkv and fc1 rows per
+group/half, proj and fc2 columns, the embedding's rows; norms whole) the way a worker does on
+CKPT_LOAD hf:PATH: a fresh core.hf.reader.HFReader per round, and for each box
+core.model.gpt.state.copy_box (what load_model_slices calls per parameter) into preallocated
+parameters of fp32 and, in a second process, of bf16. Beside it, in a process of its own:
+  raw   os.preadv of exactly the safetensors rows those boxes touch (core.hf.layout.pieces:
+        the same bytes, whole rows), into one reused buffer: the ceiling of any reader.
+Each is timed page cache warm (after an untimed round) and cold (the model's files evicted
+with fsync + posix_fadvise DONTNEED before each round: this machine's page cache, not the
+disk's or a host's); medians of --repeat rounds. Memory: the rank's peak anonymous resident
+memory in one more round, untimed (sampled every 2 ms on a thread, less what it held before its
+parameters were made) beside its
+shard (its parameters) and its largest box; the goal is at most shard + largest + 20 %.
+The fp32 ranks then write their parameters as a Baton checkpoint shard, committed as a
+checkpoint of that layout.
 
 Export, of each of those checkpoints: ``python -m core.checkpoint.hf_export`` (bfloat16: the source's
 dtype) beside raw: reading the checkpoint's files (preadv) and writing the same number of
@@ -40,7 +45,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -138,71 +142,110 @@ def anon() -> int:
     return 0
 
 
-def raw_spans(folder: Path, touched: list[tuple[str, int, int]]) -> list[tuple[Path, int, int]]:
-    """(file, byte offset, byte count) of the full rows [start, stop) of each touched HF tensor."""
-    from core.hf import files
+def raw_spans(folder: Path, d, boxes: list) -> list[tuple[Path, int, int]]:  # noqa: ANN001
+    """(file, byte offset, byte count) of the full rows of every HF run the boxes cover
+    (core.hf.layout.pieces: exactly the rows the reader copies from)."""
+    from core.hf import files, layout
 
     spans, headers = [], {}
     weight_files = files.weight_files(folder)
-    for name, start, stop in touched:
-        path = weight_files[name]
-        if path not in headers:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                headers[path] = (8 + n, json.loads(f.read(n)))
-        base, header = headers[path]
-        t = header[name]
-        row = math.prod(t["shape"][1:]) * 2
-        spans.append((path, base + t["data_offsets"][0] + start * row, (stop - start) * row))
+    for box, off, shape in boxes:
+        for name, start, stop, _, _ in layout.pieces(box, off, shape, d):
+            path = weight_files[name]
+            if path not in headers:
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    headers[path] = (8 + n, json.loads(f.read(n)))
+            base, header = headers[path]
+            t = header[name]
+            row = math.prod(t["shape"][1:]) * 2
+            spans.append((path, base + t["data_offsets"][0] + start * row, (stop - start) * row))
     return spans
 
 
-def import_rank(folder: Path, tp: int, rank: int, repeat: int, step_dir: Path) -> dict:
-    """One rank: its parameters from the HF folder (reader and raw, alternating), then its shard written."""
+def drop_cache(folder: Path) -> None:
+    """Evict the folder's weight files from this machine's page cache (fsync, then
+    posix_fadvise DONTNEED: only these files, no privileges needed; dirty or mapped pages
+    would stay)."""
+    for f in folder.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def rounds(once, folder: Path, repeat: int) -> dict[str, float]:  # noqa: ANN001
+    """Median seconds of ``once()``: page cache warm (after an untimed round), then cold."""
+    once()
+    warm = [once() for _ in range(repeat)]
+    cold = []
+    for _ in range(repeat):
+        drop_cache(folder)
+        cold.append(once())
+    return {"warm_s": statistics.median(warm), "cold_s": statistics.median(cold)}
+
+
+def raw_rank(folder: Path, tp: int, rank: int, repeat: int) -> dict:
+    """One rank's baseline: os.preadv of exactly the safetensors rows its boxes touch, into one
+    reused buffer (the ceiling of any reader); no torch in this process."""
+    from core.hf import layout
+
+    d = layout.dims_of(_model_config(folder))
+    spans = raw_spans(folder, d, rank_boxes(d, tp, rank))
+    buf = bytearray(max(n for _, _, n in spans))
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        fds = {p: os.open(p, os.O_RDONLY) for p in {s[0] for s in spans}}
+        for path, off, n in spans:
+            os.preadv(fds[path], [memoryview(buf)[:n]], off)
+        for fd in fds.values():
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    return {"tp": tp, "rank": rank, "bytes": sum(n for _, _, n in spans), **rounds(once, folder, repeat)}
+
+
+def import_rank(folder: Path, tp: int, rank: int, dtype: str, repeat: int, step_dir: Path | None) -> dict:
+    """One rank's import, as a worker's: a fresh core.hf.reader.HFReader (as CKPT_LOAD makes
+    one) and core.model.gpt.state.copy_box (what load_model_slices does for each parameter)
+    into preallocated parameters of ``dtype``; then (fp32) its shard written."""
     import torch
 
     from core.checkpoint.hdf5 import write_shard
     from core.checkpoint.spec import TensorSlice
     from core.hf import layout, reader
+    from core.model.gpt.state import copy_box
 
     torch.set_num_threads(1)
     d = layout.dims_of(_model_config(folder))
-    boxes = rank_boxes(d, tp, rank)
+    shapes = global_shapes(d)
+    slices = [TensorSlice(name=n, global_shape=shapes[n], offset=o, shape=s, dtype="float32")
+              for n, o, s in rank_boxes(d, tp, rank)]
     before = anon()
-    params = [np.ones(s, np.float32) for _, _, s in boxes]  # touched: the rank's model, as Megatron holds it
-    shard = sum(a.nbytes for a in params)
-    r = reader.HFReader(folder, d)
-    touched: list[tuple[str, int, int]] = []
-    rows = r.rows
-    r.rows = lambda n, a, b, rest: (touched.append((n, a, b)), rows(n, a, b, rest))[1]  # type: ignore[method-assign]
-    r.read(*boxes[0][:2], boxes[0][2])
-    touched.clear()
-    for (name, off, shape), p in zip(boxes, params, strict=True):
-        p[...] = r.read(name, off, shape)
-    r.rows = rows  # type: ignore[method-assign]
-    spans = raw_spans(folder, touched)
-    buf = bytearray(max(n for _, _, n in spans))
-    fds = {p: os.open(p, os.O_RDONLY) for p in {s[0] for s in spans}}
-    times: dict[str, list[float]] = {"reader": [], "raw": []}
-    peak = 0
-    for _ in range(repeat):
-        sampler = Sampler()
+    params = [torch.ones(s.shape, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
+              for s in slices]  # touched: the rank's model, as Megatron holds it
+    shard = sum(p.numel() * p.element_size() for p in params)
+
+    def once() -> float:
         t0 = time.perf_counter()
-        for (name, off, shape), p in zip(boxes, params, strict=True):
-            p[...] = r.read(name, off, shape)
-        times["reader"].append(time.perf_counter() - t0)
-        peak = max(peak, sampler.stop() - before)
-        t0 = time.perf_counter()
-        for path, off, n in spans:
-            os.preadv(fds[path], [memoryview(buf)[:n]], off)
-        times["raw"].append(time.perf_counter() - t0)
-    largest = max(a.nbytes for a in params)
-    items = [(TensorSlice(name=n, global_shape=global_shapes(d)[n], offset=o, shape=s, dtype="float32"), a)
-             for (n, o, s), a in zip(boxes, params, strict=True)]
-    ack = write_shard(step_dir / f"rank_{rank:05d}.h5", items, {}, {"rank": rank, "step": 0, "layout": f"tp{tp}"})
-    return {"tp": tp, "rank": rank, "reader_s": statistics.median(times["reader"]), "raw_s": statistics.median(times["raw"]),
-            "bytes": sum(n for _, _, n in spans), "peak": peak, "shard": shard, "largest": largest,
-            "ack": dataclasses.asdict(ack)}
+        r = reader.HFReader(folder, d)
+        for s, p in zip(slices, params, strict=True):
+            copy_box(r, s, p)
+        r.close()
+        return time.perf_counter() - t0
+
+    times = rounds(once, folder, repeat)
+    sampler = Sampler()  # the memory round, untimed (the sampling thread would slow the import)
+    once()
+    peak = sampler.stop() - before
+    out = {"tp": tp, "rank": rank, "dtype": dtype, **times, "peak": peak, "shard": shard,
+           "largest": max(p.numel() * p.element_size() for p in params)}
+    if step_dir is not None:
+        items = [(s, p.numpy()) for s, p in zip(slices, params, strict=True)]
+        ack = write_shard(step_dir / f"rank_{rank:05d}.h5", items, {}, {"rank": rank, "step": 0, "layout": f"tp{tp}"})
+        out["ack"] = dataclasses.asdict(ack)
+    return out
 
 
 def _model_config(folder: Path):  # noqa: ANN202
@@ -293,25 +336,34 @@ def _hf_shapes(folder: Path) -> dict:
 
 # --- the table -------------------------------------------------------------------------------------
 def import_layout(work: Path, folder: Path, tp: int, repeat: int, layers: int) -> list[dict]:
-    """Every rank of ``tp`` in its own process, one after another; their shards committed."""
+    """Every rank of ``tp``, the raw baseline and the import into fp32 and into bf16 parameters
+    each in a process of its own, one after another; the fp32 ranks' shards committed."""
     from core.checkpoint.commit import commit, tmp_step_dir
     from core.checkpoint.spec import ShardAck, SliceAck
 
     run_dir = work / f"run_tp{tp}"
     run_config(folder, run_dir, layers)
     tmp = tmp_step_dir(run_dir / "checkpoints", 0)
-    results = []
+    results, acks = [], []
     for rank in range(tp):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        res = subprocess.run([sys.executable, __file__, "--rank-of", str(tp), str(rank), str(folder), str(tmp),
-                              "--repeat", str(repeat)], env=env, capture_output=True, text=True, check=False)
-        assert res.returncode == 0, res.stderr[-3000:]
-        results.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    acks = [ShardAck(**{**r["ack"], "slices": tuple(SliceAck(**{k: tuple(v) if isinstance(v, list) else v
-                                                                 for k, v in s.items()}) for s in r["ack"]["slices"])})
-            for r in results]
+        raw = _child("--raw-of", str(tp), str(rank), str(folder), "--repeat", str(repeat))
+        for dtype in ("fp32", "bf16"):
+            r = _child("--rank-of", str(tp), str(rank), dtype, str(folder), str(tmp) if dtype == "fp32" else "-",
+                       "--repeat", str(repeat))
+            if "ack" in r:
+                a = r.pop("ack")
+                acks.append(ShardAck(**{**a, "slices": tuple(SliceAck(**{k: tuple(v) if isinstance(v, list) else v
+                                                                         for k, v in s.items()}) for s in a["slices"])}))
+            results.append({**r, "bytes": raw["bytes"], "raw_warm_s": raw["warm_s"], "raw_cold_s": raw["cold_s"]})
     commit(run_dir / "checkpoints", 0, tmp, acks, {"layout": f"tp{tp}"}, keep_last=1)
     return results
+
+
+def _child(*args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -321,11 +373,17 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp folder)")
     ap.add_argument("--json", type=Path, help="write the numbers here")
     ap.add_argument("--keep", action="store_true", help="keep the model, checkpoints and exports (printed)")
-    ap.add_argument("--rank-of", nargs=4, metavar=("TP", "RANK", "FOLDER", "STEP_DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank-of", nargs=5, metavar=("TP", "RANK", "DTYPE", "FOLDER", "STEP_DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--raw-of", nargs=3, metavar=("TP", "RANK", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_of:
-        tp, rank, folder, step_dir = args.rank_of
-        print(json.dumps(import_rank(Path(folder), int(tp), int(rank), args.repeat, Path(step_dir))))
+        tp, rank, dtype, folder, step_dir = args.rank_of
+        print(json.dumps(import_rank(Path(folder), int(tp), int(rank), dtype, args.repeat,
+                                     None if step_dir == "-" else Path(step_dir))))
+        return 0
+    if args.raw_of:
+        tp, rank, folder = args.raw_of
+        print(json.dumps(raw_rank(Path(folder), int(tp), int(rank), args.repeat)))
         return 0
     work = Path(tempfile.mkdtemp(prefix="baton-hf-bench-", dir=args.dir))
     try:
@@ -345,21 +403,25 @@ def main() -> int:
 
 def report(imports: list[dict], exports: list[dict], args: argparse.Namespace) -> int:
     mib = 2**20
-    print(f"{'':<18}{'Baton s':>9}{'raw s':>8}{'speed':>7}  {'peak MiB':>9}{'shard':>7}{'largest':>8}{'mem':>6}")
+    print(f"{'':<23}{'warm: Baton s':>14}{'raw s':>7}{'speed':>7}{'cold: Baton s':>15}{'raw s':>7}{'speed':>7}"
+          f"  {'peak MiB':>9}{'shard':>7}{'largest':>8}{'mem':>6}")
     missed: list[str] = []
     rows = []
     for r in imports:
-        speed, mem = r["raw_s"] / r["reader_s"], r["peak"] / (r["shard"] + r["largest"])
-        missed += _missed(f"import tp{r['tp']} rank {r['rank']}", speed, mem)
-        rows.append({**{k: v for k, v in r.items() if k != "ack"}, "speed": speed, "mem": mem, "what": "import"})
-        print(f"import tp{r['tp']} rank {r['rank']:<3}{r['reader_s']:>9.2f}{r['raw_s']:>8.2f}{speed:>6.2f}x  "
-              f"{r['peak'] / mib:>9.0f}{r['shard'] / mib:>7.0f}{r['largest'] / mib:>8.0f}{mem:>6.2f}")
+        warm, cold = r["raw_warm_s"] / r["warm_s"], r["raw_cold_s"] / r["cold_s"]
+        mem = r["peak"] / (r["shard"] + r["largest"])
+        what = f"import tp{r['tp']} rank {r['rank']} {r['dtype']}"
+        missed += _missed(what + " warm", warm, mem) + _missed(what + " cold", cold, 0.0)
+        rows.append({**r, "speed_warm": warm, "speed_cold": cold, "mem": mem, "what": "import"})
+        print(f"{what:<23}{r['warm_s']:>14.2f}{r['raw_warm_s']:>7.2f}{warm:>6.2f}x{r['cold_s']:>15.2f}"
+              f"{r['raw_cold_s']:>7.2f}{cold:>6.2f}x  {r['peak'] / mib:>9.0f}{r['shard'] / mib:>7.0f}"
+              f"{r['largest'] / mib:>8.0f}{mem:>6.2f}")
     for r in exports:
         speed, mem = r["raw_s"] / r["export_s"], r["peak"] / (r["shard"] + r["largest"])
         missed += _missed(f"export from tp{r['tp']}", speed, mem)
         rows.append({**r, "speed": speed, "mem": mem, "what": "export"})
-        print(f"export from tp{r['tp']:<7}{r['export_s']:>9.2f}{r['raw_s']:>8.2f}{speed:>6.2f}x  "
-              f"{r['peak'] / mib:>9.0f}{r['shard'] / mib:>7.0f}{r['largest'] / mib:>8.0f}{mem:>6.2f}")
+        print(f"{'export from tp' + str(r['tp']):<23}{r['export_s']:>14.2f}{r['raw_s']:>7.2f}{speed:>6.2f}x"
+              f"{'':>29}  {r['peak'] / mib:>9.0f}{r['shard'] / mib:>7.0f}{r['largest'] / mib:>8.0f}{mem:>6.2f}")
     print(f"goals: speed >= {TIME_GOAL}x of raw, peak <= {MEM_GOAL:.1f} x (shard + largest); "
           f"exports bit for bit: {', '.join(str(r['tensors']) + ' tensors' for r in exports)}")
     if args.json:

@@ -175,7 +175,7 @@ class CheckpointService:
         dims = layout.dims_of(ModelConfig(**families.model_section(folder).model))
         reader = HFReader(folder, dims)
         try:
-            partial(reader.read)
+            partial(reader)  # a ReadFn with read_into: each box straight into its parameter
         finally:
             reader.close()
         log.info("loaded the model weights of Hugging Face checkpoint %s (into %s)", folder, req.into)

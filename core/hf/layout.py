@@ -7,14 +7,16 @@ that group's query heads, then its key head, then its value head (its bias likew
 keeps ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj`` and ``up_proj`` apart, one tensor per
 layer. A tied model has no ``lm_head`` (Baton: no ``output_layer``).
 
-``read_global(rows, name, offset, shape, dims)`` builds any box of a Baton tensor from the HF
-tensors' rows, reading only the rows the box covers (``rows(hf_name, start, stop, cols)`` is
-the source: a safetensors slice in core.hf.reader, arrays in tests); ``to_hf(name, array,
-dims)`` splits a whole Baton tensor into its HF tensors (the exporter's direction). numpy only.
+``pieces(name, offset, shape, dims)`` lists the runs of HF rows any box of a Baton tensor
+covers and where each goes in the box; ``read_global(rows, ...)`` builds the box from them
+(``rows(hf_name, start, stop, cols)`` is the source: arrays in tests) and
+``read_global_into(put, ..., out)`` copies each run straight into its place in ``out`` (a
+parameter, in core.hf.reader: one pass from the file). ``to_hf(name, array, dims)`` splits a
+whole Baton tensor into its HF tensors (the exporter's direction). numpy only.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,8 @@ QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 FC1 = "mlp.linear_fc1.weight"
 
 Rows = Callable[[str, int, int, tuple[slice, ...]], np.ndarray]  # (hf name, first row, end row, other axes)
+Put = Callable[[str, int, int, tuple[slice, ...], Any], None]  # the same, and the destination to copy them into
+Piece = tuple[str, int, int, tuple[slice, ...], tuple[Any, ...]]  # the same, and where they go in the box
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,33 +126,64 @@ _PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_pro
          "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
 
 
-def _layer_box(rows: Rows, key: str, layer: int, offset: tuple[int, ...], shape: tuple[int, ...], d: Dims) -> np.ndarray:
-    """One layer's box (without the layer axis) of the Baton tensor ``decoder.layers.<key>``."""
-    a, b, rest = offset[0], offset[0] + shape[0], tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:],
-                                                                                          strict=True))
-    pre = f"model.layers.{layer}."
-    if key in _LAYER_1TO1:
-        return rows(pre + _LAYER_1TO1[key], a, b, rest)
-    if key in QKV or key == FC1:
-        runs = fc1_runs(a, b, d) if key == FC1 else qkv_runs(a, b, d)
-        suffix = key.rsplit(".", 1)[1]
-        return np.concatenate([rows(f"{pre}{_PROJ[p]}.{suffix}", s, e, rest) for p, s, e in runs])
-    raise KeyError(f"{P}{key}: no Hugging Face tensor maps to it")
-
-
-def read_global(rows: Rows, name: str, offset: tuple[int, ...], shape: tuple[int, ...], d: Dims) -> np.ndarray:
-    """The box (``offset``, ``shape``) of Baton's global tensor ``name``, read from HF rows."""
+def pieces(name: str, offset: tuple[int, ...], shape: tuple[int, ...], d: Dims) -> Iterator[Piece]:
+    """Each run of HF rows the box (``offset``, ``shape``) of Baton's global tensor ``name``
+    covers, in order: (HF name, first row, end row, its other axes, where it goes in the box).
+    Only the rows the box covers; the runs tile the box exactly once."""
     if name.startswith(P):
         key = name[len(P):]
-        boxes = [_layer_box(rows, key, i, offset[1:], shape[1:], d) for i in range(offset[0], offset[0] + shape[0])]
-        return np.stack(boxes)
+        for i in range(offset[0], offset[0] + shape[0]):
+            yield from _layer_pieces(key, i, i - offset[0], offset[1:], shape[1:], d)
+        return
     if name not in _GLOBAL_1TO1:
         raise KeyError(f"{name}: no Hugging Face tensor maps to it")
     hf = _GLOBAL_1TO1[name]
     if name == "output_layer.weight" and d.tied:
         hf = _GLOBAL_1TO1["embedding.word_embeddings.weight"]
-    rest = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
-    return rows(hf, offset[0], offset[0] + shape[0], rest)
+    yield hf, offset[0], offset[0] + shape[0], _cols(offset, shape), ()
+
+
+def _cols(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+
+
+def _layer_pieces(key: str, layer: int, at: int, offset: tuple[int, ...], shape: tuple[int, ...],
+                  d: Dims) -> Iterator[Piece]:
+    """One layer's runs (box index ``at`` of the layer axis) of ``decoder.layers.<key>``."""
+    a, b, rest, pre = offset[0], offset[0] + shape[0], _cols(offset, shape), f"model.layers.{layer}."
+    if key in _LAYER_1TO1:
+        yield pre + _LAYER_1TO1[key], a, b, rest, (at,)
+        return
+    if key not in QKV and key != FC1:
+        raise KeyError(f"{P}{key}: no Hugging Face tensor maps to it")
+    runs = fc1_runs(a, b, d) if key == FC1 else qkv_runs(a, b, d)
+    suffix, pos = key.rsplit(".", 1)[1], 0
+    for p, s, e in runs:
+        yield f"{pre}{_PROJ[p]}.{suffix}", s, e, rest, (at, slice(pos, pos + e - s))
+        pos += e - s
+
+
+def read_global(rows: Rows, name: str, offset: tuple[int, ...], shape: tuple[int, ...], d: Dims) -> np.ndarray:
+    """The box (``offset``, ``shape``) of Baton's global tensor ``name``, read from HF rows
+    (in the rows' dtype)."""
+    out: np.ndarray | None = None
+    for hf, a, b, rest, at in pieces(name, tuple(offset), tuple(shape), d):
+        part = rows(hf, a, b, rest)
+        if out is None:
+            out = np.empty(shape, dtype=part.dtype)
+        out[at] = part
+    assert out is not None, f"{name}: an empty box"
+    return out
+
+
+def read_global_into(put: Put, name: str, offset: tuple[int, ...], shape: tuple[int, ...], d: Dims, out: Any) -> None:
+    """The box (``offset``, ``shape``) of ``name`` written straight into ``out`` (an array or
+    tensor of ``shape``), each run of HF rows into its place: ``put(hf_name, start, stop,
+    cols, dest)`` copies them into the view ``dest`` of ``out``. No intermediate box."""
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: destination of shape {tuple(out.shape)} for a box of shape {tuple(shape)}")
+    for hf, a, b, rest, at in pieces(name, tuple(offset), tuple(shape), d):
+        put(hf, a, b, rest, out[at])
 
 
 def interleave_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, d: Dims) -> np.ndarray:

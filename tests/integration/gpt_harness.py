@@ -402,13 +402,13 @@ def hf_reads_on_rank(task: Any, folder: str) -> int:
     from core.hf.reader import HFReader
 
     reader = HFReader(folder, layout.dims_of(task.role("actor").rank.cfg.model))
-    rows, count = reader.rows, [0]
+    view, count = reader.view, [0]
 
-    def counted(name: str, start: int, stop: int, rest: tuple[slice, ...]) -> np.ndarray:
-        out = rows(name, start, stop, rest)
-        count[0] += out.size
+    def counted(name: str, start: int, stop: int, rest: tuple[slice, ...]) -> Any:
+        out = view(name, start, stop, rest)
+        count[0] += out.numel()
         return out
 
-    reader.rows = counted  # type: ignore[method-assign]
-    task.restore_weights(reader.read)
+    reader.view = counted  # type: ignore[method-assign]
+    task.restore_weights(reader)  # as CKPT_LOAD passes it: each box straight into its parameter
     return count[0]

@@ -118,6 +118,37 @@ def test_the_reader_gives_fp32_boxes_of_a_bf16_checkpoint(tmp_path: Path, hf_mod
                                   wide["model.embed_tokens.weight"][48:])
 
 
+def test_read_into_copies_each_run_into_its_place_cast_once_to_the_destinations_dtype(
+        tmp_path: Path, hf_models: dict[str, Path]) -> None:
+    """What the loader uses (core.model.gpt.state.copy_box): a bf16 checkpoint's qkv box lands
+    in a bf16 parameter bit for bit and in an fp32 one widened exactly; a box of the wrong size
+    is refused naming the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from core.checkpoint.spec import TensorSlice
+    from core.errors import CheckpointError
+    from core.hf import layout
+    from core.hf.reader import HFReader
+    from core.model.gpt.state import copy_box
+
+    folder = _copy(hf_models["llama"], tmp_path / "bf16")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(folder / "model.safetensors")).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    dims = layout.Dims(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=96, vocab=96)
+    q, k, v = (tensors[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    whole = torch.cat([q[:32], k[:16], v[:16], q[32:], k[16:], v[16:]])  # group 0, then group 1
+    s = TensorSlice(name="decoder.layers.self_attention.linear_qkv.weight", global_shape=(2, 128, 64),
+                    offset=(0, 24, 0), shape=(1, 80, 64), dtype="float32")
+    reader = HFReader(folder, dims)
+    for dtype in (torch.bfloat16, torch.float32):
+        param = torch.full((80, 64), float("nan"), dtype=dtype, requires_grad=True)
+        copy_box(reader, s, param)
+        assert torch.equal(param.detach(), whole[24:104].to(dtype))
+    with pytest.raises(CheckpointError, match="linear_qkv.weight: a box of shape"):
+        copy_box(reader, s, torch.empty(79, 64))
+
+
 def test_a_run_folders_config_loads_once_the_hf_folder_has_gone(tmp_path: Path, hf_models: dict[str, Path]) -> None:
     """config.yaml holds the whole model section: a resume (from the run's own checkpoints)
     does not need the folder; a config that leaves the shape to config.json does."""

@@ -47,10 +47,15 @@ def _rows(hf: dict[str, np.ndarray]) -> layout.Rows:
 
 def test_every_box_of_qkv_and_fc1_reads_the_rows_an_independent_interleave_gives() -> None:
     """Any tensor-parallel cut (a row range, a column range) of a stacked layer tensor equals
-    that cut of the whole tensor built from HF's separate q, k, v / gate, up."""
+    that cut of the whole tensor built from HF's separate q, k, v / gate, up; built (read_global)
+    or copied run by run into a destination (read_global_into)."""
     d = _dims()
     hf = _hf_tensors(d)
     rows = _rows(hf)
+
+    def put(name: str, a: int, b: int, rest: tuple[slice, ...], dest: np.ndarray) -> None:
+        dest[...] = hf[name][(slice(a, b), *rest)]
+
     for layer in range(d.layers):
         p = f"model.layers.{layer}."
         qkv = _reference_qkv(*(hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"), d)
@@ -61,11 +66,18 @@ def test_every_box_of_qkv_and_fc1_reads_the_rows_an_independent_interleave_gives
                 box = layout.read_global(rows, "decoder.layers.self_attention.linear_qkv.weight", (layer, a, 2),
                                          (1, b - a, 3), d)
                 np.testing.assert_array_equal(box[0], qkv[a:b, 2:5])
+                into = np.full((1, b - a, 3), np.nan, np.float32)  # every element written: no NaN left
+                layout.read_global_into(put, "decoder.layers.self_attention.linear_qkv.weight", (layer, a, 2),
+                                        (1, b - a, 3), d, into)
+                np.testing.assert_array_equal(into[0], qkv[a:b, 2:5])
                 got = layout.read_global(rows, "decoder.layers.self_attention.linear_qkv.bias", (layer, a), (1, b - a), d)
                 np.testing.assert_array_equal(got[0], bias[a:b])
         for a, b in [(0, 10), (0, 5), (5, 10), (3, 7), (2, 3)]:
             box = layout.read_global(rows, "decoder.layers.mlp.linear_fc1.weight", (layer, a, 0), (1, b - a, 8), d)
             np.testing.assert_array_equal(box[0], fc1[a:b])
+            into = np.full((1, b - a, 8), np.nan, np.float32)
+            layout.read_global_into(put, "decoder.layers.mlp.linear_fc1.weight", (layer, a, 0), (1, b - a, 8), d, into)
+            np.testing.assert_array_equal(into[0], fc1[a:b])
 
 
 def test_to_hf_inverts_read_global_and_a_tied_model_has_no_lm_head() -> None:

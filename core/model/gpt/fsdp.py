@@ -31,7 +31,7 @@ from core.checkpoint.spec import TensorSlice
 from core.config.run import RunConfig
 from core.model.gpt.model import unwrap
 from core.model.gpt.optim import lr_at
-from core.model.gpt.state import LiveTensor, ReadFn, param_parts
+from core.model.gpt.state import LiveTensor, ReadFn, copy_box, param_parts
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -162,4 +162,4 @@ def load_weights(model: torch.nn.Module, names: dict[str, Any], read: ReadFn) ->
     """The model weights of a checkpoint (any layout) into this rank's shards."""
     with torch.no_grad():
         for box, local in weight_boxes(model, names):
-            local.copy_(_tensor(read(box.name, box.offset, box.shape), local))
+            copy_box(read, box, local)

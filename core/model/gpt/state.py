@@ -37,7 +37,7 @@ from core.parallel import rng
 log = logging.getLogger(__name__)
 
 Items = list[tuple[TensorSlice, Any]]  # LiveTensor items on export
-ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]
+ReadFn = Callable[[str, tuple[int, ...], tuple[int, ...]], np.ndarray]  # may offer read_into: copy_box
 FORMAT = 2
 READS = (1, 2)
 
@@ -161,8 +161,24 @@ def load_model_slices(model_chunks: list[Any], read: ReadFn) -> None:
     """Copy this rank's slice of every global parameter from ``read`` into the model."""
     with torch.no_grad():
         for sh, param in sharded_params(model_chunks):
-            s = slice_of(sh)
-            param.copy_(_as_tensor(read(s.name, s.offset, s.shape), s, param))
+            copy_box(read, slice_of(sh), param)
+
+
+def copy_box(read: ReadFn, s: TensorSlice, dest: torch.Tensor) -> None:
+    """The box ``s`` from ``read`` into ``dest`` (a parameter or a contiguous piece of one).
+
+    A source that offers ``read.read_into(name, offset, shape, out)`` (core.hf.reader's)
+    writes straight into ``dest``, cast once from its own dtype; any other gives the fp32
+    array ``read(name, offset, shape)``, rounded once to ``dest``'s dtype."""
+    into = getattr(read, "read_into", None)
+    if into is None or not dest.is_contiguous():
+        dest.copy_(_as_tensor(read(s.name, s.offset, s.shape), s, dest))
+        return
+    if dest.numel() != int(np.prod(s.shape, dtype=np.int64)):
+        raise CheckpointError(f"{s.name}: a box of shape {s.shape} at {s.offset} for a tensor of shape "
+                              f"{tuple(dest.shape)}")
+    with torch.no_grad():
+        into(s.name, s.offset, s.shape, dest.view(s.shape))
 
 
 def _as_tensor(array: np.ndarray, s: TensorSlice, like: torch.Tensor) -> torch.Tensor:
