@@ -53,7 +53,7 @@ HOMES = {
     "xxhash": {"core/checkpoint/manifest.py", "core/checkpoint/hdf5.py"},
     "h5py": {"core/checkpoint/hdf5.py", "core/data/build.py", "core/data/dataset.py", "core/model/gpt/data.py"},
     "torch": {"core/parallel/", "core/model/gpt/", "core/hf/reader.py"},
-    "safetensors": {"core/hf/files.py", "core/hf/reader.py", "core/hf/shards.py"},
+    "safetensors": {"core/hf/files.py", "core/hf/reader.py"},
     "megatron": {"core/parallel/", "core/model/gpt/"},
     "prometheus_client": {"core/controller/metrics.py"},
     "submitit": {"launcher/slurm.py"},
