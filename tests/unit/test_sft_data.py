@@ -216,3 +216,16 @@ def test_the_byte_chat_takes_no_template_variables(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="sft.chat_template_kwargs: the byte tokenizer has no chat template"):
         config_mod.from_data(_sft_config(CHAT, sft={"data": str(CHAT), "tokenizer": "byte",
                                                     "chat_template_kwargs": {"enable_thinking": False}}))
+
+
+def test_a_parquet_file_gives_the_same_conversations_as_its_jsonl(tmp_path: Path) -> None:
+    import pyarrow as pa  # tests only: Parquet's writer
+    import pyarrow.parquet as pq
+
+    records = [json.loads(line) for line in CHAT.read_text().splitlines() if line.strip()][:6]
+    jsonl = _jsonl(tmp_path / "c.jsonl", records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    a = read_conversations(jsonl, key="messages", tokenizer=ByteChat(), seq_length=128)
+    b = read_conversations(tmp_path / "c.parquet", key="messages", tokenizer=ByteChat(), seq_length=128)
+    assert len(a) == len(b) == 6
+    assert all(np.array_equal(x, y) for x, y in zip(a.ids + a.masks, b.ids + b.masks, strict=True))
