@@ -385,6 +385,8 @@ def main() -> int:
         tp, rank, folder = args.raw_of
         print(json.dumps(raw_rank(Path(folder), int(tp), int(rank), args.repeat)))
         return 0
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="baton-hf-bench-", dir=args.dir))
     try:
         folder = work / "qwen3"
