@@ -190,6 +190,23 @@ class Submitted:
         self.output, _ = self.proc.communicate(timeout=timeout)
         return self.proc.returncode
 
+    def preempt_at(self, step: int, *, timeout: float = 300, before: Callable[[], object] | None = None
+                   ) -> dict[str, Any]:
+        """SIGUSR2 to the controller once the run reaches ``step`` (``before`` first); the run
+        finishes in the foreground (requeued locally) and exits 0. Its ``preempted`` event, at
+        least ``step``, whose ``resumed`` event names the same step."""
+        try:
+            self.wait_step(step)
+            if before is not None:
+                before()
+            os.kill(self.controller_pid(), signal.SIGUSR2)
+            assert self.finish(timeout=timeout) == 0, self.output
+        finally:
+            self.cleanup()
+        (pre,) = self.events("preempted")
+        assert pre["step"] >= step and self.events("resumed")[0]["step"] == pre["step"], pre
+        return pre
+
     def cleanup(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

@@ -6,8 +6,6 @@ goodput equals (completed step time) / (the epochs' wall time) within 5 %."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -20,12 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_goodput_across_a_requeue_is_step_time_over_every_epoch_s_wall_time(tmp_path: Path) -> None:
     r = Submitted(tmp_path, ["trainer.steps=24", "checkpoint.interval_steps=0"], experiment="experiments/tiny_gpt.yaml",
                   common=())
-    try:
-        r.wait_step(8)
-        os.kill(r.controller_pid(), signal.SIGUSR2)
-        assert r.finish(timeout=500) == 0, r.output
-    finally:
-        r.cleanup()
+    r.preempt_at(8, timeout=500)
     events = [json.loads(line) for line in (r.run_dir / "events.jsonl").read_text().splitlines()]
     starts = [e["started_at"] for e in events if e["event"] == "controller_started"]
     ends = [e["time"] for e in events if e["event"] in ("requeued", "completed")]

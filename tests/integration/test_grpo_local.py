@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 from pathlib import Path
 
@@ -64,14 +63,8 @@ def test_the_grpo_demo_learns_to_count(demo: Path) -> None:
 
 def test_grpo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path: Path) -> None:
     r = Submitted(tmp_path, ["checkpoint.interval_steps=0"], experiment=EXPERIMENT, common=())
-    try:
-        r.wait_step(50)
-        os.kill(r.controller_pid(), signal.SIGUSR2)
-        assert r.finish(timeout=800) == 0, r.output
-    finally:
-        r.cleanup()
-    (pre,) = r.events("preempted")
-    assert 50 <= pre["step"] < 130 and r.events("resumed")[0]["step"] == pre["step"]
+    pre = r.preempt_at(50, timeout=800)
+    assert pre["step"] < 130
     assert numbers(r.run_dir, GRPO_NUMBERS) == numbers(demo, GRPO_NUMBERS)
     mine, theirs = checkpoint_weights(r.run_dir, 130), checkpoint_weights(demo, 130)
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)

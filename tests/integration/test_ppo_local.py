@@ -14,8 +14,6 @@ and values included) bit for bit, ending with the same actor and critic weights.
 """
 from __future__ import annotations
 
-import os
-import signal
 import statistics
 from pathlib import Path
 
@@ -66,14 +64,7 @@ def test_the_ppo_demo_learns_to_count_and_its_critic_learns_the_rewards(demo: Pa
 
 def test_ppo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path: Path) -> None:
     r = Submitted(tmp_path, ["checkpoint.interval_steps=0"], experiment=EXPERIMENT, common=())
-    try:
-        r.wait_step(50)
-        os.kill(r.controller_pid(), signal.SIGUSR2)
-        assert r.finish(timeout=800) == 0, r.output
-    finally:
-        r.cleanup()
-    (pre,) = r.events("preempted")
-    assert 50 <= pre["step"] < 130 and r.events("resumed")[0]["step"] == pre["step"]
+    assert r.preempt_at(50, timeout=800)["step"] < 130
     mine, theirs = numbers(r.run_dir, KEYS), numbers(demo, KEYS)
     assert mine == theirs
     a, b = checkpoint_weights(r.run_dir, 130), checkpoint_weights(demo, 130)

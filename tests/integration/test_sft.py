@@ -9,8 +9,6 @@ so a per-micro-batch mean would give other numbers than the global one, see belo
 """
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -153,15 +151,7 @@ def test_an_interrupted_sft_run_resumes_on_the_uninterrupted_numbers(tmp_path: P
     data.write_text("".join(lines))
     r = Submitted(tmp_path / "b", [f"sft.data={data}"], {"BATON_FAULTS": "data_delay_ms=150"},
                   experiment="experiments/sft_chat.yaml", common=common)  # the delay: the signal lands mid-run
-    try:
-        r.wait_step(4)
-        data.write_text("".join(reversed(lines)))
-        os.kill(r.controller_pid(), signal.SIGUSR2)
-        assert r.finish(timeout=300) == 0, r.output
-    finally:
-        r.cleanup()
-    (pre,) = r.events("preempted")
-    assert 4 <= pre["step"] < 16 and r.events("resumed")[0]["step"] == pre["step"]
+    assert r.preempt_at(4, before=lambda: data.write_text("".join(reversed(lines))))["step"] < 16
     keys = ("step", "loss", "grad_norm", "lr", "tokens")
     assert numbers(r.run_dir, keys) == numbers(full, keys)  # bit for bit
     mine, theirs = checkpoint_weights(r.run_dir, 16), checkpoint_weights(full, 16)
