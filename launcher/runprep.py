@@ -19,6 +19,7 @@ from core.config import tokvocab
 from core.config.run import RunConfig
 from core.config.runplan import plan_run
 from core.errors import UserError
+from core.hf import families as hf_families
 from core.hf import files as hf_files
 from core.hf import layout as hf_layout
 from core.record import events as ev
@@ -116,8 +117,9 @@ def resolve_init(cfg: RunConfig) -> RunConfig:
     with its step, so a later allocation never starts from a newer checkpoint of that run."""
     if cfg.init_from is None:
         return cfg
-    if cfg.init_from.startswith("hf:"):
-        return resolve_hf(cfg)
+    folder = hf_families.split_source(cfg.init_from)
+    if folder is not None:
+        return resolve_hf(cfg, folder)
     run_dir, step = rl_spec.init_from(cfg.init_from)
     step_dir = manifest.init_checkpoint(run_dir, step)
     saved = manifest.read_manifest(step_dir)
@@ -127,10 +129,10 @@ def resolve_init(cfg: RunConfig) -> RunConfig:
     return replace(cfg, init_from=f"{step_dir.parent.parent.resolve()}:{saved.step}")
 
 
-def resolve_hf(cfg: RunConfig) -> RunConfig:
-    """``init_from: hf:PATH`` checked (every tensor the model needs, of config.json's shape, in
-    readable safetensors files) and pinned absolute."""
-    folder = Path(cfg.init_from[len("hf:"):]).expanduser().resolve()  # type: ignore[index]
+def resolve_hf(cfg: RunConfig, source: str) -> RunConfig:
+    """``init_from: hf:PATH`` (``source``: PATH) checked (every tensor the model needs, of
+    config.json's shape, in readable safetensors files) and pinned absolute."""
+    folder = Path(source).expanduser().resolve()
     hf_files.check_folder(folder, hf_layout.dims_of(cfg.model))
     return replace(cfg, init_from=f"hf:{folder}")
 

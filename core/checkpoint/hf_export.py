@@ -52,7 +52,7 @@ def supported_family(model: ModelConfig, source_family: str | None) -> str:
                           "family to export to")
     if source_family is not None:
         return source_family
-    qk_norm, qkv_bias = bool(getattr(model, "qk_norm", False)), bool(getattr(model, "qkv_bias", False))
+    qk_norm, qkv_bias = model.qk_norm, bool(model.qkv_bias)
     if qk_norm and qkv_bias:
         raise ConfigError("export: model.qk_norm true with model.qkv_bias true is no family's shape (Qwen3: qk_norm, "
                           "Qwen2: qkv_bias); this run cannot be exported")
