@@ -22,6 +22,7 @@ from core.errors import UserError
 from core.hf import families as hf_families
 from core.hf import files as hf_files
 from core.hf import layout as hf_layout
+from core.record import discovery
 from core.record import events as ev
 from core.record.lock import controller_alive
 from core.record.runfolder import RunFolder, write_atomic
@@ -56,7 +57,15 @@ def checked(cfg: RunConfig) -> tuple[RunConfig, tuple[str, bytes] | None]:
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     cfg = resolve_sft(cfg)
     check_prompts(cfg)
-    return cfg, check_sft(cfg)
+    return pin_sd_dir(cfg), check_sft(cfg)
+
+
+def pin_sd_dir(cfg: RunConfig) -> RunConfig:
+    """``metrics.sd_dir`` checked here (a folder, or one to create, writable) and stored absolute."""
+    m = cfg.metrics
+    if not m.enabled or m.sd_dir is None:
+        return cfg
+    return replace(cfg, metrics=replace(m, sd_dir=discovery.check_sd_dir(m.sd_dir)))
 
 
 def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> RunFolder:
@@ -159,7 +168,7 @@ def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = Fa
     if live is not None:
         raise UserError(f"{run.path}: its controller still runs ({live}); wait for it, or end it first "
                         "(`baton cancel`), then resume")
-    cfg = config_mod.load(run.config, overrides)
+    cfg = pin_sd_dir(config_mod.load(run.config, overrides))
     intact, problems = manifest.newest_intact(run.checkpoints)
     notes = [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
     if intact is None and (problems or manifest.damaged(run.checkpoints)) and not from_scratch:

@@ -5,6 +5,7 @@ composes them, with the model's (modelcfg), the generator's, RL's and Slurm's se
 """
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -254,15 +255,34 @@ class MetricsConfig:
     """The controller's Prometheus endpoint.
 
     ``port``: 0 (any free port) to 65535, written to the run folder. ``bind``: ``127.0.0.1``
-    (default) this machine, ``0.0.0.0`` all interfaces, or one address of the node.
+    (default) this machine, ``0.0.0.0`` all interfaces, ``node`` the controller node's address
+    as other hosts reach it (core.job.netaddr), or one IP address of the node. ``sd_dir``: a
+    folder every node mounts, where the controller publishes a Prometheus file_sd target
+    (core.record.discovery); checked at submit.
     """
 
     enabled: bool = True
     port: int = bounded(0, ge=0, le=65535, why=" (a TCP port; 0: any free one)")
     bind: str = "127.0.0.1"
+    sd_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_bounds(self, "metrics")
-        if not inputs.check_text("metrics.bind", self.bind).strip() or any(c.isspace() for c in self.bind):
-            raise ConfigError(f"metrics.bind: {self.bind!r} is not an interface; use an address such as "
-                              "127.0.0.1 (this machine) or 0.0.0.0 (all interfaces)")
+        if inputs.check_text("metrics.bind", self.bind) != NODE and not _is_ip(self.bind):
+            raise ConfigError(f"metrics.bind: {self.bind!r} is not an address; use node (the controller node's "
+                              "address), 127.0.0.1 (this machine only), 0.0.0.0 (all interfaces) or one IP address "
+                              "of the node")
+        if self.sd_dir is not None and not inputs.check_text("metrics.sd_dir", self.sd_dir).strip():
+            raise ConfigError("metrics.sd_dir: empty; give the folder where Prometheus reads its file_sd targets, "
+                              "or leave it unset")
+
+
+NODE = "node"  # metrics.bind: the controller node's routable address
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

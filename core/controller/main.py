@@ -66,7 +66,8 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
         from core.controller.metrics import Metrics  # prometheus_client: only when metrics are on
 
         metrics = Metrics()
-        metrics.start(run, cfg.metrics.port, host=env.controller_host, bind=cfg.metrics.bind)
+        metrics.start(run, cfg.metrics.port, host=env.controller_host, bind=cfg.metrics.bind,
+                      sd_dir=cfg.metrics.sd_dir)
         metrics.set_restarts(env.epoch)
     record = RunRecord(run)
     started = process.started_at()

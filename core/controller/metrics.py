@@ -5,9 +5,11 @@ lives on a private ``CollectorRegistry`` (never the library's global one), so tw
 ``Metrics`` in one process (tests) do not collide, and the endpoint shows Baton's series
 only. ``start`` serves it over HTTP and writes ``metrics.json`` into the run folder::
 
-    {"address": "http://<host>:<port>/metrics", "host": ..., "port": ..., "pid": ..., "started": ...}
+    {"address": "http://<host>:<port>/metrics", "host": ..., "port": ..., "pid": ..., "started": ...,
+     "run": "<name>/<run id>", "node": ..., "sd_file": ... (with metrics.sd_dir)}
 
-Exposed series (``rank`` labels are worker ranks, ``method`` labels RPC method names):
+Exposed series (every one labelled ``run``, core.record.discovery, so one Prometheus keeps
+runs apart; ``rank`` labels are worker ranks, ``method`` labels RPC method names):
 
     baton_step, baton_loss, baton_learning_rate, baton_grad_norm, baton_tokens_per_second
     baton_tokens_total (counter), baton_step_time_seconds (histogram)
@@ -32,13 +34,17 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
+from core.config.sections import NODE
 from core.errors import UserError
+from core.job import netaddr
+from core.record import discovery
 from core.record.runfolder import RunFolder, write_json
 from core.record.steps import StepRecord
 
@@ -79,6 +85,25 @@ RL_GAUGES = (("reward_mean", "Mean reward"), ("reward_std", "Reward standard dev
              ("clip_frac", "Fraction of clipped tokens"),
              ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"),
              ("value_loss", "The critic's value loss (ppo)"), ("values_mean", "Mean value of the response tokens (ppo)"))
+
+class _Labelled:
+    """``registry``'s series with ``labels`` added to every sample (prometheus_client has no
+    constant labels): what the endpoint serves."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self._labels, **s.labels}) for s in family.samples]
+            yield out
+
+    def describe(self) -> list[Metric]:
+        """The families' names, so a scrape restricted by ``name[]`` finds them."""
+        return list(self.collect())
+
 
 class Metrics:
     """Prometheus series for one controller process; ``start`` to serve, ``close`` to stop."""
@@ -129,35 +154,54 @@ class Metrics:
                               registry=reg)
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._sd_file: Path | None = None
         self.address = ""
 
     # --- serving ------------------------------------------------------------------------
-    def start(self, run: RunFolder, port: int = 0, *, host: str | None = None, bind: str = "127.0.0.1") -> str:
+    def start(self, run: RunFolder, port: int = 0, *, host: str | None = None, bind: str = "127.0.0.1",
+              sd_dir: str | None = None) -> str:
         """Serve ``/metrics`` on ``port`` (0: any free one); publish and return the address.
 
         ``bind`` is the interface the server listens on (``metrics.bind``: loopback by default;
-        "0.0.0.0" for all interfaces, which a scraper on another host needs). ``host`` is the
-        name scrapers should use when it listens on all interfaces (the controller host;
-        defaults to this machine's hostname); otherwise the published address is ``bind``'s.
+        "0.0.0.0" for all interfaces, which a scraper on another host needs; ``node`` this
+        node's routable address, core.job.netaddr). ``host`` is the name scrapers should use
+        when it listens on all interfaces (the controller host; defaults to this machine's
+        hostname); otherwise the published address is the one it listens on. Every series
+        carries the run's ``run`` label. ``sd_dir``: also publish a file_sd target there
+        (core.record.discovery), withdrawn by ``close``.
         """
         if self._server is not None:
             raise RuntimeError("Metrics.start called twice")
+        node = netaddr.node_address(os.environ) if bind == NODE else None
+        listen = node.ip if node is not None else bind
+        served = CollectorRegistry()
+        served.register(_Labelled(self.registry, {"run": discovery.run_label(run.path)}))
         try:
-            self._server, self._thread = start_http_server(port, addr=bind, registry=self.registry)
+            self._server, self._thread = start_http_server(port, addr=listen, registry=served)
         except OSError as exc:
-            raise UserError(f"metrics.port: cannot serve on {bind}:{port} ({exc.strerror}); "
+            raise UserError(f"metrics.port: cannot serve on {listen}:{port} ({exc.strerror}); "
                             "set metrics.port=0 for any free port or metrics.enabled=false") from None
         actual = int(self._server.server_port)
-        host = (host or socket.gethostname()) if bind in ("0.0.0.0", "::", "") else bind
+        if listen in ("0.0.0.0", "::", ""):
+            host = host or socket.gethostname()
+        else:
+            host = netaddr.url_host(listen)
         self.address = f"http://{host}:{actual}/metrics"
-        write_json(run.path / METRICS_FILE, {
-            "address": self.address, "host": host, "port": actual, "pid": os.getpid(), "started": time.time(),
-        })
+        info = {"address": self.address, "host": host, "port": actual, "pid": os.getpid(), "started": time.time(),
+                "run": discovery.run_label(run.path), "node": node.name if node else socket.gethostname()}
+        if sd_dir is not None:
+            self._sd_file = discovery.write_target(Path(sd_dir), run.path, f"{host}:{actual}", {"node": info["node"]})
+            info["sd_file"] = None if self._sd_file is None else str(self._sd_file)
+        write_json(run.path / METRICS_FILE, info)
         log.info("metrics at %s", self.address)
         return self.address
 
     def close(self) -> None:
-        """Stop the HTTP server (idempotent). metrics.json stays: it names the last address."""
+        """Withdraw the file_sd target and stop the HTTP server (idempotent). metrics.json
+        stays: it names the last address."""
+        sd_file, self._sd_file = self._sd_file, None
+        if sd_file is not None:
+            discovery.remove_target(sd_file)
         server, self._server = self._server, None
         if server is None:
             return
