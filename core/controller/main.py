@@ -85,7 +85,7 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
     program = Program(cfg=cfg, plan=plan, run=run, record=record, workers=group, trainer=trainer,
                       checkpoints=checkpoints, metrics=metrics,
                       stop=StopPolicy(signals, slurmctl.clock_for(os.environ), margin_s=cfg.recovery.walltime_margin_s))
-    program.started_at(started)  # goodput: this epoch's allocation began with this process
+    program.started_at(slurmctl.allocation_start(os.environ, started))  # goodput: Slurm's job start, else ours
     try:
         return _end(env, program, Recovery(program, worker_restarts=env.worker_restarts,
                                            on_slurm=env.job_id is not None).run())

@@ -258,7 +258,8 @@ class Program:
 
     # --- metrics ------------------------------------------------------------------------
     def started_at(self, unix_time: float) -> None:
-        """This epoch's allocated time counts from ``unix_time`` (the controller process's start)."""
+        """This epoch's allocated time counts from ``unix_time`` (the allocation's start on Slurm,
+        core.job.slurmctl.allocation_start; the controller process's start elsewhere)."""
         self._started = time.monotonic() - max(0.0, time.time() - unix_time)
 
     def _allocated_s(self) -> float:

@@ -44,6 +44,7 @@ class JobTimes:
     preempt_time: float | None  # set once Slurm has decided to preempt the job
     state: str
     restarts: int | None = None  # Slurm's requeue count of the job (the largest of its components)
+    start_time: float | None = None  # when this allocation began (the earliest component's StartTime)
 
 
 _FIELD_RE = re.compile(r"(\w+)=(\S*)")
@@ -63,6 +64,7 @@ def parse_show_job(text: str) -> JobTimes:
     preempts: list[float] = []
     states: list[str] = []
     restarts: list[int] = []
+    starts: list[float] = []
     for line in text.splitlines():
         fields = dict(_FIELD_RE.findall(line))
         if not fields:
@@ -71,11 +73,14 @@ def parse_show_job(text: str) -> JobTimes:
             ends.append(end)
         if (pre := _slurm_time(fields.get("PreemptTime", ""))) is not None:
             preempts.append(pre)
+        if (start := _slurm_time(fields.get("StartTime", ""))) is not None:
+            starts.append(start)
         states.append(fields.get("JobState", ""))
         if fields.get("Restarts", "").isdigit():
             restarts.append(int(fields["Restarts"]))
     return JobTimes(end_time=min(ends) if ends else None, preempt_time=min(preempts) if preempts else None,
-                    state=",".join(states), restarts=max(restarts) if restarts else None)
+                    state=",".join(states), restarts=max(restarts) if restarts else None,
+                    start_time=min(starts) if starts else None)
 
 
 def show_job(job_id: str, run: Runner = _run) -> JobTimes | None:
@@ -159,6 +164,26 @@ def clock_for(environ: Mapping[str, str]) -> JobClock | None:
     restarts = environ.get("SLURM_RESTART_COUNT", "0")
     return JobClock(job_id, lead_s=float(lead) if lead else DEFAULT_SIGNAL_LEAD_S,
                     restart_count=int(restarts) if restarts.isdigit() else None)
+
+
+def allocation_start(environ: Mapping[str, str], process_start: float, run: Runner = _run) -> float:
+    """When this epoch's allocation began, for goodput: Slurm's start of the job
+    (``SLURM_JOB_START_TIME``, Slurm >= 23.02; else the job record's ``StartTime``, which a
+    requeue resets), never later than ``process_start`` (the controller's, also the answer
+    off Slurm or when Slurm does not say)."""
+    job_id = environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return process_start
+    text = environ.get("SLURM_JOB_START_TIME", "")
+    if text.isdigit():
+        start: float | None = float(text)
+    else:
+        times = show_job(job_id, run)
+        start = None if times is None else times.start_time
+    if start is None:
+        log.warning("goodput: no start time for job %s from Slurm; counting from the controller's start", job_id)
+        return process_start
+    return min(start, process_start)  # a slurmctld clock ahead of this node's must not cut the epoch short
 
 
 @dataclass(frozen=True, kw_only=True)
