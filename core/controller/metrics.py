@@ -188,7 +188,8 @@ class Metrics:
             host = netaddr.url_host(listen)
         self.address = f"http://{host}:{actual}/metrics"
         info = {"address": self.address, "host": host, "port": actual, "pid": os.getpid(), "started": time.time(),
-                "run": discovery.run_label(run.path), "node": node.name if node else socket.gethostname()}
+                "run": discovery.run_label(run.path),
+                "node": os.environ.get("SLURMD_NODENAME") or (node.name if node else socket.gethostname())}
         if sd_dir is not None:
             self._sd_file = discovery.write_target(Path(sd_dir), run.path, f"{host}:{actual}", {"node": info["node"]})
             info["sd_file"] = None if self._sd_file is None else str(self._sd_file)
