@@ -190,6 +190,18 @@ class CheckpointCommitted(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointAbandoned(Event):
+    """A stop could not wait for an async save in flight (Slurm ends the job first): the
+    next epoch resumes from ``resume_step`` (None: from the start)."""
+
+    KIND: ClassVar[str] = "checkpoint_abandoned"
+    step: int
+    waited_s: float
+    resume_step: int | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerLost(Event):
     KIND: ClassVar[str] = "worker_lost"
     failure: str  # "worker_lost" | "timeout" | "registration" | "remote_error"
@@ -288,7 +300,7 @@ class OtherEvent(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
-    CheckpointDamaged, InitialisedFrom, RestartFromScratch, SyncPeriodChanged, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
+    CheckpointDamaged, InitialisedFrom, RestartFromScratch, SyncPeriodChanged, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, CheckpointAbandoned, WorkerLost,
     NodeFailed, RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
 )}
 
