@@ -141,6 +141,10 @@ def signature(exc: RemoteError, step: int) -> tuple[object, ...]:
     return (exc.rank, exc.exc_type, exc.method, step)
 
 
+def _less(nodes: tuple[str, ...], gone: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(n for n in nodes if n not in gone)
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
@@ -189,7 +193,8 @@ class Recovery:
             return Outcome(status=Status.COMPLETED)
         if stop.cause == "requeued":
             exclude, named = self._nodes_slurm_took()
-            return Outcome(status=Status.REQUEUED, stop=stop, exclude=exclude, readmit=self._readmit(exclude),
+            readmit = self._readmit(())  # the nodes Slurm took are not in service
+            return Outcome(status=Status.REQUEUED, stop=stop, exclude=_less(exclude, readmit), readmit=readmit,
                            reason=f"Slurm requeued the job ({stop.detail}){named}")
         if stop.cause == "ending":
             return Outcome(status=Status.STOPPED, stop=stop, reason=(
@@ -218,7 +223,8 @@ class Recovery:
         if program.stop.stop_requested():
             group.abort("controller: preempted while failing")
             exclude, named = self._nodes_slurm_took()
-            return Outcome(status=Status.REQUEUED, clean=False, exclude=exclude, readmit=self._readmit(exclude), reason=(
+            readmit = self._readmit(())
+            return Outcome(status=Status.REQUEUED, clean=False, exclude=_less(exclude, readmit), readmit=readmit, reason=(
                 f"preempted during a failure ({failure.why}){named}; resuming from the latest checkpoint"))
         steps = manifest.committed_steps(program.run.checkpoints)
         down = slurmctl.unavailable_nodes(failure.nodes) if self.on_slurm else {}
@@ -235,7 +241,7 @@ class Recovery:
             return self._fail(decision.reason, ExitCode.FAILED)
         if decision.action == "requeue":
             readmit = self._readmit(tuple(n for n in decision.exclude if n not in before))
-            decision = replace(decision, exclude=tuple(n for n in decision.exclude if n not in readmit))
+            decision = replace(decision, exclude=_less(decision.exclude, readmit))
             group.abort(f"controller: {decision.reason}")
             program.record.append(ev.RequeueDecided(reason=decision.reason, exclude=decision.exclude,
                                                     retry=budget.retries, max_retries=cfg.recovery.max_retries))
