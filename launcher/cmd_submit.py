@@ -5,6 +5,7 @@ import argparse
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from core.checkpoint import manifest
@@ -77,7 +78,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         code = local.run_local(run_folder, cfg, epoch=epoch, tick=live.poll)
     finally:
-        live.close()
+        _quietly(live.close)
+    if local.interrupted(code):  # Ctrl-C, SIGTERM, SIGHUP: the terminal may be gone
+        _quietly(lambda: _summary(run_folder, cfg))
+        return code
+    return _summary(run_folder, cfg, code)
+
+
+def _quietly(say: Callable[[], object]) -> None:
+    """Say it if the terminal is still there (after a SIGHUP it may not be)."""
+    try:
+        say()
+    except OSError:
+        pass
+
+
+def _summary(run_folder: RunFolder, cfg: config_mod.RunConfig, code: int = ExitCode.OK) -> int:
+    """How a local run ended, in a few lines; the exit code for ``code`` (the run's)."""
     state = RunRecord(run_folder).read()
     print(f"run {state.status.value} at step {state.step}/{cfg.trainer.steps}"
           + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else "")

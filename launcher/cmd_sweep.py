@@ -272,14 +272,14 @@ def _run_locally(sweep_dir: Path, ledger: Ledger, ready: list[Ready]) -> int:
         code = local.run_local(item.run, item.cfg, epoch=item.epoch)
         state = RunRecord(item.run).read()
         final = (ledger_mod.COMPLETED if state.status is Status.COMPLETED
-                 else ledger_mod.CANCELLED if code == ExitCode.INTERRUPTED else ledger_mod.FAILED)
+                 else ledger_mod.CANCELLED if local.interrupted(code) else ledger_mod.FAILED)
         ledger = ledger.with_entry(replace(entry, state=final, pid=None))
         ledger_mod.write_ledger(sweep_dir, ledger)
         print(f"point {entry.index}: {final} at step {state.step}/{item.cfg.trainer.steps}"
               + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else ""), flush=True)
-        if code == ExitCode.INTERRUPTED:
+        if local.interrupted(code):  # Ctrl-C, SIGTERM, SIGHUP
             print(f"interrupted; `baton sweep resume {sweep_dir}` continues")
-            return ExitCode.INTERRUPTED
+            return code
         failed += final != ledger_mod.COMPLETED
     print(f"{len(ready) - failed} of {len(ready)} point(s) completed; `baton sweep results {sweep_dir}`")
     return ExitCode.FAILED if failed else ExitCode.OK

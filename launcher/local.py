@@ -11,8 +11,12 @@ gloo. This module is the local supervisor of core.supervisor.contract:
   requeued (ExitCode.REQUEUED) → the next epoch, the local analogue of Slurm's requeue; died
   without one → the next epoch within ``recovery.max_retries``; completed, failed → done.
 
-Every process started here is ended here, by pid, also on Ctrl-C (the controller gets
-SIGTERM first, which it answers like a preemption: checkpoint, then exit).
+Every process started here is ended here, by pid, also on Ctrl-C, SIGTERM or SIGHUP (a
+closed terminal, a ``timeout`` wrapper, ``baton cancel``): the controller gets SIGTERM first,
+which it answers like a preemption (checkpoint, then exit), then whatever is left of each
+child's process group is killed; the run is recorded stopped and the launcher exits with
+128 + the signal's number. A second signal meanwhile does not cut that short. The processes
+are on record in the run folder (``launcher.localrun``: local.json) for ``baton cancel``.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +34,11 @@ from core.checkpoint import manifest
 from core.config import run as config_mod
 from core.config.run import RunConfig
 from core.config.runplan import read_plan
-from core.errors import ExitCode
+from core.record import events as ev
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, Status
 from core.supervisor import contract
+from launcher import localrun
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,20 @@ _POLL_S = 0.05  # how often the supervisor looks at the controller and workers.j
 MAX_EPOCHS = 1000  # a guard against a requeue loop (Slurm has MaxBatchRequeue)
 
 Proc = subprocess.Popen[bytes]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal reached the local supervisor: end the run as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted(code: int) -> bool:
+    """``run_local``'s exit code says a stop signal ended the run (128 + its number)."""
+    return code in {128 + s for s in STOP_SIGNALS}
 
 
 def child_env(run: RunFolder, *, epoch: int, rank: int | None, generation: int = 0,
@@ -90,11 +110,15 @@ def _spawn_workers(run: RunFolder, *, epoch: int, generation: int) -> list[Proc]
 
 
 def _kill(procs: list[Proc], why: str) -> None:
-    """SIGKILL whatever is still running of ``procs`` (ours, by pid) and reap it."""
+    """SIGKILL whatever is still running of ``procs`` and of their process groups (ours: each
+    child leads its own, and while it is not reaped its pid cannot be reused) and reap it."""
     for p in procs:
         if p.poll() is None:
             log.warning("ending pid %d: %s", p.pid, why)
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for p in procs:
         p.wait()
 
@@ -117,13 +141,19 @@ def _end(controller: Proc, workers: list[Proc], grace_s: float) -> None:
     _kill([controller, *workers], "still running as the local run ends")
 
 
-def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], None]) -> int:
+Spawned = list[tuple[Proc, list[Proc]]]  # each epoch's controller and every worker it had
+
+
+def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], None], spawned: Spawned) -> int:
     """One epoch: the controller and its worker generations; the controller's exit code.
-    ``tick`` runs at every look (the foreground's live progress)."""
+    ``tick`` runs at every look (the foreground's live progress); ``spawned`` gets the processes."""
     controller = _spawn(run, "controller", epoch=epoch, rank=None, supervised=True)
     generation = 0
-    workers = _spawn_workers(run, epoch=epoch, generation=generation)
-    started = list(workers)
+    started: list[Proc] = []
+    spawned.append((controller, started))
+    started += _spawn_workers(run, epoch=epoch, generation=generation)
+    workers = list(started)
+    _on_record(run, controller, started)
     try:
         while True:
             try:
@@ -139,6 +169,7 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], No
                 log.info("starting generation %d of the workers (epoch %d): %s", generation, epoch, req.reason)
                 workers = _spawn_workers(run, epoch=epoch, generation=generation)
                 started += workers
+                _on_record(run, controller, started)
         if RunRecord(run).read().status is Status.RUNNING:  # the controller died: its workers are of no use
             _kill(workers, f"the controller exited ({code}) without a last word")
         # Workers exit on the controller's shutdown/abort, or by themselves once it is silent.
@@ -153,23 +184,70 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], No
         _end(controller, started, _GRACE_S)
 
 
+def _on_record(run: RunFolder, controller: Proc, started: list[Proc]) -> None:
+    """local.json: this supervisor and the processes it started that may still run."""
+    localrun.record(run, [(controller.pid, "controller"), *((w.pid, "worker") for w in started if w.poll() is None)])
+
+
 def run_local(run: RunFolder, cfg: RunConfig, *, epoch: int = 0, tick: Callable[[], None] = lambda: None) -> int:
-    """Run epochs until the controller completes, fails or stops; its last exit code.
+    """Run epochs until the controller completes, fails or stops; its last exit code, or
+    128 + the number of a stop signal (Ctrl-C, SIGTERM, SIGHUP) that ended it.
     ``tick`` runs whenever the supervisor looks at its processes."""
-    first = epoch
+    old = _install_stop_handlers()
+    spawned: Spawned = []
     try:
-        while True:
-            code = _run_epoch(run, cfg, epoch, tick)
-            steps = manifest.committed_steps(run.checkpoints)
-            status = contract.after_controller(run, code, max_retries=cfg.recovery.max_retries,
-                                               committed_step=steps[-1] if steps else None)
-            if status is not Status.REQUEUED:
-                return code
-            if epoch + 1 - first >= MAX_EPOCHS:
-                log.error("%d epochs in one local run: giving up", MAX_EPOCHS)
-                return code
-            epoch += 1
-            log.info("requeued: starting epoch %d", epoch)
-    except KeyboardInterrupt:
-        log.warning("interrupted: the controller and workers were ended")
-        return ExitCode.INTERRUPTED
+        return _run_epochs(run, cfg, epoch, tick, spawned)
+    except KeyboardInterrupt as exc:  # Interrupted, or Ctrl-C where no handler could be installed
+        signum = getattr(exc, "signum", signal.SIGINT)
+        for controller, workers in spawned:  # normally ended already (_run_epoch's finally)
+            _end(controller, workers, _GRACE_S)
+        _record_stopped(run, signal.Signals(signum).name)
+        return 128 + signum
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+
+
+def _run_epochs(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], None], spawned: Spawned) -> int:
+    first = epoch
+    while True:
+        code = _run_epoch(run, cfg, epoch, tick, spawned)
+        steps = manifest.committed_steps(run.checkpoints)
+        status = contract.after_controller(run, code, max_retries=cfg.recovery.max_retries,
+                                           committed_step=steps[-1] if steps else None)
+        if status is not Status.REQUEUED:
+            return code
+        if epoch + 1 - first >= MAX_EPOCHS:
+            log.error("%d epochs in one local run: giving up", MAX_EPOCHS)
+            return code
+        epoch += 1
+        log.info("requeued: starting epoch %d", epoch)
+
+
+def _install_stop_handlers() -> dict[int, object]:
+    """SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` once; a later one is logged and
+    ignored, so that the ending of the children is not cut short. Returns the old handlers
+    (none installed off the main thread, where Python allows no handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if seen:
+            log.warning("%s: already ending the run (after %s)", signal.Signals(signum).name,
+                        signal.Signals(seen[0]).name)
+            return
+        seen.append(signum)
+        raise Interrupted(signum)
+
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+
+
+def _record_stopped(run: RunFolder, name: str) -> None:
+    """After a stop signal ended the run's processes: the run is stopped, unless it ended."""
+    log.warning("%s: the controller and workers were ended", name)
+    state = RunRecord(run).read()
+    if not state.status.final:
+        RunRecord(run).append(ev.Stopped(step=state.step, reason=(
+            f"{name} to the local supervisor (baton submit): the controller was asked to checkpoint, then every "
+            f"process of the run was ended; continue with `baton submit --resume {run.path}`")))

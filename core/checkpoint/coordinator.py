@@ -5,7 +5,8 @@
     save(step)       every rank writes its shard (CKPT_SAVE); sync: committed on return;
                      async: the ranks snapshot and return, the commit follows later
     poll()           after a step: commit an async save whose ranks are all durable
-    drain()          wait for an async save in flight and commit it (before a stop, at the end)
+    drain()          wait for an async save in flight and commit it (before a stop, at the end);
+                     a stop waits only as long as Slurm leaves, else the save is abandoned
     forget()         after a failure: an async save in flight will never be committed
 
 The commit itself (manifest last, rename, ``latest``, retention) is core.checkpoint.commit;
@@ -34,6 +35,8 @@ from core.wire.calls import Step
 from core.wire.contract import Method
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often a bounded drain asks the ranks whether their shards are durable
 
 
 class Group(Protocol):
@@ -65,7 +68,8 @@ class Pending:
 class CheckpointCoordinator:
     def __init__(self, group: Group, record: RunRecord, *, root: Path, model_hash: str, keep_last: int,
                  async_save: bool, timeout_s: float, poll_timeout_s: float,
-                 on_commit: Callable[[float, int], None] | None = None) -> None:
+                 on_commit: Callable[[float, int], None] | None = None,
+                 now: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.group = group
         self.record = record
         self.root = root
@@ -75,6 +79,7 @@ class CheckpointCoordinator:
         self.timeout_s = timeout_s
         self.poll_timeout_s = poll_timeout_s
         self.on_commit = on_commit  # (seconds, bytes): the metrics endpoint
+        self._now, self._sleep = now, sleep  # a bounded drain's clock
         self.last_save_s: float | None = None  # how long the last save took to commit
         self._pending: Pending | None = None
         self.pinned: set[int] = set()  # steps retention keeps for the run's life (an RL run's reference)
@@ -153,11 +158,38 @@ class CheckpointCoordinator:
             self._pending = None
             self._commit(p, acks)
 
-    def drain(self) -> None:
-        """Wait for the async save in flight (if any) and commit it."""
-        p, self._pending = self._pending, None
-        if p is not None:
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for the async save in flight (if any) and commit it; True when none is left.
+
+        ``timeout_s`` shorter than the checkpoint timeout (the time Slurm leaves a stop): the
+        ranks are polled until then, each left free to be released; a save not durable by
+        then is abandoned (an event says so; its folder is debris, the last committed
+        checkpoint stands) and False returned."""
+        p = self._pending
+        if p is None:
+            return True
+        if timeout_s is None or timeout_s >= self.timeout_s:
+            self._pending = None
             self._commit(p, self.group.call(calls.CKPT_WAIT, Step(step=p.step), timeout_s=self.timeout_s))
+            return True
+        start = self._now()
+        while True:
+            acks = self.group.call(calls.CKPT_POLL, Step(step=p.step), timeout_s=self.poll_timeout_s)
+            if all(a is not None for a in acks):
+                self._pending = None
+                self._commit(p, acks)
+                return True
+            waited = self._now() - start
+            if waited >= timeout_s:
+                break
+            self._sleep(min(POLL_S, timeout_s - waited))
+        self._pending = None
+        last = manifest.committed_steps(self.root)
+        self.record.append(ev.CheckpointAbandoned(step=p.step, waited_s=round(waited, 3), resume_step=last[-1] if last else None,
+                                                  reason=f"the async save of step {p.step} was not durable within "
+                                                         f"{timeout_s:.0f} s, the time the job has left"))
+        log.warning("the async save of step %d is not durable after %.1f s: abandoned", p.step, waited)
+        return False
 
     def forget(self) -> None:
         """After a failure: the async save in flight will never be committed (its folder is debris)."""

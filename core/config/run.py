@@ -122,6 +122,11 @@ def _check_layout(cfg: RunConfig) -> None:
         raise LayoutError(f"parallel.sync: periodic synchronisation (every {p.sync.every}) keeps whole replicas "
                           f"apart: it runs with parallel.sharding: none, overlap_grad_reduce: false and program: "
                           f"pretrain (now {p.sharding}, {str(p.overlap_grad_reduce).lower()}, {cfg.program})")
+    if p.sync.local and p.pp > 1 and m.tie_embeddings:  # the averaging skips Megatron's embedding all-reduce
+        raise LayoutError(f"parallel.sync: periodic synchronisation (every {p.sync.every}) with parallel.pp: {p.pp} "
+                          "and model.tie_embeddings: true would let the first and last stages' copies of the "
+                          "embedding drift apart; set parallel.pp=1, model.tie_embeddings=false or "
+                          "parallel.sync.every=1 (no adaptive_latency_ms)")
     if m.num_attention_heads % p.tp:
         raise LayoutError(f"parallel.tp: {p.tp} does not divide model.num_attention_heads = "
                           f"{m.num_attention_heads}; pick a tp that divides it")

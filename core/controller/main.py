@@ -142,7 +142,11 @@ def _requeue(env: JobEnv, program: Program, outcome: Outcome) -> int:
     time.sleep(0.05)  # the shutdown must leave before scontrol ends the job
     het = os.environ.get("SLURM_HET_SIZE")  # the workers are component 1: raw id leader + 1
     component = str(int(env.job_id) + 1) if het and env.job_id.isdigit() else None
-    result = slurmctl.requeue(env.job_id, exclude=outcome.exclude, component_id=component)
+    floor = slurmctl.split_hostlist(program.cfg.slurm.workers.exclude or "")  # the user's own: kept whatever happens
+    exclude = program.record.read().recovery.exclude if (outcome.exclude or outcome.readmit) else ()
+    result = slurmctl.requeue(env.job_id, exclude=exclude, readmit=outcome.readmit, floor=floor,
+                              component_id=component,
+                              on_note=lambda why, nodes: program.record.append(ev.ExcludeAdjusted(why=why, exclude=nodes)))
     if not result.ok:
         return _failed(program, f"requeue refused ({result.detail}); the latest checkpoint stands: "
                        "continue with `baton submit --resume RUN_DIR`", ExitCode.FAILED)

@@ -243,11 +243,16 @@ class Program:
                                 time_left_s=left, signal_at=stop.signal_at))
         log.warning("%s at step %d (%s): checkpointing, then requeueing", stop.cause, step, stop.detail)
         self.save_progress()
-        self.checkpoints.drain()  # before the replicas change: an async save may still be copying
+        # Before the replicas change an async save may still be writing: wait for it no longer
+        # than Slurm leaves. If it cannot finish, the next epoch resumes from the checkpoint
+        # before it (the coordinator records why) rather than the job being killed mid-write.
+        if not self.checkpoints.drain(timeout_s=self.stop.time_budget_s(self.cfg.timeouts.checkpoint_s)):
+            log.warning("no time left to save step %d: requeueing from the last committed checkpoint", step)
+            return
         if self.sync is not None and self.sync.unsynced:  # a checkpoint holds one replica: make them equal
             self.trainer.call(calls.AVERAGE, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
             self.sync.averaged()
-        self.saves.at_stop(step, self.last_loss, stop, self.cfg.timeouts.checkpoint_s)
+        self.saves.at_stop(step, self.last_loss, self.stop.time_budget_s(self.cfg.timeouts.checkpoint_s))
 
     def _loop_state(self, step: int, loss: float | None) -> LoopState:
         """What a checkpoint of ``step`` records of the loop: the policy version (the step the

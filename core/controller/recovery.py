@@ -84,6 +84,7 @@ class Outcome:
     reason: str = ""
     exit_code: ExitCode = ExitCode.OK
     exclude: tuple[str, ...] = ()
+    readmit: tuple[str, ...] = ()  # earlier exclusions Slurm reports back in service: off the job's list
     clean: bool = True  # the workers are in a known state (shutdown) rather than to be aborted
     stop: StopRequest | None = None
 
@@ -140,6 +141,10 @@ def signature(exc: RemoteError, step: int) -> tuple[object, ...]:
     return (exc.rank, exc.exc_type, exc.method, step)
 
 
+def _less(nodes: tuple[str, ...], gone: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(n for n in nodes if n not in gone)
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
@@ -188,13 +193,15 @@ class Recovery:
             return Outcome(status=Status.COMPLETED)
         if stop.cause == "requeued":
             exclude, named = self._nodes_slurm_took()
-            return Outcome(status=Status.REQUEUED, stop=stop, exclude=exclude,
+            readmit = self._readmit(())  # the nodes Slurm took are not in service
+            return Outcome(status=Status.REQUEUED, stop=stop, exclude=_less(exclude, readmit), readmit=readmit,
                            reason=f"Slurm requeued the job ({stop.detail}){named}")
         if stop.cause == "ending":
             return Outcome(status=Status.STOPPED, stop=stop, reason=(
                 f"Slurm is ending the job ({stop.detail}; scancel or the time limit): checkpointed at "
                 f"step {step}, not requeued; continue with `baton submit --resume`"))
-        return Outcome(status=Status.REQUEUED, reason=f"{stop.cause} at step {step}", stop=stop)
+        return Outcome(status=Status.REQUEUED, reason=f"{stop.cause} at step {step}", stop=stop,
+                       readmit=self._readmit(()))
 
     # --- one failure ----------------------------------------------------------------------
     def _failure(self, kind: str, ranks: tuple[int, ...], why: str) -> Failure:
@@ -216,11 +223,13 @@ class Recovery:
         if program.stop.stop_requested():
             group.abort("controller: preempted while failing")
             exclude, named = self._nodes_slurm_took()
-            return Outcome(status=Status.REQUEUED, clean=False, exclude=exclude, reason=(
+            readmit = self._readmit(())
+            return Outcome(status=Status.REQUEUED, clean=False, exclude=_less(exclude, readmit), readmit=readmit, reason=(
                 f"preempted during a failure ({failure.why}){named}; resuming from the latest checkpoint"))
         steps = manifest.committed_steps(program.run.checkpoints)
         down = slurmctl.unavailable_nodes(failure.nodes) if self.on_slurm else {}
         with program.record.update() as s:
+            before = s.recovery.exclude
             budget = s.recovery.spend(nodes=failure.nodes, step=failure.step, committed_step=steps[-1] if steps else None)
             decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
                               worker_restarts=self.worker_restarts, on_slurm=self.on_slurm,
@@ -231,10 +240,13 @@ class Recovery:
         if decision.action == "fail":
             return self._fail(decision.reason, ExitCode.FAILED)
         if decision.action == "requeue":
+            readmit = self._readmit(tuple(n for n in decision.exclude if n not in before))
+            decision = replace(decision, exclude=_less(decision.exclude, readmit))
             group.abort(f"controller: {decision.reason}")
             program.record.append(ev.RequeueDecided(reason=decision.reason, exclude=decision.exclude,
                                                     retry=budget.retries, max_retries=cfg.recovery.max_retries))
-            return Outcome(status=Status.REQUEUED, reason=decision.reason, exclude=decision.exclude, clean=False)
+            return Outcome(status=Status.REQUEUED, reason=decision.reason, exclude=decision.exclude, readmit=readmit,
+                           clean=False)
         return self._restart(decision, budget)
 
     def _nodes_slurm_took(self) -> tuple[tuple[str, ...], str]:
@@ -262,6 +274,28 @@ class Recovery:
         if bad:
             named += f"; excluding {', '.join(exclude)} (recovery.node_failure_limit={limit})"
         return exclude, f": {named}"
+
+    def _readmit(self, new: tuple[str, ...]) -> tuple[str, ...]:
+        """At a requeue: Baton's exclusions from earlier requeues (not ``new``, this one's) that
+        Slurm reports back in service (idle, mixed, allocated) leave the run's exclusions; each
+        keeps one failure less than ``recovery.node_failure_limit``, so that one more failure
+        excludes it again. The user's own exclusions are not Baton's: never touched. Returns
+        the readmitted nodes (events ``node_readmitted``)."""
+        program = self.program
+        earlier = [n for n in program.record.read().recovery.exclude if n not in new]
+        back = slurmctl.in_service(earlier) if self.on_slurm and earlier else set()
+        if not back:
+            return ()
+        limit = program.cfg.recovery.node_failure_limit
+        with program.record.update() as s:
+            counts = {n: min(c, limit - 1) if n in back else c for n, c in s.recovery.node_failures.items()}
+            s.recovery = replace(s.recovery, node_failures=counts,
+                                 exclude=tuple(n for n in s.recovery.exclude if n not in back))
+        readmitted = tuple(n for n in earlier if n in back)
+        program.record.append(*(ev.NodeReadmitted(node=n, step=program.step, failures=counts.get(n, 0))
+                                for n in readmitted))
+        log.warning("back in service in Slurm, no longer excluded: %s", ", ".join(readmitted))
+        return readmitted
 
     def _restart(self, decision: Decision, budget: Budget) -> Outcome | None:
         """Abort what is left, back off, ask for the next generation; None: go round again."""

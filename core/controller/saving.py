@@ -1,8 +1,8 @@
 """When the controller's program checkpoints: one object decides, the loop asks it.
 
     saves.maybe_save(done, loss)     every ``checkpoint.interval_steps`` (not the last step)
-    saves.at_stop(step, loss, stop)  a stop at a step boundary: that step, synchronously,
-                                     within the time Slurm leaves
+    saves.at_stop(step, loss, t)     a stop at a step boundary: that step, synchronously,
+                                     within ``t``, the time Slurm leaves (StopPolicy.time_budget_s)
     saves.at_end(step, loss)         the run's end (``checkpoint.at_end``)
     saves.now(step, loss)            a program's own point (the RL reference policy)
 
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.checkpoint.loop import LoopState
 from core.config.run import CheckpointConfig
-from core.controller.stop import StopRequest
 
 LoopOf = Callable[[int, "float | None"], LoopState]  # (step, last loss) → what the checkpoint records
 
@@ -44,14 +43,12 @@ class SavePolicy:
         if self.due(done):
             self.checkpoints.save(self.loop_of(done, loss))
 
-    def at_stop(self, step: int, loss: float | None, stop: StopRequest, timeout_s: float) -> None:
-        """Make ``step`` durable before the job goes away (nothing to do at step 0 or when
-        it is committed already)."""
-        self.checkpoints.drain()
+    def at_stop(self, step: int, loss: float | None, timeout_s: float) -> None:
+        """Make ``step`` durable before the job goes away, within ``timeout_s`` (nothing to do
+        at step 0 or when it is committed already)."""
+        self.checkpoints.drain(timeout_s=timeout_s)
         if step > 0 and not self.checkpoints.committed(step):
-            if stop.time_left_s is not None:  # commit within the time Slurm leaves us
-                timeout_s = max(1.0, min(timeout_s, stop.time_left_s - 2.0))
-            self.checkpoints.save(self.loop_of(step, loss), blocking=True, timeout_s=timeout_s)
+            self.checkpoints.save(self.loop_of(step, loss), blocking=True, timeout_s=max(1.0, timeout_s))
 
     def at_end(self, step: int, loss: float | None) -> None:
         if self.at_end_enabled and not self.checkpoints.committed(step):

@@ -14,6 +14,9 @@ from core.job.slurmctl import JobClock
 log = logging.getLogger(__name__)
 
 PROACTIVE_MARGIN_S = 30.0  # slack on top of one step and one save before the walltime
+# What a stopping controller needs after its last save, before Slurm's end time: record the
+# requeue, release the workers, and the scontrol calls of a requeue (each up to a few seconds).
+STOP_MARGIN_S = 10.0
 UNKNOWN_SAVE_S = 60.0  # a save's duration before the first one was measured
 
 
@@ -66,6 +69,13 @@ class StopPolicy:
                            f"{UNKNOWN_SAVE_S if save_s is None else save_s:.1f} s + margin {self.margin_s:.0f} s "
                            "(recovery.walltime_margin_s)")
         return self._decided
+
+    def time_budget_s(self, default_s: float) -> float:
+        """How long a wait of the stop path (an async save in flight, the last save) may take:
+        the time Slurm's clock leaves, less STOP_MARGIN_S, at most ``default_s`` (the
+        checkpoint timeout, also what it is without a clock or an end time); 0 when none is left."""
+        left = self.clock.time_left_s() if self.clock is not None else None
+        return default_s if left is None else max(0.0, min(default_s, left - STOP_MARGIN_S))
 
     def stop_requested(self) -> bool:
         """A signal arrived (between steps, e.g. while waiting for workers)."""

@@ -192,33 +192,134 @@ class RequeueResult:
     detail: str
 
 
-def requeue(job_id: str, *, exclude: Sequence[str] = (), component_id: str | None = None,
-            run: Runner = _run) -> RequeueResult:
+def requeue(job_id: str, *, exclude: Sequence[str] = (), readmit: Sequence[str] = (), floor: Sequence[str] = (),
+            component_id: str | None = None, run: Runner = _run,
+            on_note: Callable[[str, tuple[str, ...]], None] | None = None) -> RequeueResult:
     """Put the running job back in the queue (same id, SLURM_RESTART_COUNT + 1).
 
-    ``exclude``: nodes the next run must avoid, added on ``component_id`` (the workers'
-    component, default the job itself) to the ones it already excludes (the user's own
-    ``--exclude``, earlier exclusions): never replacing them. A job Slurm is already
-    requeueing (preemption with PreemptMode=REQUEUE) counts as requeued.
+    ``exclude``: nodes the next run must avoid (Baton's own, oldest first), added on
+    ``component_id`` (the workers' component, default the job itself) to the ones it already
+    excludes (the user's own ``--exclude``, earlier exclusions): never replacing them.
+    ``readmit``: Baton's earlier exclusions that Slurm reports back in service, taken off the
+    list (never one of ``floor``). ``floor``: the user's own exclusions (the run's
+    ``slurm.workers.exclude``), kept whatever happens: when the job's list cannot be read,
+    the new list is ``floor`` plus ``exclude`` rather than ``exclude`` alone. The list never
+    leaves the job's partition fewer nodes than it asks for (see ``_fit``). ``on_note``
+    (why, the new list) hears of each such adjustment while the job is held, before the
+    release ends this process. A job Slurm is already requeueing (preemption with
+    PreemptMode=REQUEUE) counts as requeued.
     """
     old = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job's kill must not cut this short
     try:
-        if not exclude:
+        if not exclude and not readmit:
             return _scontrol(run, ["scontrol", "requeue", job_id])
         held = _scontrol(run, ["scontrol", "requeuehold", job_id])
         pending = not held.ok and _PENDING in held.detail.lower()  # Slurm requeued it already
         if not held.ok and not pending:
             return held
         target = component_id or job_id
-        nodes = ",".join(dict.fromkeys([*excluded_nodes(target, run), *exclude]))
-        upd = _scontrol(run, ["scontrol", "update", f"JobId={target}", f"ExcNodeList={nodes}"])
+        nodes, notes = _new_exclusions(target, run, exclude=list(exclude), readmit=list(readmit), floor=list(floor))
+        upd = _scontrol(run, ["scontrol", "update", f"JobId={target}", f"ExcNodeList={','.join(nodes)}"])
+        for note in notes:
+            log.warning("%s", note)
+            if on_note is not None:
+                on_note(note, tuple(nodes))
         rel = None if pending else _scontrol(run, ["scontrol", "release", job_id])
         if rel is not None and not rel.ok:
             return rel
-        return RequeueResult(ok=True, detail=f"requeued excluding {nodes}"
+        return RequeueResult(ok=True, detail=f"requeued excluding {','.join(nodes) or 'no nodes'}"
+                             + "".join(f"; {n}" for n in notes)
                              + ("" if upd.ok else f" (exclusion failed: {upd.detail})"))
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+EXCLUDE_CAP = 8  # Baton's own exclusions when the partition's size cannot be read
+
+
+def _new_exclusions(target: str, run: Runner, *, exclude: list[str], readmit: list[str],
+                    floor: list[str]) -> tuple[list[str], list[str]]:
+    """The workers' new ExcNodeList and the notes on how it was made (see ``requeue``)."""
+    notes: list[str] = []
+    fields = _job_fields(target, run)
+    if fields is None:
+        current = floor
+        notes.append(f"the job's ExcNodeList could not be read: kept the run's slurm.workers.exclude "
+                     f"({','.join(floor) or 'none'}) and added Baton's own")
+    else:
+        value = fields.get("ExcNodeList", "")
+        current = [] if value in ("", "(null)") else split_hostlist(value)
+    back = [n for n in readmit if n not in floor and n in current]
+    if back:
+        notes.append(f"back in service in Slurm, no longer excluded: {', '.join(back)}")
+    own = [n for n in dict.fromkeys(exclude) if n not in floor]
+    kept = [n for n in dict.fromkeys([*floor, *current]) if n not in back and n not in own]
+    chosen, dropped, why = _fit(kept, own, fields, run)
+    nodes = [n for n in dict.fromkeys([*floor, *current, *own]) if n in set(chosen)]  # the job's order, then Baton's
+    if dropped:
+        notes.append(f"not excluding {', '.join(dropped)}: {why}")
+    return nodes, notes
+
+
+def _fit(kept: list[str], own: list[str], fields: dict[str, str] | None,
+         run: Runner) -> tuple[list[str], list[str], str]:
+    """``kept`` (the user's and earlier exclusions) plus as many of Baton's ``own`` (node
+    names; the newest, last, first) as leave the job's partition(s) the nodes the job asks
+    for (NumNodes); when that cannot be read, at most EXCLUDE_CAP of Baton's own.
+    (The list, Baton's nodes left out, why.)"""
+    need = fields.get("NumNodes", "").split("-")[0] if fields else ""
+    parts = fields.get("Partition", "") if fields else ""
+    total = _partition_nodes(parts, run) if parts and need.isdigit() else None
+    taken = (_hostnames(kept, run) if kept else set()) if total is not None else None
+    if total is None or taken is None:
+        if len(own) <= EXCLUDE_CAP:
+            return [*kept, *own], [], ""
+        return ([*kept, *own[-EXCLUDE_CAP:]], own[:-EXCLUDE_CAP],
+                f"the partition's node count could not be read: Baton excludes at most {EXCLUDE_CAP} nodes")
+    left = total - taken
+    chosen: set[str] = set()
+    for n in reversed(own):
+        if len(left - chosen - {n}) >= int(need):
+            chosen.add(n)
+    dropped = [n for n in own if n not in chosen]
+    return ([*kept, *(n for n in own if n in chosen)], dropped,
+            f"partition {parts} would keep fewer than the {need} node(s) the job asks for" if dropped else "")
+
+
+def _job_fields(job_id: str, run: Runner) -> dict[str, str] | None:
+    """The job's ``scontrol show job -o`` fields (its first line), None when it cannot be read."""
+    try:
+        proc = run(["scontrol", "show", "job", "-o", job_id])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s failed: %s", job_id, exc)
+        return None
+    lines = proc.stdout.splitlines() if proc.returncode == 0 else []
+    return dict(_FIELD_RE.findall(lines[0])) if lines and _FIELD_RE.search(lines[0]) else None
+
+
+def _partition_nodes(partitions: str, run: Runner) -> set[str] | None:
+    """The node names of ``partitions`` (comma-separated), None when sinfo does not answer."""
+    proc = _answer(run, ["sinfo", "-h", "-N", "-p", partitions, "-o", "%N"])
+    return None if proc is None else {line.strip() for line in proc.splitlines() if line.strip()}
+
+
+def _hostnames(exprs: list[str], run: Runner) -> set[str] | None:
+    """Hostlist expressions expanded (``scontrol show hostnames``), None when that fails."""
+    proc = _answer(run, ["scontrol", "show", "hostnames", ",".join(exprs)])
+    return None if proc is None else {line.strip() for line in proc.splitlines() if line.strip()}
+
+
+def _answer(run: Runner, args: list[str]) -> str | None:
+    """The stdout of a Slurm command that succeeded, else None (logged)."""
+    try:
+        proc = run(args)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("%s failed: %s", " ".join(args), exc)
+        return None
+    if proc.returncode != 0:
+        log.warning("%s: rc %d: %s", " ".join(args), proc.returncode, proc.stderr.strip())
+        return None
+    return proc.stdout
 
 
 _PENDING = "pending execution"  # scontrol's answer to a requeue of a job that is already pending
@@ -243,18 +344,23 @@ def unavailable_nodes(nodes: Sequence[str], run: Runner = _run) -> dict[str, tup
     return found
 
 
-def excluded_nodes(job_id: str, run: Runner = _run) -> list[str]:
-    """The hostlist expressions a job already excludes (``ExcNodeList``), [] when none or unknown."""
-    try:
-        proc = run(["scontrol", "show", "job", "-o", job_id])
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    found = _FIELD_RE.findall(proc.stdout) if proc.returncode == 0 else []
-    value = next((v for k, v in found if k == "ExcNodeList"), "")
-    return [] if value in ("", "(null)") else _split_hostlist(value)
+IN_SERVICE = ("idle", "mixed", "allocated", "completing")  # sinfo %T of a node Slurm schedules on
 
 
-def _split_hostlist(value: str) -> list[str]:
+def in_service(nodes: Sequence[str], run: Runner = _run) -> set[str]:
+    """Those of ``nodes`` Slurm reports in service (idle, mixed, allocated: not down,
+    drained, failing or unresponding); empty when none or sinfo does not answer."""
+    if not nodes:
+        return set()
+    out = _answer(run, ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T"])
+    states: dict[str, set[str]] = {}
+    for line in (out or "").splitlines():
+        node, _, state = line.partition("|")
+        states.setdefault(node.strip(), set()).add(state.strip().rstrip("+"))
+    return {n for n, seen in states.items() if n in nodes and seen <= set(IN_SERVICE)}
+
+
+def split_hostlist(value: str) -> list[str]:
     """``node[1-2],gpu3`` → ["node[1-2]", "gpu3"]: commas inside brackets belong to the expression."""
     out, depth, part = [], 0, ""
     for ch in value:

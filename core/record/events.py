@@ -190,6 +190,39 @@ class CheckpointCommitted(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeReadmitted(Event):
+    """A node Baton had excluded is back in service in Slurm: the next requeue no longer
+    excludes it (``failures``: what it now counts, one short of the limit)."""
+
+    KIND: ClassVar[str] = "node_readmitted"
+    node: str
+    step: int
+    failures: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExcludeAdjusted(Event):
+    """How a requeue's exclusion list was made where it could not simply add Baton's nodes
+    (the job's list unreadable, nodes back in service, a partition too small)."""
+
+    KIND: ClassVar[str] = "exclude_adjusted"
+    why: str
+    exclude: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointAbandoned(Event):
+    """A stop could not wait for an async save in flight (Slurm ends the job first): the
+    next epoch resumes from ``resume_step`` (None: from the start)."""
+
+    KIND: ClassVar[str] = "checkpoint_abandoned"
+    step: int
+    waited_s: float
+    resume_step: int | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerLost(Event):
     KIND: ClassVar[str] = "worker_lost"
     failure: str  # "worker_lost" | "timeout" | "registration" | "remote_error"
@@ -288,7 +321,7 @@ class OtherEvent(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
-    CheckpointDamaged, InitialisedFrom, RestartFromScratch, SyncPeriodChanged, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, WorkerLost,
+    CheckpointDamaged, InitialisedFrom, RestartFromScratch, SyncPeriodChanged, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, CheckpointAbandoned, WorkerLost, NodeReadmitted, ExcludeAdjusted,
     NodeFailed, RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
 )}
 

@@ -383,3 +383,19 @@ def test_init_from_is_checked_on_the_login_node(tmp_path: Path) -> None:
     refused(tmp_path, [*gpt, f"init_from={src}:7"], ["init_from:", "step_00000007", "committed steps: 2"])
     refused(tmp_path, [*gpt, f"init_from={src}"], ["init_from:", "another model"])  # a toy's checkpoint
     refused(tmp_path, _submit_argv(f"init_from={src}"), ["init_from:", "model.kind 'toy'", "model.kind: gpt"])
+
+
+# --- layouts a run would get wrong silently -----------------------------------------------------
+
+def test_local_sgd_with_pipeline_stages_and_tied_embeddings_is_refused_at_submit(tmp_path: Path) -> None:
+    """The averaging of replicas skips Megatron's embedding all-reduce: with pp > 1 and tied
+    embeddings the first and last stages' copies would drift apart. Refused by a dry run."""
+    line = refused(tmp_path, ["submit", "exp.yaml", "--backend", "slurm", "--dry-run", "runs_root=runs",
+                              "trainer.n_gpus_per_node=4", "parallel.pp=2", "model.tie_embeddings=true",
+                              "parallel.sync.every=4"],
+                   ["parallel.sync", "model.tie_embeddings", "parallel.pp: 2"])
+    assert "parallel.pp=1" in line  # the fix
+    allowed = baton("submit", "exp.yaml", "--backend", "slurm", "--dry-run", "runs_root=runs",
+                    "trainer.n_gpus_per_node=4", "parallel.pp=2", "model.tie_embeddings=false", "parallel.sync.every=4",
+                    cwd=tmp_path, timeout=60)
+    assert allowed.returncode == 0, allowed.stderr  # untied: the averaging covers every weight

@@ -164,7 +164,7 @@ def test_an_exclusion_adds_to_the_users_own_never_replaces_them() -> None:
     runner = FakeRunner({"show": (0, shown, "")})
     result = slurmctl.requeue("16", exclude=["node2", "bad1"], component_id="17", run=runner)
     assert result.ok and ["scontrol", "update", "JobId=17", "ExcNodeList=gpu[3-4],bad1,node2"] in runner.calls
-    assert slurmctl._split_hostlist("a[1,3-4],b,c[2]") == ["a[1,3-4]", "b", "c[2]"]
+    assert slurmctl.split_hostlist("a[1,3-4],b,c[2]") == ["a[1,3-4]", "b", "c[2]"]
 
 
 def test_a_job_slurm_is_already_requeueing_counts_as_requeued() -> None:

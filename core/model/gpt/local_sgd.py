@@ -2,7 +2,8 @@
 
 Between synchronisations every replica steps on its own gradients: the step runs without
 Megatron's gradient finalisation (no data-parallel all-reduce; with untied embeddings and
-no sequence parallelism there is nothing else in it to do). ``average`` makes the replicas
+no sequence parallelism there is nothing else in it to do; tied embeddings with pp > 1, whose
+stages' copies that finalisation keeps equal, are refused at submit: core.config.run). ``average`` makes the replicas
 equal again: every rank's fp32 main weights and both Adam moments, flattened into one
 buffer, one all-reduce over its data-parallel group, divided by its size; then the model's
 weights from the averaged main weights. Equal replicas at every checkpoint is what makes a
