@@ -158,9 +158,10 @@ def fsync_dir(path: Path) -> None:
 # only what the bytes say (a format, size or checksum mismatch, a missing file) does.
 
 
-def storage_io(path: Path, read: Callable[[], T], *, deadline_s: float = IO_DEADLINE_S) -> T:
-    """``read()``, retried while it raises a transient storage error, for up to ``deadline_s``;
+def storage_io(path: Path, read: Callable[[], T]) -> T:
+    """``read()``, retried while it raises a transient storage error, for up to ``IO_DEADLINE_S``;
     then a TransientIOError naming ``path``. Other errors pass through."""
+    deadline_s = IO_DEADLINE_S
     deadline = time.monotonic() + deadline_s
     wait = IO_FIRST_WAIT_S
     while True:
@@ -237,7 +238,7 @@ def read_manifest(step_dir: Path) -> Manifest:
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); {fix}") from None
+        raise CheckpointError(f"{path}: unreadable (not valid JSON: {exc}); {fix}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a Baton checkpoint manifest; {fix}")
     version = doc.get("format_version")
