@@ -164,9 +164,13 @@ def storage_io(path: Path, read: Callable[[], T]) -> T:
     deadline_s = IO_DEADLINE_S
     deadline = time.monotonic() + deadline_s
     wait = IO_FIRST_WAIT_S
+    failed: OSError | None = None
     while True:
         try:
-            return read()
+            value = read()
+            if failed is not None:
+                logger.warning("%s: read after a storage error (%s), retried", path, failed.strerror or failed)
+            return value
         except OSError as exc:
             if not is_transient(exc):
                 raise
@@ -175,7 +179,8 @@ def storage_io(path: Path, read: Callable[[], T]) -> T:
                     f"{path}: {exc.strerror or exc} (errno {exc.errno}), still after {deadline_s:.0f} s of retries; "
                     "the filesystem failed, not the checkpoint (nothing was set aside): check the mount "
                     "and try again") from exc
-            logger.warning("%s: %s; reading it again in %.2f s", path, exc.strerror or exc, wait)
+            logger.debug("%s: %s; reading it again in %.2f s", path, exc.strerror or exc, wait)
+            failed = exc
             time.sleep(wait)
             wait *= 2
 
