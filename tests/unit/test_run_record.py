@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
-import os
 import time
 from pathlib import Path
 from typing import Any
