@@ -8,7 +8,8 @@ requeues, lost workers and resumes with vertical lines at their steps. An RL run
 ``response_length.png`` and ``phases.png`` (seconds per phase of each RL step); PPO's
 ``value.png`` (the critic's value loss and mean value). A sweep folder (one with a ledger,
 ``sweep.json``, or any folder holding several run folders) gets ``report/sweep_loss.png``:
-every point's loss curve.
+every point's loss curve. ``--superseded`` adds to a run's loss.png, faded, the records of
+the steps a resume redid (metrics.jsonl keeps them, marked superseded) and says how many.
 
 matplotlib is an optional extra (``pip install 'baton[plots]'``), imported only when a
 report is drawn, and drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas:

@@ -68,6 +68,7 @@ def test_checkpoints_moved_away_refuse_the_resume_in_one_line_and_change_nothing
               f"{run / 'checkpoints'} (the folder itself is gone)", "step_00000020, step_00000010 missing",
               "restore them", "--from-scratch", "step 0")
     assert _snapshot(run) == before and (run / "metrics.jsonl").read_bytes() == metrics  # state, events too
+    assert "note:     " + f"{run / 'checkpoints'} (the folder itself is gone)" in baton("status", str(run)).stdout
     submit_local("--resume", str(run), "trainer.steps=30", "--from-scratch")
     assert [e["reason"] for e in history(run, "restart_from_scratch")] == ["--from-scratch"]
     assert history(run, "resume_requested")[-1]["from_scratch"] is True
