@@ -166,6 +166,8 @@ def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = Fa
     if refusal is not None and not from_scratch:
         raise UserError(refusal)
     intact, problems = manifest.newest_intact(run.checkpoints)
+    if refusal is not None:  # --from-scratch: the user gives the missing ones up
+        gone = [refusal.split("; restore", 1)[0] + "; --from-scratch: going on without them", *gone]
     notes = gone + [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
     if intact is None and (problems or manifest.damaged(run.checkpoints)) and not from_scratch:
         raise UserError(f"{run.checkpoints}: no checkpoint to resume from ({'; '.join(problems) or 'all damaged'}); "
