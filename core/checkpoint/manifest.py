@@ -29,15 +29,15 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import xxhash
 
-from core.errors import CheckpointError, ConfigError, RunFolderError, TransientIOError, is_transient
-from core.job import faults
+from core.checkpoint.storage import manifest_bytes, storage_io, unreadable
+from core.errors import CheckpointError, ConfigError, RunFolderError, TransientIOError
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,6 @@ DAMAGED_RE = re.compile(r"^step_(\d{8})\.damaged-[0-9a-f]+$")  # failed verifica
 DAMAGE_NOTE = "DAMAGED.txt"  # inside a damaged folder: why it was set aside
 _RANK_RE = re.compile(r"^rank_(\d{5,})\.h5$")
 _READ_BLOCK = 16 << 20
-T = TypeVar("T")
-IO_DEADLINE_S = 5.0  # how long a read of a checkpoint is retried through transient storage errors
-IO_FIRST_WAIT_S = 0.05  # then doubled
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,56 +149,6 @@ def fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- reading and verifying
-# A storage fault is not damage: an OSError that passes (EIO, ESTALE, ... core.errors.is_transient)
-# is retried with a short backoff, then raised as TransientIOError (the controller's recovery
-# retries it); another one (EACCES) as a RunFolderError. Neither ever sets a checkpoint aside:
-# only what the bytes say (a format, size or checksum mismatch, a missing file) does.
-
-
-def storage_io(path: Path, read: Callable[[], T]) -> T:
-    """``read()``, retried while it raises a transient storage error, for up to ``IO_DEADLINE_S``;
-    then a TransientIOError naming ``path``. Other errors pass through."""
-    deadline_s = IO_DEADLINE_S
-    deadline = time.monotonic() + deadline_s
-    wait = IO_FIRST_WAIT_S
-    failed: OSError | None = None
-    while True:
-        try:
-            value = read()
-            if failed is not None:
-                logger.warning("%s: read after a storage error (%s), retried", path, failed.strerror or failed)
-            return value
-        except OSError as exc:
-            if not is_transient(exc):
-                raise
-            if time.monotonic() + wait > deadline:
-                raise TransientIOError(
-                    f"{path}: {exc.strerror or exc} (errno {exc.errno}), still after {deadline_s:.0f} s of retries; "
-                    "the filesystem failed, not the checkpoint (nothing was set aside): check the mount "
-                    "and try again") from exc
-            logger.debug("%s: %s; reading it again in %.2f s", path, exc.strerror or exc, wait)
-            failed = exc
-            time.sleep(wait)
-            wait *= 2
-
-
-def manifest_bytes(path: Path) -> bytes:
-    """The bytes of a ``manifest.json``: every read of a manifest goes through here (and
-    through ``core.job.faults.manifest_open``, the tests' storage faults)."""
-
-    def read() -> bytes:
-        faults.manifest_open(path)
-        return Path(path).read_bytes()
-
-    return storage_io(path, read)
-
-
-def _unreadable(path: Path, exc: OSError) -> RunFolderError:
-    """A storage error that no retry mends (EACCES, EPERM, ...): the user's, the checkpoint is fine."""
-    return RunFolderError(f"{path}: unreadable ({exc.strerror or exc}); the checkpoint is not damaged and was not set "
-                          "aside: fix the file's permissions or the mount, then resume")
-
-
 def committed_steps(root: Path) -> list[int]:
     """Steps with a committed checkpoint (final folder name and a manifest), ascending."""
     if not root.is_dir():
@@ -239,7 +186,7 @@ def read_manifest(step_dir: Path) -> Manifest:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing, so {step_dir} was never committed; {fix}") from None
     except OSError as exc:  # not transient (those are retried, then a TransientIOError): not damage either
-        raise _unreadable(path, exc) from None
+        raise unreadable(path, exc) from None
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -290,7 +237,7 @@ def verify(step_dir: Path, *, checksums: bool = True) -> list[str]:
             problems.append(f"{path}: missing (rank {f.rank}'s shard)")
             continue
         except OSError as exc:
-            raise _unreadable(path, exc) from None
+            raise unreadable(path, exc) from None
         if size != f.size_bytes:
             problems.append(f"{path}: size {size} bytes, manifest says {f.size_bytes} (truncated or overwritten)")
         elif actual != f.checksum:

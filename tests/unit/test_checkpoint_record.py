@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.checkpoint import manifest
+from core.checkpoint import manifest, storage
 from core.checkpoint.commit import commit, tmp_step_dir
 from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.spec import TensorSlice
@@ -101,7 +101,7 @@ def test_a_storage_error_at_the_manifest_is_retried_and_the_checkpoint_reads(tmp
 def test_a_storage_error_that_lasts_is_a_transient_error_never_a_problem_of_the_checkpoint(tmp_path: Path, inject,
                                                                                           monkeypatch) -> None:
     step_dir = _save(tmp_path, 10)
-    monkeypatch.setattr(manifest, "IO_DEADLINE_S", 0.3)
+    monkeypatch.setattr(storage, "IO_DEADLINE_S", 0.3)
     inject("manifest_estale=1000")
     with pytest.raises(TransientIOError, match=r"step_00000010/manifest.json: Stale .*the filesystem failed"):
         manifest.verify(step_dir)  # raised: never returned as a problem (which would set it aside)
