@@ -3,6 +3,7 @@ manifest's read: retried, never taken for damage (real files; the faults through
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from core.checkpoint.spec import TensorSlice
 from core.errors import CheckpointError, RunFolderError, TransientIOError
 from core.job import faults
 from core.record import events as ev
-from core.record.state import RunState, apply
+from core.record.state import RunState, apply, state_from_data, state_to_data
 
 
 def _save(root: Path, step: int, *, keep_last: int = 10, retired: list[int] | None = None) -> Path:
@@ -126,3 +127,12 @@ def test_a_manifest_the_process_may_not_read_is_the_user_s_to_fix_not_damage(tmp
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match="not valid JSON"):  # a format mismatch is the checkpoint's
         manifest.read_manifest(step_dir)
+
+
+def test_a_state_json_of_an_older_baton_without_the_recorded_checkpoints_reads_and_checks_nothing(tmp_path: Path
+                                                                                                 ) -> None:
+    data = state_to_data(RunState(step=20))
+    del data["checkpoints"], data["retired"]
+    state = state_from_data(json.loads(json.dumps(data)), "state.json")
+    assert (state.checkpoints, state.retired) == ((), ())
+    assert manifest.vanished(tmp_path / "checkpoints", state.checkpoints) == (None, [])
