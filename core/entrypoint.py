@@ -15,6 +15,7 @@ from core.checkpoint.service import CheckpointedTask
 from core.config.run import RunConfig
 from core.controller.main import run_controller
 from core.errors import BatonRuntimeError, ExitCode, UserError
+from core.job import faults
 from core.job.env import JobEnv
 from core.model.gpt.task import GPTTask  # loads without torch: its roles are imported by a GPT worker
 from core.model.toy import ToyTask
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] not in ("controller", "worker"):
         print("usage: python -m core.entrypoint controller|worker", file=sys.stderr)
         return ExitCode.USER_ERROR
+    faults.set_process(argv[0])
     try:
         env = JobEnv.from_environ()
         return run_controller(env) if argv[0] == "controller" else run_worker(env, task_factory)

@@ -2,7 +2,8 @@
 
 Exit codes (core.errors.ExitCode): OK, FAILED (the run or a check failed), USER_ERROR (bad
 input: config, arguments, files; one line on stderr, a traceback only with --debug),
-INTERRUPTED. An argument argparse refuses is the same one line:
+INTERRUPTED. A storage fault that retries did not get past (a TransientIOError: the filesystem
+failed reading a checkpoint) is one line too, with FAILED: the input is right, a later try may work. An argument argparse refuses is the same one line:
 ``baton: error: <message>; see baton <command> --help``.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 
 from core.config.schema import escaped
-from core.errors import ExitCode, UserError
+from core.errors import ExitCode, TransientIOError, UserError
 from launcher import (
     cmd_cancel,
     cmd_ckpt,
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"baton: error: {escaped(str(exc))}", file=sys.stderr)  # one line, whatever a value held
         return ExitCode.USER_ERROR
+    except TransientIOError as exc:
+        if args.debug:
+            raise
+        print(f"baton: error: {escaped(str(exc))}", file=sys.stderr)
+        return ExitCode.FAILED
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `baton logs ... | head`

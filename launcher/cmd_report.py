@@ -8,7 +8,8 @@ requeues, lost workers and resumes with vertical lines at their steps. An RL run
 ``response_length.png`` and ``phases.png`` (seconds per phase of each RL step); PPO's
 ``value.png`` (the critic's value loss and mean value). A sweep folder (one with a ledger,
 ``sweep.json``, or any folder holding several run folders) gets ``report/sweep_loss.png``:
-every point's loss curve.
+every point's loss curve. ``--superseded`` adds to a run's loss.png, faded, the records of
+the steps a resume redid (metrics.jsonl keeps them, marked superseded) and says how many.
 
 matplotlib is an optional extra (``pip install 'baton[plots]'``), imported only when a
 report is drawn, and drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas:
@@ -43,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        "Needs matplotlib: pip install 'baton[plots]'.")
     p.add_argument("run_dir", type=Path, metavar="PATH", help="a run folder or a sweep folder")
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="where to write the PNGs (default PATH/report)")
+    p.add_argument("--superseded", action="store_true",
+                   help="a run: also plot the loss of the steps a resume redid, faded (metrics.jsonl keeps them, "
+                        "marked superseded), and list how many there are")
     p.set_defaults(func=run)
 
 
@@ -51,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.run_dir).expanduser()
     if not path.is_dir():
         raise UserError(f"{path}: no such folder; pass a run folder or a sweep folder")
-    written = report_sweep(path, args.out) if is_sweep(path) else report_run(path, args.out)
+    sweep = is_sweep(path)
+    written = report_sweep(path, args.out) if sweep else report_run(path, args.out, superseded=args.superseded)
+    if args.superseded and not sweep:
+        print(superseded_line(RunFolder.open(path)))
     for p in written:
         print(p)
     return ExitCode.OK
@@ -162,11 +169,14 @@ def run_marks(run: RunFolder) -> list[tuple[int, str]]:
 
 
 def _plot(figure: Any, path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float]]],
-          *, log_y: bool = False, marks: Sequence[tuple[int, str]] = ()) -> Path:
+          *, log_y: bool = False, marks: Sequence[tuple[int, str]] = (),
+          faded: Sequence[tuple[str, list[int], list[float]]] = ()) -> Path:
     fig = figure(figsize=(8, 4.5))
     ax = fig.add_subplot()
     for label, xs, ys in lines:
         ax.plot(xs, ys, label=label, linewidth=1.2)
+    for label, xs, ys in faded:
+        ax.plot(xs, ys, label=label, linestyle="none", marker=".", markersize=3, color="grey", alpha=0.4)
     labelled: set[str] = set()
     for step, kind in marks:
         name, colour, style = MARKS[kind]
@@ -179,13 +189,22 @@ def _plot(figure: Any, path: Path, title: str, ylabel: str, lines: list[tuple[st
     if log_y and all(y > 0 for _, _, ys in lines for y in ys):
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
-    if 1 < len(lines) + len(labelled) <= 16:
+    if 1 < len(lines) + len(faded) + len(labelled) <= 16:
         ax.legend(fontsize="small")
     return _save(fig, path)
 
 
-def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
-    """Write the run's PNGs into ``out`` (default RUN_DIR/report); return their paths."""
+def superseded_line(run: RunFolder) -> str:
+    """How many records of redone steps metrics.jsonl keeps, and of which steps."""
+    old = sorted({r.step for r in steps.read(run.metrics, superseded=True) if r.superseded})
+    if not old:
+        return f"{run.metrics}: no superseded records (no resume redid a step)"
+    return f"{run.metrics}: superseded records of {len(old)} redone steps ({old[0]}..{old[-1]}), faded in loss.png"
+
+
+def report_run(run_dir: Path, out: Path | None = None, *, superseded: bool = False) -> list[Path]:
+    """Write the run's PNGs into ``out`` (default RUN_DIR/report); return their paths.
+    ``superseded``: loss.png shows the loss of the steps a resume redid too, faded."""
     run_folder = RunFolder.open(run_dir)
     records = by_step(steps.read(run_folder.metrics))
     if not records:
@@ -197,7 +216,7 @@ def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     marks = run_marks(run_folder)
     written = [
         _plot(figure, out / "loss.png", f"loss: {name}", "loss", [("loss", *_series(records, "loss"))], log_y=True,
-              marks=marks),
+              marks=marks, faded=_superseded(run_folder) if superseded else ()),
         _plot(figure, out / "tokens_per_s.png", f"throughput: {name}", "tokens/s",
               [("tokens/s", *_series(records, "tokens_per_s"))], marks=marks),
     ]
@@ -212,6 +231,11 @@ def report_run(run_dir: Path, out: Path | None = None) -> list[Path]:
                                  f"per rank: {name}", "MiB", [(f"rank {r}", xs, ys) for r, (xs, ys) in sorted(mem.items())]))
             break
     return written + _rl_plots(figure, out, name, records)
+
+
+def _superseded(run: RunFolder) -> list[tuple[str, list[int], list[float]]]:
+    old = [r for r in steps.read(run.metrics, superseded=True) if r.superseded]
+    return [("superseded (redone)", [r.step for r in old], [r.loss for r in old])] if old else []
 
 
 def _rl_plots(figure: Any, out: Path, name: str, records: Sequence[StepRecord]) -> list[Path]:

@@ -73,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
     if args.watch:
         return watch(run_folder.path, args.interval, stream=sys.stdout)
     record = RunRecord(run_folder)
-    notes = [f"note:     {line}" for line in manifest.findings(run_folder.checkpoints)]
-    print("\n".join([format_status(record.read(), record.events()), *notes,
+    state = record.read()
+    refusal, gone = manifest.vanished(run_folder.checkpoints, state.checkpoints)
+    found = [*([refusal] if refusal else []), *gone, *manifest.findings(run_folder.checkpoints)]
+    notes = [f"note:     {line}" for line in found]
+    print("\n".join([format_status(state, record.events()), *notes,
                      *slurm_jobs.slurm_status_lines(run_folder)]))
     return ExitCode.OK

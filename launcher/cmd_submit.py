@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue an existing run folder from its latest committed checkpoint")
     p.add_argument("--from-scratch", action="store_true",
-                   help="with --resume: when no checkpoint of the run verifies, start again from step 0 (the "
+                   help="with --resume: when no checkpoint of the run verifies, or its newest checkpoints are "
+                        "missing, go on from the newest one left, or start again from step 0 when none is (the "
                         "damaged checkpoints are kept); without it such a resume is refused")
     p.add_argument("--dry-run", action="store_true",
                    help="slurm: print the exact job script and submit nothing (nothing is written)")

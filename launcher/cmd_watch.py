@@ -59,8 +59,12 @@ class MetricsTail:
         self.offset += end
         for line in chunk[:end].splitlines():
             try:
-                rec = steps.from_data(json.loads(line), str(self.path))
-            except (ValueError, RecursionError):  # RunFolderError is a ValueError too
+                data = json.loads(line)
+                if isinstance(data, dict) and steps.MARKER in data:  # a resume redoes these steps
+                    self.recent = collections.deque(r for r in self.recent if r.step < int(data[steps.MARKER]))
+                    continue
+                rec = steps.from_data(data, str(self.path))
+            except (ValueError, TypeError, RecursionError):  # RunFolderError is a ValueError too
                 continue
             self.recent.append(rec)
             while len(self.recent) > self.keep:

@@ -160,8 +160,10 @@ class Resume:
 
 def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = False) -> Resume:
     """Everything a resume needs, checked on the login node before anything is written: the run
-    folder and its record, no live controller, the config with its overrides, a checkpoint to
-    resume from that fits the (possibly changed) model. A refusal is a one-line UserError."""
+    folder and its record, no live controller, the config with its overrides, the checkpoints
+    the record says were committed (the newest gone: refused unless ``from_scratch``), a
+    checkpoint to resume from that fits the (possibly changed) model. A refusal is a one-line
+    UserError; a storage error reading a checkpoint a one-line TransientIOError (the CLI: exit 1)."""
     run = RunFolder.open(run_dir.expanduser().resolve())
     state = RunRecord(run).read()
     live = controller_alive(run)
@@ -169,8 +171,13 @@ def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = Fa
         raise UserError(f"{run.path}: its controller still runs ({live}); wait for it, or end it first "
                         "(`baton cancel`), then resume")
     cfg = pin_sd_dir(config_mod.load(run.config, overrides))
+    refusal, gone = manifest.vanished(run.checkpoints, state.checkpoints)
+    if refusal is not None and not from_scratch:
+        raise UserError(refusal)
     intact, problems = manifest.newest_intact(run.checkpoints)
-    notes = [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
+    if refusal is not None:  # --from-scratch: the user gives the missing ones up
+        gone = [refusal.split("; restore", 1)[0] + "; --from-scratch: going on without them", *gone]
+    notes = gone + [f"checkpoint {p} (skipped)" for p in problems] + manifest.findings(run.checkpoints)
     if intact is None and (problems or manifest.damaged(run.checkpoints)) and not from_scratch:
         raise UserError(f"{run.checkpoints}: no checkpoint to resume from ({'; '.join(problems) or 'all damaged'}); "
                         "the run does not start over by itself: add --from-scratch to start again from step 0")

@@ -19,6 +19,7 @@ import numpy as np
 
 from core.checkpoint.hdf5 import CheckpointReader
 from core.config import run as config_mod
+from core.record import steps
 from core.record.runfolder import RunFolder
 from launcher import local, runprep
 
@@ -233,8 +234,9 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's step records (metrics.jsonl) as plain dicts."""
-    return json_lines(run_dir / "metrics.jsonl")
+    """The run's current step records (metrics.jsonl: the latest of each step; those a resume
+    redid, marked superseded, left out) as plain dicts."""
+    return [data for data, superseded in steps.entries(run_dir / "metrics.jsonl") if not superseded]
 
 
 def losses(run_dir: Path, *, every_step_once: bool = False) -> list[float]:

@@ -56,14 +56,16 @@ def tmp_step_dir(root: Path, step: int) -> Path:
 
 
 def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dict[str, Any], *,
-           world_size: int | None = None, keep_last: int = 2, pinned: frozenset[int] = frozenset()) -> Path:
+           world_size: int | None = None, keep_last: int = 2, pinned: frozenset[int] = frozenset(),
+           retired: list[int] | None = None) -> Path:
     """Commit one save: validate the ranks' acks, write the manifest last, rename, move ``latest``.
 
     ``world_size`` is the number of writing ranks (default: ``len(acks)``); every rank
     ``0..world_size-1`` must have acknowledged exactly once, with a file in ``tmp_dir`` of
     the acked size, and the acked slices must tile every global tensor exactly. ``meta``
     is recorded as is; its ``layout`` and ``config_hash`` are also lifted to the top level.
-    Then keeps ``keep_last`` checkpoints and removes debris of older saves. Returns the
+    Then keeps ``keep_last`` checkpoints (the steps it deletes are added to ``retired``) and
+    removes debris of older saves. Returns the
     committed folder. Raises ``CheckpointError`` naming the problem; nothing is committed then.
     """
     tmp_dir = Path(tmp_dir)
@@ -88,7 +90,9 @@ def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dic
     logger.info("committed checkpoint %s (%d files, %d tensors)", final, len(files), len(tensors))
     if aside is not None:
         shutil.rmtree(aside)
-    retain(root, keep_last, pinned)
+    deleted = retain(root, keep_last, pinned)
+    if retired is not None:
+        retired.extend(int(STEP_RE.match(p.name).group(1)) for p in deleted)  # type: ignore[union-attr]
     remove_uncommitted(root, up_to_step=step)
     return final
 

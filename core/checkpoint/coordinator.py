@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -85,13 +85,22 @@ class CheckpointCoordinator:
         self.pinned: set[int] = set()  # steps retention keeps for the run's life (an RL run's reference)
 
     # --- resume -----------------------------------------------------------------------------
-    def resume_point(self, *, from_scratch: bool = False) -> Path | None:
+    def resume_point(self, *, from_scratch: bool = False, recorded: Sequence[int] = ()) -> Path | None:
         """The newest committed checkpoint that verifies (any layout), or None when there is none.
 
-        Each newer one that fails verification is set aside (kept, named in an event). When
-        checkpoints existed but none verifies, the run does not start again from step 0 unless
-        ``from_scratch`` (`baton submit --resume RUN --from-scratch`): a CheckpointError naming
-        them. One saved with another model is a ConfigError: it would load wrong shapes."""
+        ``recorded``: the steps the run's record says are committed and not retired. When the
+        newest of them is gone (moved, purged) the resume would go back: a CheckpointError
+        naming it, unless ``from_scratch`` (`baton submit --resume RUN --from-scratch`). Each
+        newer one that fails verification is set aside (kept, named in an event); a storage
+        error reading one is raised (TransientIOError: recovery retries it), never taken for
+        damage. When checkpoints existed but none verifies, the run does not start again from
+        step 0 unless ``from_scratch``: a CheckpointError naming them. One saved with another
+        model is a ConfigError: it would load wrong shapes."""
+        refusal, notes = manifest.vanished(self.root, recorded)
+        if refusal is not None and not from_scratch:
+            raise CheckpointError(refusal)
+        for note in notes:
+            log.warning("%s", note)
         step_dir = None
         for step in reversed(manifest.committed_steps(self.root)):
             candidate = self.root / manifest.step_dir_name(step)
@@ -203,9 +212,10 @@ class CheckpointCoordinator:
             "config_hash": self.model_hash,
             "loop": p.loop.to_meta(),
         }
+        retired: list[int] = []
         try:
             final = commit(self.root, p.step, p.tmp, acks, meta, world_size=self.group.dims.world_size,
-                           keep_last=self.keep_last, pinned=frozenset(self.pinned))
+                           keep_last=self.keep_last, pinned=frozenset(self.pinned), retired=retired)
         except OSError as exc:
             if is_transient(exc):
                 raise TransientIOError(f"{p.tmp}: the commit of step {p.step} failed ({exc}); a storage fault: "
@@ -215,7 +225,7 @@ class CheckpointCoordinator:
         self.last_save_s = seconds
         nbytes = sum(a.size_bytes for a in acks)
         self.record.append(ev.CheckpointCommitted(step=p.step, folder=final.name, seconds=round(seconds, 3),
-                                                  bytes=nbytes))
+                                                  bytes=nbytes, retired=tuple(retired)))
         log.info("checkpoint of step %d committed in %.2f s (%.1f MB)", p.step, seconds, nbytes / 1e6)
         if self.on_commit is not None:
             self.on_commit(seconds, nbytes)

@@ -29,13 +29,15 @@ import logging
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from core.errors import CheckpointError, ConfigError
+from core.checkpoint.storage import manifest_bytes, storage_io, unreadable
+from core.errors import CheckpointError, ConfigError, RunFolderError, TransientIOError
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,10 @@ def rank_file_name(rank: int) -> str:
 
 def file_checksum(path: Path) -> str:
     """``xxh3_64:<hex>`` over the file's bytes; the writer computes the same from its buffers."""
+    return storage_io(path, lambda: _checksum(path))
+
+
+def _checksum(path: Path) -> str:
     h = xxhash.xxh3_64()
     buf = bytearray(_READ_BLOCK)
     view = memoryview(buf)
@@ -143,8 +149,6 @@ def fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- reading and verifying
-
-
 def committed_steps(root: Path) -> list[int]:
     """Steps with a committed checkpoint (final folder name and a manifest), ascending."""
     if not root.is_dir():
@@ -152,7 +156,7 @@ def committed_steps(root: Path) -> list[int]:
     steps = []
     for p in root.iterdir():
         m = STEP_RE.match(p.name)
-        if m and (p / MANIFEST_NAME).is_file():
+        if m and storage_io(p, (p / MANIFEST_NAME).is_file):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
@@ -178,11 +182,15 @@ def read_manifest(step_dir: Path) -> Manifest:
     path = Path(step_dir) / MANIFEST_NAME
     fix = f"this checkpoint is unusable: delete {step_dir} or resume from another step"
     try:
-        doc = json.loads(path.read_bytes())
+        raw = manifest_bytes(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing, so {step_dir} was never committed; {fix}") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc}); {fix}") from None
+    except OSError as exc:  # not transient (those are retried, then a TransientIOError): not damage either
+        raise unreadable(path, exc) from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: unreadable (not valid JSON: {exc}); {fix}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a Baton checkpoint manifest; {fix}")
     version = doc.get("format_version")
@@ -211,7 +219,8 @@ def verify(step_dir: Path, *, checksums: bool = True) -> list[str]:
     """Problems of one checkpoint, each naming the file and the reason; empty when it is good.
 
     Checks the manifest, then each file's presence and size, then (``checksums``) its
-    xxh3 checksum over the bytes on disk.
+    xxh3 checksum over the bytes on disk. A storage error is no problem of the checkpoint's:
+    it is raised (TransientIOError after retries, RunFolderError), never returned.
     """
     step_dir = Path(step_dir)
     try:
@@ -222,13 +231,16 @@ def verify(step_dir: Path, *, checksums: bool = True) -> list[str]:
     for f in manifest.files:
         path = step_dir / f.name
         try:
-            size = os.stat(path).st_size
+            size = storage_io(path, lambda p=path: os.stat(p).st_size)  # type: ignore[misc]
+            actual = file_checksum(path) if checksums and size == f.size_bytes else f.checksum
         except FileNotFoundError:
             problems.append(f"{path}: missing (rank {f.rank}'s shard)")
             continue
+        except OSError as exc:
+            raise unreadable(path, exc) from None
         if size != f.size_bytes:
             problems.append(f"{path}: size {size} bytes, manifest says {f.size_bytes} (truncated or overwritten)")
-        elif checksums and (actual := file_checksum(path)) != f.checksum:
+        elif actual != f.checksum:
             problems.append(f"{path}: checksum {actual}, manifest says {f.checksum} (the bytes are corrupt)")
     return problems
 
@@ -295,7 +307,7 @@ def list_checkpoints(root: Path) -> list[CheckpointEntry]:
         if committed:
             try:
                 layout = read_manifest(p).layout
-            except CheckpointError:
+            except (CheckpointError, RunFolderError, TransientIOError):
                 pass  # listed as committed with no layout; `baton ckpt verify` says why
         size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
         out.append(CheckpointEntry(step=int(m.group(1)), path=p, committed=committed, size_bytes=size,
@@ -315,6 +327,34 @@ def newest_intact(root: Path) -> tuple[Path | None, list[str]]:
             return step_dir, problems
         problems.append(f"{step_dir.name}: {'; '.join(found)}")
     return None, problems
+
+
+def vanished(root: Path, recorded: Sequence[int]) -> tuple[str | None, list[str]]:
+    """The run's record (``recorded``: the steps it committed and retention did not delete)
+    against what ``root`` holds: a refusal (one line) when the newest recorded checkpoint is
+    gone and nothing as new is left (a resume would go back, or start from step 0), and a
+    note per older one gone. A damaged one (set aside) is not gone: it is named elsewhere."""
+    here = set()
+    if root.is_dir():
+        for p in root.iterdir():
+            m = STEP_RE.match(p.name) or DAMAGED_RE.match(p.name)
+            if m and p.is_dir():
+                here.add(int(m.group(1)))
+    gone = sorted((s for s in set(recorded) - here), reverse=True)
+    if not gone:
+        return None, []
+    names = [step_dir_name(s) for s in gone]
+    left = committed_steps(root)
+    if max(here, default=-1) >= gone[0]:
+        return None, [f"checkpoint {root / n}: missing, though the run's record says it was committed; the resume "
+                      f"uses a newer one" for n in names]
+    where = f"{root} (the folder itself is gone)" if not root.is_dir() else str(root)
+    fallback = (f"go on from {step_dir_name(left[-1])}, the newest left (steps {left[-1]} to {gone[0]} are redone)"
+                if left else "start again from step 0 (no checkpoint is left)")
+    return (f"{where}: {', '.join(names)} missing, though the run's record says "
+            f"{'they were' if len(names) > 1 else 'it was'} committed and not deleted by retention (moved away or "
+            f"purged?); restore {'them' if len(names) > 1 else 'it'} into {root} and resume, or add --from-scratch to "
+            f"{fallback}"), []
 
 
 def damaged(root: Path) -> list[Path]:

@@ -138,7 +138,7 @@ class Program:
     def resume(self) -> None:
         """Continue from the newest committed checkpoint that verifies (any layout)."""
         before = self.record.read()
-        step_dir = self.checkpoints.resume_point(from_scratch=before.from_scratch)
+        step_dir = self.checkpoints.resume_point(from_scratch=before.from_scratch, recorded=before.checkpoints)
         self.step = 0 if step_dir is None else self.checkpoints.load(step_dir)
         self._resumed_from = step_dir
         new: list[ev.Event] = []
@@ -152,9 +152,9 @@ class Program:
             self._epoch_start = self.step
         with self.record.update(*new) as s:
             s.step, s.from_scratch = self.step, False
-        # The steps past the checkpoint are redone: their records go, and goodput counts
-        # only the steps that survive (work redone after a requeue was not useful).
-        kept = step_records.keep_before(self.run.metrics, self.step)
+        # The steps past the checkpoint are redone: their records are marked superseded (kept),
+        # and goodput counts only the steps that survive (work redone after a requeue was not useful).
+        kept = step_records.supersede(self.run.metrics, self.step, self.workers.epoch)
         self._useful_s = sum(r.step_time_s for r in kept)
         self.last_loss = kept[-1].loss if kept else None
 

@@ -182,11 +182,14 @@ class CheckpointStarted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointCommitted(Event):
+    """A checkpoint committed; ``retired``: the older ones retention deleted after it."""
+
     KIND: ClassVar[str] = "checkpoint_committed"
     step: int
     folder: str
     seconds: float
     bytes: int
+    retired: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -121,6 +121,8 @@ class RunState:
     reason: str = ""  # why it failed or stopped
     micro_batch_size: int | None = None  # as the workers resolved it
     from_scratch: bool = False  # granted by `--resume --from-scratch`, used up by the next controller
+    checkpoints: tuple[int, ...] = ()  # the steps of the committed checkpoints retention has not deleted
+    retired: tuple[int, ...] = ()  # the steps of those retention deleted
     ranks: tuple[RankInfo, ...] = ()
     recovery: Budget = field(default_factory=Budget)
     goodput: Goodput = field(default_factory=Goodput)
@@ -132,7 +134,7 @@ class RunState:
 
 # --- the fold: what each event changes in the state -----------------------------------------
 # One entry per kind that changes the state: (state, event) → the fields it sets. Kinds not
-# here only inform (checkpoints, losses, decisions whose numbers the writer keeps by hand:
+# here only inform (damaged checkpoints, losses, decisions whose numbers the writer keeps by hand:
 # the retry budget, the step). ``RunRecord`` folds every event it appends.
 FOLD: dict[type[ev.Event], Callable[[RunState, Any], dict[str, Any]]] = {
     ev.Created: lambda s, e: {"status": Status.CREATED, "backend": e.backend},
@@ -145,6 +147,13 @@ FOLD: dict[type[ev.Event], Callable[[RunState, Any], dict[str, Any]]] = {
                                         **({} if e.total_steps is None else {"total_steps": e.total_steps})},
     ev.WorkersReady: lambda s, e: {"ranks": e.ranks, "generation": e.generation, "micro_batch_size": e.micro_batch_size},
     ev.RestartingWorkers: lambda s, e: {"generation": e.generation, **({} if e.step is None else {"step": e.step})},
+    ev.CheckpointCommitted: lambda s, e: {
+        "checkpoints": tuple(sorted({*s.checkpoints, e.step} - set(e.retired))),
+        "retired": tuple(sorted({*s.retired, *e.retired} - {e.step}))},
+    # A resume goes on from e.step: the checkpoints past it are gone (damaged, or given up by
+    # --from-scratch) and will be saved again; from step 0, none of the old ones counts.
+    ev.Resumed: lambda s, e: {"checkpoints": tuple(c for c in s.checkpoints if c <= e.step)},
+    ev.RestartFromScratch: lambda s, e: {"checkpoints": ()},
     ev.Requeued: lambda s, e: {"status": Status.REQUEUED},
     ev.Completed: lambda s, e: {"status": Status.COMPLETED, "reason": ""},
     ev.Stopped: lambda s, e: {"status": Status.STOPPED, "reason": e.reason},

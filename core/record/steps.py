@@ -3,14 +3,20 @@
 Read by `baton status --watch`, `baton report`, `baton doctor`, the sweep ledger and the
 Prometheus endpoint. On disk a record is a flat JSON object; optional per-rank fields are
 left out when the task does not measure them. ``to_data``/``from_data`` are inverses;
-readers ignore keys they do not know (a newer Baton may add some) and skip a torn last
-line (a crash mid-append).
+readers ignore keys they do not know (a newer Baton may add some) and skip a torn line
+(a crash mid-append; the next append starts on a new line).
+
+The file is append-only: nothing is ever deleted from it. A resume that redoes steps
+appends a marker line (``supersede``); ``read`` returns the current records (the latest
+of each step), and with ``superseded=True`` the redone ones too, flagged.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +25,6 @@ from typing import Any
 from core.config.schema import build
 from core.config.schema import to_data as _plain
 from core.errors import RunFolderError
-from core.record.runfolder import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,7 @@ class StepRecord:
     # program: ppo, on its RL steps
     value_loss: float | None = None  # the critic's clipped value loss in its first epoch (token mean)
     values_mean: float | None = None  # the critic's values of the step's response tokens before its update
+    superseded: bool = False  # read(superseded=True): a record of a step a resume redid (never written)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
@@ -67,9 +73,13 @@ OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", 
                      "phase_s", "value_loss", "values_mean")
 
 
+MARKER = "superseded_from"  # a line {"superseded_from": STEP, "epoch": N, "time": T}: a resume redoes STEP on
+
+
 def to_data(record: StepRecord) -> dict[str, Any]:
     """The JSON object of one line (optional fields that are None left out)."""
-    return {k: v for k, v in _plain(record).items() if not (v is None and k in OPTIONAL_PER_RANK)}
+    return {k: v for k, v in _plain(record).items()
+            if not (v is None and k in OPTIONAL_PER_RANK) and k != "superseded"}
 
 
 def from_data(data: Any, where: str) -> StepRecord:
@@ -81,8 +91,32 @@ def from_data(data: Any, where: str) -> StepRecord:
 
 def append(path: Path, record: StepRecord) -> None:
     """Add one record (one line; the controller is the only writer)."""
-    with path.open("a") as f:
-        f.write(json.dumps(to_data(record)) + "\n")
+    _append_line(path, json.dumps(to_data(record)))
+
+
+def supersede(path: Path, step: int, epoch: int) -> list[StepRecord]:
+    """A resume from step ``step`` redoes the steps past it: their records stay, marked
+    superseded by a marker line (``{"superseded_from": step, "epoch": epoch, "time": ...}``)
+    when there are any. Returns the current records before ``step``."""
+    current = read(path)
+    if any(r.step >= step for r in current):
+        _append_line(path, json.dumps({MARKER: step, "epoch": epoch, "time": time.time()}))
+    return [r for r in current if r.step < step]
+
+
+def _append_line(path: Path, line: str) -> None:
+    """One line at the end; a torn last line (a crash mid-append) stays alone, never glued to it."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -96,31 +130,39 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
             yield n, line
 
 
-def read(path: Path, *, strict: bool = False) -> list[StepRecord]:
-    """Every record, oldest first. A torn last line is skipped with a warning; another bad line
-    is skipped too unless ``strict`` (then a RunFolderError names it)."""
-    out = []
+def entries(path: Path, *, strict: bool = False) -> list[tuple[dict[str, Any], bool]]:
+    """Every record's JSON object in file order, with whether it is superseded: a marker
+    line supersedes the records before it at its step or later; of two records of one step,
+    the earlier. A torn line (a crash mid-append: no closing brace) is skipped with a
+    warning; another bad line is skipped too unless ``strict`` (then a RunFolderError names it)."""
+    out: list[list[Any]] = []
     lines = list(_lines(path))
-    for i, (n, line) in enumerate(lines):
+    last = lines[-1][0] if lines else 0
+    for n, line in lines:
         try:
-            out.append(from_data(json.loads(line), f"{path} line {n}"))
-        except (ValueError, RunFolderError) as exc:
-            if i == len(lines) - 1 and not line.endswith(b"}"):
-                log.warning("%s: skipped a torn last line (%d bytes)", path, len(line))
-            else:
-                why = str(exc) if isinstance(exc, RunFolderError) else f"{path} line {n}: {exc}"
-                if strict:
-                    raise RunFolderError(why) from None
-                log.warning("skipped: %s", why)
-    return out
+            data = json.loads(line)
+            if isinstance(data, dict) and MARKER in data:
+                for e in out:
+                    e[1] = e[1] or e[0]["step"] >= int(data[MARKER])
+                continue
+            from_data(data, f"{path} line {n}")
+        except (ValueError, TypeError, RecursionError, RunFolderError) as exc:
+            if not line.rstrip().endswith(b"}"):
+                log.warning("%s line %d: skipped a torn %sline (%d bytes)", path, n,
+                            "last " if n == last else "", len(line))
+                continue
+            why = str(exc) if isinstance(exc, RunFolderError) else f"{path} line {n}: {exc}"
+            if strict:
+                raise RunFolderError(why) from None
+            log.warning("skipped: %s", why)
+            continue
+        out.append([data, False])
+    latest = {e[0]["step"]: i for i, e in enumerate(out) if not e[1]}
+    return [(e[0], e[1] or latest.get(e[0]["step"]) != i) for i, e in enumerate(out)]
 
 
-def keep_before(path: Path, step: int) -> list[StepRecord]:
-    """After a resume from step ``step``, the steps past it are redone: drop their records.
-    Returns what is kept (a torn last line goes too)."""
-    if not path.exists():
-        return []
-    kept = [r for r in read(path) if r.step < step]
-    write_atomic(path, "".join(json.dumps(to_data(r)) + "\n" for r in kept))
-    return kept
-
+def read(path: Path, *, strict: bool = False, superseded: bool = False) -> list[StepRecord]:
+    """The current records (one per step: the latest), oldest first; ``superseded``: every
+    record, those a resume redid with ``superseded=True``. See ``entries`` for bad lines."""
+    return [dataclasses.replace(from_data(d, str(path)), superseded=True) if gone else from_data(d, str(path))
+            for d, gone in entries(path, strict=strict) if superseded or not gone]

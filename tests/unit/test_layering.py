@@ -23,7 +23,7 @@ RULES: dict[str, set[str]] = {
     "data": {"errors"},
     "rl": {"errors"},
     "parallel": {"errors", "config"},
-    "checkpoint": {"errors", "config", "record", "wire", "hf"},
+    "checkpoint": {"errors", "config", "record", "wire", "hf", "job"},
     "supervisor": {"errors", "config", "record", "job", "checkpoint"},
     "flows": {"errors", "config", "wire", "checkpoint"},
     "controller": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl", "data"},
@@ -40,6 +40,7 @@ ONLY = {
     ("flows", "checkpoint"): {"core.checkpoint.spec"},
     ("launcher", "controller"): {"core.controller.slurm_entry"},  # submitit pickles it; it imports nothing
     ("launcher", "checkpoint"): {"core.checkpoint.manifest"},  # list and verify from file bytes
+    ("checkpoint", "job"): {"core.job.faults"},  # the tests' storage faults at a manifest's open
     ("launcher", "data"): {"core.data.sft", "core.data.prompts", "core.data.tokenizer"},  # submit reads the data it will train on
     ("supervisor", "checkpoint"): {"core.checkpoint.manifest"},
     ("config", "hf"): {"core.hf.families"},  # config.json as the model section; no numpy

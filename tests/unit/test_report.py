@@ -139,3 +139,18 @@ def test_the_run_s_interruptions_are_marked_on_its_curves(tmp_path: Path) -> Non
     for run in (plain, marked):
         assert _report(str(run)) == 0
     assert (plain / "report" / "loss.png").read_bytes() != (marked / "report" / "loss.png").read_bytes()
+
+
+@needs_matplotlib
+def test_superseded_shows_the_records_of_the_steps_a_resume_redid_faded(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    run = _run_folder(tmp_path / "r", n=20)
+    assert steps.supersede(run / "metrics.jsonl", 12, epoch=1)  # the resume from step 12: 12..19 are redone
+    for step in range(12, 20):
+        steps.append(run / "metrics.jsonl", StepRecord(step=step, loss=0.5, time=1.8e9 + step))
+    assert _report(str(run), "--out", str(tmp_path / "plain")) == 0
+    assert _report(str(run), "--superseded", "--out", str(tmp_path / "both")) == 0
+    out = capsys.readouterr().out
+    assert "superseded records of 8 redone steps (12..19)" in out
+    assert (tmp_path / "plain" / "loss.png").read_bytes() != (tmp_path / "both" / "loss.png").read_bytes()
+    assert cmd_report.superseded_line(RunFolder(_run_folder(tmp_path / "q"))).endswith("no superseded records "
+                                                                                       "(no resume redid a step)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -159,7 +158,9 @@ def _field_value(tp: Any) -> st.SearchStrategy[Any]:
     table: dict[Any, st.SearchStrategy[Any]] = {
         int: st.integers(-5, 10**9), float: _num, str: _text, bool: st.booleans(),
         int | None: _maybe_int, float | None: st.none() | _num, str | None: st.none() | _text,
-        tuple[str, ...]: st.lists(_text, max_size=3).map(tuple), dict[str, str]: st.dictionaries(_text, _text, max_size=3),
+        tuple[str, ...]: st.lists(_text, max_size=3).map(tuple), tuple[int, ...]: st.lists(st.integers(0, 10**6),
+                                                                                            max_size=3).map(tuple),
+        dict[str, str]: st.dictionaries(_text, _text, max_size=3),
         tuple[RankInfo, ...]: st.lists(st.deferred(lambda: _ranks), max_size=2).map(tuple),
     }
     return table.get(tp, st.none() | _text | st.integers(0, 9) | st.lists(st.integers(0, 9), max_size=3))
@@ -191,6 +192,8 @@ _states = st.builds(
     recovery=st.builds(Budget, retries=st.integers(0, 9), node_failures=st.dictionaries(_text, st.integers(0, 9)),
                        exclude=st.lists(_text, max_size=2).map(tuple), last_failure_step=st.integers(-1, 99)),
     goodput=st.builds(Goodput, allocated_s=_num, useful_s=_num),
+    checkpoints=st.lists(st.integers(0, 10**6), max_size=3).map(tuple),
+    retired=st.lists(st.integers(0, 10**6), max_size=3).map(tuple),
     slurm=st.builds(SlurmInfo, job_id=st.none() | _text,
                     controller_task=st.dictionaries(_text, st.none() | _text | st.integers(0, 9), max_size=3)),
 )
@@ -214,16 +217,28 @@ def test_a_step_record_round_trips_through_json(record: steps.StepRecord) -> Non
     assert steps.from_data(json.loads(json.dumps(steps.to_data(record))), "metrics.jsonl line 1") == record
 
 
-def test_step_records_skip_a_torn_last_line_and_keep_before_drops_redone_steps(tmp_path: Path) -> None:
+def test_step_records_skip_a_torn_line_and_a_resume_supersedes_redone_steps_deleting_none(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     for i in range(5):
         steps.append(path, steps.StepRecord(step=i, loss=1.0 / (i + 1), time=time.time()))
     with path.open("a") as f:
         f.write('{"step": 5, "lo')
     assert [r.step for r in steps.read(path)] == [0, 1, 2, 3, 4]
-    kept = steps.keep_before(path, 3)
-    assert [r.step for r in kept] == [0, 1, 2] and [r.step for r in steps.read(path)] == [0, 1, 2]
-    assert os.path.getsize(path) == len(path.read_bytes()) and path.read_text().endswith("}\n")
+    before = path.read_bytes()
+    kept = steps.supersede(path, 3, epoch=1)
+    assert [r.step for r in kept] == [0, 1, 2]
+    assert path.read_bytes().startswith(before)  # appended to, never rewritten: the torn line stays
+    for i in (3, 4, 5):
+        steps.append(path, steps.StepRecord(step=i, loss=10.0 + i, time=time.time()))
+    lines = path.read_text().splitlines()
+    assert lines[5] == '{"step": 5, "lo' and json.loads(lines[6])["superseded_from"] == 3  # on a line of its own
+    assert [(r.step, r.loss) for r in steps.read(path)] == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 13.0), (4, 14.0),
+                                                            (5, 15.0)]
+    every = steps.read(path, superseded=True)
+    assert [(r.step, r.superseded) for r in every] == [(0, False), (1, False), (2, False), (3, True), (4, True),
+                                                       (3, False), (4, False), (5, False)]
+    assert "superseded" not in json.loads(lines[-1])  # a reader's flag, never written
+    assert steps.supersede(path, 6, epoch=2) and path.read_text().splitlines() == lines  # nothing redone: no marker
 
 
 # --- the fold: every event that changes the state changes it one way --------------------------
@@ -245,8 +260,8 @@ def test_an_appended_event_is_folded_into_the_state(tmp_path: Path) -> None:
     assert (record.read().status, record.read().reason) == (Status.FAILED, "boom")
     record.append(ev.Cancelled(job_id="42"))  # a failed run stays failed
     assert record.read().status is Status.FAILED
-    record.append(ev.CheckpointCommitted(step=3, folder="step_3", seconds=1.0, bytes=1))  # informs only
-    assert record.read().status is Status.FAILED and len(record.events()) == 7
+    record.append(ev.CheckpointCommitted(step=3, folder="step_3", seconds=1.0, bytes=1))  # the checkpoints only
+    assert record.read().status is Status.FAILED and record.read().checkpoints == (3,) and len(record.events()) == 7
 
 
 def test_update_folds_its_events_before_the_body_and_an_append_inside_it_at_once(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ import io
 import json
 from pathlib import Path
 
+from core.record import steps
 from core.record.runfolder import RunFolder
 from core.record.state import RunRecord, RunState, Status
 from core.record.steps import StepRecord, to_data
@@ -56,3 +57,12 @@ def test_watch_shows_unknown_while_state_is_unreadable_and_skips_lines_that_are_
     assert cmd_watch.watch(run, 0.0, stream=out, max_iterations=2, sleep=lambda s: None) == 0
     assert out.getvalue().splitlines()[0].startswith(f"{run.parent.name}/{run.name}  unknown  (restarts 0) | step 100/?")
     assert [r.step for r in cmd_watch.MetricsTail(run / "metrics.jsonl").poll()] == [0, 1, 2, 99]
+
+
+def test_the_tail_drops_the_records_a_resume_redoes_at_its_marker(tmp_path: Path) -> None:
+    run = _run_folder(tmp_path, Status.RUNNING, 8)
+    tail = cmd_watch.MetricsTail(run / "metrics.jsonl", keep=5)
+    assert [r.step for r in tail.poll()] == [3, 4, 5, 6, 7]
+    steps.supersede(run / "metrics.jsonl", 5, epoch=1)
+    steps.append(run / "metrics.jsonl", steps.StepRecord(step=5, loss=0.5))
+    assert [r.step for r in tail.poll()] == [3, 4, 5]
