@@ -5,17 +5,28 @@
     data_delay_ms=N        every rank sleeps N ms while it fetches a step's batches
     compute_delay_ms=R:N   rank R (global) sleeps N ms in each step's compute: a straggler
     sync_delay_ms=N        every average of ``parallel.sync`` sleeps N ms: a slow link
+    raise_at_step=S:KIND   every rank raises at training step S, once per run folder (a marker
+                           file per rank, fault-raised-S-rNNNNN, so the retry goes past it):
+                           conn_reset          a real ConnectionResetError (a TCP peer's RST)
+                           collective_timeout  the RuntimeError gloo raises when a collective times out
+                           runtime_error       a RuntimeError of unknown cause, the same on every rank
+                           type_error          the same TypeError on every rank: a bug
 
-Unset (the normal case), nothing sleeps. A malformed setting raises at the first step,
-naming it.
+Unset (the normal case), nothing sleeps or raises. A malformed setting raises at the first
+step, naming it.
 """
 from __future__ import annotations
 
 import functools
 import os
+import socket
+import struct
 import time
+from pathlib import Path
 
 ENV = "BATON_FAULTS"
+KEYS = ("data_delay_ms", "compute_delay_ms", "sync_delay_ms", "raise_at_step")
+KINDS = ("conn_reset", "collective_timeout", "runtime_error", "type_error")
 
 
 @functools.cache
@@ -23,8 +34,11 @@ def _settings() -> dict[str, str]:
     out = {}
     for item in filter(None, (s.strip() for s in os.environ.get(ENV, "").split(";"))):
         key, sep, value = item.partition("=")
-        if not sep or key not in ("data_delay_ms", "compute_delay_ms", "sync_delay_ms"):
-            raise ValueError(f"{ENV}: {item!r} is not one of data_delay_ms=N, compute_delay_ms=RANK:N, sync_delay_ms=N")
+        if not sep or key not in KEYS:
+            raise ValueError(f"{ENV}: {item!r} is not one of data_delay_ms=N, compute_delay_ms=RANK:N, "
+                             f"sync_delay_ms=N, raise_at_step=STEP:KIND (KIND: {', '.join(KINDS)})")
+        if key == "raise_at_step" and (value.partition(":")[2] not in KINDS or not value.partition(":")[0].isdigit()):
+            raise ValueError(f"{ENV}: {item!r}: give raise_at_step=STEP:KIND with KIND one of {', '.join(KINDS)}")
         out[key] = value
     return out
 
@@ -46,3 +60,36 @@ def compute_delay(rank: int) -> None:
 
 def sync_delay() -> None:
     _sleep_ms(_settings().get("sync_delay_ms"))
+
+
+def raise_at_step(step: int, rank: int) -> None:
+    """``raise_at_step=S:KIND``: raise KIND at step S, the first time this rank of this run
+    (``BATON_RUN_DIR``, the worker's run folder) gets there."""
+    at, _, kind = _settings().get("raise_at_step", "").partition(":")
+    if not at or int(at) != step:
+        return
+    marker = Path(os.environ["BATON_RUN_DIR"]) / f"fault-raised-{step}-r{rank:05d}"
+    if marker.exists():
+        return
+    marker.touch()
+    if kind == "conn_reset":
+        _connection_reset()
+    if kind == "collective_timeout":  # gloo's words (ProcessGroupGloo, a recv past the timeout)
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                           f"1800000ms for recv operation to complete (injected at step {step} by {ENV})")
+    if kind == "runtime_error":
+        raise RuntimeError(f"injected failure of unknown cause at step {step} ({ENV})")
+    raise TypeError(f"injected TypeError at step {step} ({ENV})")
+
+
+def _connection_reset() -> None:
+    """Receive from a loopback TCP connection whose peer closed it with a reset: a real ECONNRESET."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        with client:
+            peer, _ = server.accept()
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+            peer.close()
+            client.settimeout(10)
+            client.recv(1)  # raises ConnectionResetError
+    raise ConnectionResetError("the peer closed without a reset")  # not reached on Linux

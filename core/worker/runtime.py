@@ -22,7 +22,7 @@ from typing import Any
 
 from core.config.run import RunConfig
 from core.config.runplan import RunPlan
-from core.errors import ExitCode, RegistrationError, UserError, is_transient
+from core.errors import ExitCode, RegistrationError, fault_class
 from core.job.env import JobEnv
 from core.job.process import free_port
 from core.job.signals import PreemptionFlag
@@ -216,8 +216,9 @@ class WorkerRuntime:
             log.error("call %s refused: %s", method, exc)
             return self._error(req_id, "ProtocolError", str(exc))
         log.exception("call %s failed", method)
+        fault = fault_class(exc)  # by cause: the controller retries a transient fault, fails a user's at once
         return self._error(req_id, type(exc).__name__, str(exc), traceback.format_exc(),
-                           user_error=isinstance(exc, UserError), transient=is_transient(exc))
+                           user_error=fault == "user", transient=fault == "transient")
 
 
 def _close(task: Task) -> None:
