@@ -259,3 +259,27 @@ def test_a_commit_on_a_full_disk_fails_transient_commits_nothing_and_the_next_co
         final = commit(root, 10, tmp2, acks2, {})
         assert manifest.committed_steps(root) == [10] and not tmp.exists()
         assert manifest.verify(final) == [] and manifest.damaged(root) == []
+
+
+def test_a_full_disk_after_the_manifest_leaves_the_step_committed_and_the_next_commit_moves_latest(
+        tmp_path: Path) -> None:
+    """Room for the manifest but not for ``latest``: the step is committed (the rename is the commit;
+    a resume looks at the folders, not at ``latest``), the error is transient, the next commit fixes it."""
+    item = TensorSlice(name="w", global_shape=(8,), offset=(0,), shape=(8,), dtype="float32")
+    with small_tmpfs(tmp_path / "ckpt", 256 << 10) as root:
+        def save(step: int) -> tuple[Path, list]:
+            tmp = tmp_step_dir(root, step)
+            return tmp, [write_shard(tmp / manifest.rank_file_name(0), [(item, np.full(8, step, np.float32))], {},
+                                     {"step": step, "rank": 0})]
+
+        tmp, acks = save(10)
+        filler = fill_up(root, leave_bytes=4096)  # one page: the manifest's
+        exc = _raised(commit, root, 10, tmp, acks, {})
+        assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC and is_transient(exc)
+        assert manifest.committed_steps(root) == [10] and manifest.read_latest(root) is None
+        assert manifest.latest_valid(root) == root / "step_00000010"
+        filler.unlink()
+        tmp2, acks2 = save(20)
+        commit(root, 20, tmp2, acks2, {})
+        assert manifest.read_latest(root) == 20 and manifest.damaged(root) == []
+        assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # no temporary file of `latest`
