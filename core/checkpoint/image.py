@@ -16,7 +16,7 @@ class SparseImage:
     """A file in memory for h5py's file-object driver, kept in pages of what was written:
     the data regions HDF5 allocates but never fills cost nothing."""
 
-    PAGE = 1 << 14
+    PAGE = 1 << 12  # the metadata's pages; a larger page writes more of the data regions' zeros
 
     def __init__(self) -> None:
         self.pages: dict[int, bytearray] = {}
@@ -72,14 +72,16 @@ class SparseImage:
 
     def runs(self) -> list[tuple[int, bytes]]:
         """What was written, as (offset, bytes) runs of adjacent pages, cut at the file's size."""
-        out: list[tuple[int, bytes]] = []
+        runs: list[tuple[int, list[bytes]]] = []
+        end = -1
         for page in sorted(self.pages):
             start = page * self.PAGE
             data = bytes(self.pages[page][:max(0, self.size - start)])
             if not data:
                 continue
-            if out and out[-1][0] + len(out[-1][1]) == start:
-                out[-1] = (out[-1][0], out[-1][1] + data)
+            if start == end:
+                runs[-1][1].append(data)
             else:
-                out.append((start, data))
-        return out
+                runs.append((start, [data]))
+            end = start + len(data)
+        return [(start, b"".join(chunks)) for start, chunks in runs]

@@ -11,6 +11,7 @@
                            collective_timeout  the RuntimeError gloo raises when a collective times out
                            runtime_error       a RuntimeError of unknown cause, the same on every rank
                            type_error          the same TypeError on every rank: a bug
+                           user_error          the same UserError on every rank: a bad input
 
 Unset (the normal case), nothing sleeps or raises. A malformed setting raises at the first
 step, naming it.
@@ -24,9 +25,11 @@ import struct
 import time
 from pathlib import Path
 
+from core.errors import UserError
+
 ENV = "BATON_FAULTS"
 KEYS = ("data_delay_ms", "compute_delay_ms", "sync_delay_ms", "raise_at_step")
-KINDS = ("conn_reset", "collective_timeout", "runtime_error", "type_error")
+KINDS = ("conn_reset", "collective_timeout", "runtime_error", "type_error", "user_error")
 
 
 @functools.cache
@@ -79,6 +82,8 @@ def raise_at_step(step: int, rank: int) -> None:
                            f"1800000ms for recv operation to complete (injected at step {step} by {ENV})")
     if kind == "runtime_error":
         raise RuntimeError(f"injected failure of unknown cause at step {step} ({ENV})")
+    if kind == "user_error":
+        raise UserError(f"injected bad input at step {step} ({ENV} raise_at_step); fix the input")
     raise TypeError(f"injected TypeError at step {step} ({ENV})")
 
 

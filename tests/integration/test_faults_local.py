@@ -97,11 +97,17 @@ def test_every_rank_raising_the_same_transient_or_unknown_error_is_retried_and_c
     _no_crash(r)
 
 
-def test_the_same_bug_on_every_rank_fails_at_once_naming_it(submit) -> None:
-    r = submit(env={"BATON_FAULTS": "raise_at_step=50:type_error"})
-    assert r.finish() == 1, r.output
+@pytest.mark.parametrize(("kind", "named", "code"), [
+    ("type_error", "TypeError: injected TypeError at step 50", 1),
+    ("user_error", "UserError: injected bad input at step 50", 2),
+])
+def test_the_same_bug_or_user_error_on_every_rank_fails_at_once_naming_it(submit, kind: str, named: str,
+                                                                          code: int) -> None:
+    r = submit(env={"BATON_FAULTS": f"raise_at_step=50:{kind}"})
+    assert r.finish() == code, r.output
     state = r.state()
     assert state["status"] == "failed" and state["step"] == 50
-    assert "TypeError" in state["reason"] and "injected TypeError at step 50" in state["reason"]
+    exc_type, message = named.split(": ")
+    assert f"raised {exc_type} in train_step: {message}" in state["reason"], state["reason"]
     assert "the same on all 4 ranks" in state["reason"] and "not retried" in state["reason"]
     assert r.events("restarting_workers") == [] and r.events("worker_lost") == []
