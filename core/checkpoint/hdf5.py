@@ -250,7 +250,10 @@ class ShardReader:
         self._fd: int | None = None  # a plain descriptor for the preadv fast path, opened on first use
         try:
             self._file = h5py.File(self.path, "r", locking=False)
-        except (OSError, FileNotFoundError) as exc:
+        except OSError as exc:
+            if is_transient(exc):  # EIO, ESTALE, ... (h5py's errno may be only in its message): not the file's fault
+                raise TransientIOError(f"{self.path}: cannot read the shard ({exc}); a storage fault: retried "
+                                       "within recovery.max_retries") from exc
             raise CheckpointError(f"{self.path}: cannot open as HDF5 ({exc}); the shard is missing or corrupt: "
                                   "run `baton ckpt verify` and resume from another step") from None
         version = self._file.attrs.get("baton_format_version")

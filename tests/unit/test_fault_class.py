@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.checkpoint import manifest
+from core.checkpoint import hdf5, manifest
 from core.checkpoint.commit import commit, tmp_step_dir
 from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.spec import TensorSlice
 from core.controller.diagnose import remote_error
 from core.controller.recovery import deterministic, signature
-from core.errors import RewardError, TransientIOError, UserError, fault_class, is_transient
+from core.errors import CheckpointError, RewardError, TransientIOError, UserError, fault_class, is_transient
 from core.rl import rewards
 from core.worker.runtime import error_of
 from tests.helpers import REPO, fill_up, small_tmpfs
@@ -283,3 +283,19 @@ def test_a_full_disk_after_the_manifest_leaves_the_step_committed_and_the_next_c
         commit(root, 20, tmp2, acks2, {})
         assert manifest.read_latest(root) == 20 and manifest.damaged(root) == []
         assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # no temporary file of `latest`
+
+
+def test_a_shard_that_cannot_be_read_for_a_storage_fault_is_transient_not_corrupt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO at a shard's open (injected at h5py's open, the library boundary: a real EIO needs a
+    failing device) is a storage fault, retried; a file that is not HDF5 is a CheckpointError."""
+    junk = tmp_path / "rank_00000.h5"
+    junk.write_bytes(b"not hdf5")
+    assert isinstance(_raised(hdf5.ShardReader, junk), CheckpointError)
+
+    def eio(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Unable to synchronously open file (file read failed: errno = 5, "
+                      "error message = 'Input/output error')")
+    monkeypatch.setattr(hdf5.h5py, "File", eio)
+    exc = _raised(hdf5.ShardReader, junk)
+    assert isinstance(exc, TransientIOError) and fault_class(exc) == "transient"
