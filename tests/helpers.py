@@ -4,18 +4,20 @@ import ...``), never from one another; the Slurm tests' own helpers are in
 tests/integration/slurm_helpers.py, the GPT rank harness in tests/integration/gpt_harness.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 
 from core.checkpoint.hdf5 import CheckpointReader
 from core.config import run as config_mod
@@ -326,3 +328,29 @@ def save_hf_model(family: str, folder: Path, *, seed: int = 0, **shape: Any) -> 
                 p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
     model.to(torch.float32).save_pretrained(folder, max_shard_size="100KB" if family == "qwen2" else "5GB")
     return folder
+
+
+# --- a real small file system that fills ------------------------------------------------------
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
+    """A real tmpfs of ``size_bytes`` mounted at ``path`` (created if missing), unmounted after.
+    Mounting needs root (CI runs as root): the test is skipped, saying so, otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root): the disk-full path is untested here")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)  # a process of the test still had it open
+
+
+def fill_up(folder: Path, leave_bytes: int = 0) -> Path:
+    """Fill ``folder``'s file system with a file of real (zero) bytes until ``leave_bytes`` are free."""
+    st = os.statvfs(folder)
+    size = max(0, st.f_bavail * st.f_frsize - leave_bytes)
+    filler = folder / "filler"
+    with open(filler, "wb") as f:
+        f.write(bytes(size))
+    return filler

@@ -13,6 +13,13 @@ writes each buffer's bytes at its dataset's file offset. That is the raw-write f
 and it lets the file checksum (xxh3-64 over the whole file, what the controller verifies
 without h5py) be computed from the in-memory buffers on a second thread while the disk
 works, instead of re-reading the file.
+
+Why h5py lays the file out in memory (``SparseImage``, through its file-object driver) and
+never touches the disk: HDF5 writes its metadata when it flushes or closes, and a full disk
+there gives a RuntimeError, an OSError or a segfault in its close path, depending on which
+write fails (reproduced on a small tmpfs). In memory nothing can fail; the image's
+metadata (kilobytes: the data regions stay holes) then reaches the disk by plain
+``pwrite``, so a full disk, EIO or ESTALE is an ``OSError`` with its errno, at any point.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import h5py
 import numpy as np
 import xxhash
 
+from core.checkpoint.image import SparseImage
 from core.checkpoint.manifest import (
     CHECKSUM_ALGO,
     FORMAT_VERSION,
@@ -85,9 +93,10 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
     blob_bytes = json.dumps(blobs, sort_keys=True, allow_nan=True).encode()
     if path.exists():
         raise CheckpointError(f"{path}: exists already; each save writes into a fresh folder from tmp_step_dir()")
+    image = SparseImage()
+    regions = _lay_out(image, [item for item, _ in items], arrays, blob_bytes, attrs)
     try:
-        regions = _lay_out(path, [item for item, _ in items], arrays, blob_bytes, attrs)
-        size, checksum = _write_data(path, regions)
+        size, checksum = _write_data(path, image, regions)
         fsync_dir(path.parent)
     except BaseException as exc:
         try:
@@ -108,9 +117,10 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
         for i, (item, _) in enumerate(items)))
 
 
-def _lay_out(path: Path, items: Sequence[TensorSlice], arrays: Sequence[np.ndarray], blob_bytes: bytes,
+def _lay_out(image: SparseImage, items: Sequence[TensorSlice], arrays: Sequence[np.ndarray], blob_bytes: bytes,
              attrs: dict[str, Any]) -> list[tuple[int, np.ndarray]]:
-    """Create the file with every dataset allocated but unwritten; return (file offset, data) pairs.
+    """Lay the file out in ``image`` with every dataset allocated but unwritten; return (file
+    offset, data) pairs.
 
     Datasets and their attributes are made with h5py's low-level API: half the time of
     the high-level one, which matters for ranks holding thousands of tensors.
@@ -121,7 +131,7 @@ def _lay_out(path: Path, items: Sequence[TensorSlice], arrays: Sequence[np.ndarr
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     dcpl.set_obj_track_times(False)  # no timestamps: an async save is byte-identical to a sync one
     regions = []
-    with h5py.File(path, "w-", locking=False) as f:
+    with h5py.File(image, "w", locking=False) as f:
         f.attrs["baton_format_version"] = FORMAT_VERSION
         f.attrs["baton_attrs"] = json.dumps(attrs, sort_keys=True)
         for key in ("step", "rank", "config_hash", "layout"):
@@ -158,21 +168,21 @@ def _int_attr(obj: Any, key: bytes, values: tuple[int, ...]) -> None:
         np.asarray(values, dtype="<i8"))
 
 
-def _write_data(path: Path, regions: list[tuple[int, np.ndarray]]) -> tuple[int, str]:
-    """pwrite each region, hash the whole file on a second thread, fsync; return (size, checksum)."""
-    fd = os.open(path, os.O_RDWR)
+def _write_data(path: Path, image: SparseImage, regions: list[tuple[int, np.ndarray]]) -> tuple[int, str]:
+    """Create the file: the image's metadata, then each data region by pwrite while a second
+    thread hashes the whole file; fsync; return (size, checksum). Fails only as an OSError."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        size = os.fstat(fd).st_size  # HDF5 sets the file to its full allocated size at close
+        os.ftruncate(fd, image.size)  # HDF5's end of allocation; the data regions are holes until written
+        for offset, data in image.runs():
+            _pwrite_all(fd, memoryview(data), offset)
+        size = os.fstat(fd).st_size
         hashed: list[str | BaseException] = []
         hasher = threading.Thread(target=_hash_file, args=(fd, size, regions, hashed), name="ckpt-hash")
         hasher.start()
         try:
             for offset, array in regions:
-                view = memoryview(array.reshape(-1).view(np.uint8))
-                while view:
-                    n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
-                    offset += n
-                    view = view[n:]
+                _pwrite_all(fd, memoryview(array.reshape(-1).view(np.uint8)), offset)
             os.fsync(fd)
         finally:
             hasher.join()
@@ -184,6 +194,14 @@ def _write_data(path: Path, regions: list[tuple[int, np.ndarray]]) -> tuple[int,
         return size, str(hashed[0])
     finally:
         os.close(fd)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` (pwrite may write less than asked)."""
+    while view:
+        n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
+        offset += n
+        view = view[n:]
 
 
 def _hash_file(fd: int, size: int, regions: list[tuple[int, np.ndarray]], out: list[str | BaseException]) -> None:
@@ -232,7 +250,10 @@ class ShardReader:
         self._fd: int | None = None  # a plain descriptor for the preadv fast path, opened on first use
         try:
             self._file = h5py.File(self.path, "r", locking=False)
-        except (OSError, FileNotFoundError) as exc:
+        except OSError as exc:
+            if is_transient(exc):  # EIO, ESTALE, ... (h5py's errno may be only in its message): not the file's fault
+                raise TransientIOError(f"{self.path}: cannot read the shard ({exc}); a storage fault: retried "
+                                       "within recovery.max_retries") from exc
             raise CheckpointError(f"{self.path}: cannot open as HDF5 ({exc}); the shard is missing or corrupt: "
                                   "run `baton ckpt verify` and resume from another step") from None
         version = self._file.attrs.get("baton_format_version")

@@ -17,17 +17,20 @@ from core.wire import protocol
 
 def remote_error(method: str, errors: dict[int, protocol.Error], n: int, log_of: Callable[[int], Path]) -> RemoteError:
     """The ranks' errors of one call as one RemoteError: the first rank's, with its traceback and
-    whether every rank raised the same (the mark of a deterministic error)."""
+    whether every rank raised the same (type and message: one cause), transient when every
+    failed rank's was (a rank that raised a bug makes it no passing fault), a user error when
+    any rank's was."""
     rank = min(errors)
     err = errors[rank]
-    same = len(errors) == n and len({e.exc_type for e in errors.values()}) == 1
+    same = len(errors) == n and len({(e.exc_type, e.message) for e in errors.values()}) == 1
     scope = (f"the same on all {n} ranks" if same else
              f"{len(errors)} of {n} ranks raised: " + ", ".join(f"r{r} {e.exc_type}" for r, e in sorted(errors.items())[:8]))
     return RemoteError(
         f"rank {rank} raised {err.exc_type} in {method}: {err.message} ({scope})\n"
         f"--- remote traceback (rank {rank}, log {log_of(rank)}) ---\n{err.traceback}",
         rank=rank, exc_type=err.exc_type, remote_traceback=err.traceback, method=method, same_on_all_ranks=same,
-        user_error=err.user_error, transient=err.transient,
+        user_error=any(e.user_error for e in errors.values()),
+        transient=all(e.transient for e in errors.values()),
     )
 
 

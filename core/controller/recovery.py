@@ -3,10 +3,18 @@
     what went wrong (an exception out of Program.run_all)    what happens
     -------------------------------------------------------  -----------------------------------------
     a UserError (bad config, a checkpoint that cannot load)  fail at once (exit 2)
-    RemoteError, the same exception on every rank            fail at once: deterministic (a bug, a config)
+    RemoteError a worker flagged a user error                fail at once (exit 2)
+      (core.errors.fault_class: a UserError)
+    RemoteError, the same TypeError/ValueError/KeyError/...  fail at once: deterministic (a bug, a bad
+      with the same message on every rank                      input: core.errors.PROGRAMMING_ERRORS)
     RemoteError, same rank/type/method/step as the last one  fail at once: a restart reproduced it
+      (not a transient one)
+    RemoteError transient on every failed rank (fault_class: a retry as below, whatever its signature:
+      ENOSPC, EIO, ESTALE, a connection reset, a gloo/NCCL     only the budget ends it
+      timeout), a storage fault in the controller's commit
     lost worker (exit, silence), missed deadline,            spend one retry (core.record.state.Budget), then
-    registration timeout, any other RemoteError                retries spent            → fail, naming them
+    registration timeout, any other RemoteError (a             retries spent            → fail, naming them
+      RuntimeError of unknown cause, even on every rank)
                                                                its node drained/down    → requeue without it
                                                                  in Slurm's view
                                                                node failed twice, Slurm → requeue without it
@@ -36,6 +44,7 @@ from core.checkpoint import manifest
 from core.controller.program import Program
 from core.controller.stop import StopRequest
 from core.errors import (
+    PROGRAMMING_ERRORS,
     CallTimeoutError,
     ExitCode,
     RegistrationError,
@@ -124,13 +133,20 @@ def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: flo
 
 def deterministic(exc: RemoteError, step: int, previous: tuple[object, ...]) -> str | None:
     """Why a remote error would only repeat on a retry, or None when a retry may help.
-    ``previous``: the signature of the last remote error (``signature``), () if none."""
+    ``previous``: the signature of the last remote error (``signature``), () if none.
+
+    By cause, not by type: a transient fault (the storage, the network, a collective's
+    timeout) is always worth a retry, bounded by the budget alone; the same exception on
+    every rank is deterministic only when it names one cause (the same type and message)
+    and its type names a bug (``PROGRAMMING_ERRORS``): a RuntimeError or OSError of unknown
+    cause on every rank gets a retry, and the same-step rule ends it if it comes back.
+    """
     if exc.transient:
-        return None  # a storage fault: the same on every rank, and still worth a retry
+        return None
     if exc.user_error:
         return f"{exc.exc_type} is a user error"
-    if exc.same_on_all_ranks:
-        return "every rank raised the same exception: deterministic"
+    if exc.same_on_all_ranks and exc.exc_type in PROGRAMMING_ERRORS:
+        return f"every rank raised the same {exc.exc_type}: deterministic (a bug or a bad input)"
     if previous and previous == signature(exc, step):
         return "the same error came back at the same step after a restart"
     return None
@@ -170,7 +186,8 @@ class Recovery:
                 step = self.program.step
                 why_final = deterministic(exc, step, self._last_signature)
                 if why_final is not None:
-                    return self._fail(f"{_first_line(exc)}; not retried: {why_final}", ExitCode.FAILED)
+                    code = ExitCode.USER_ERROR if exc.user_error else ExitCode.FAILED
+                    return self._fail(f"{_first_line(exc)}; not retried: {why_final}", code)
                 self._last_signature = signature(exc, step)
                 failure = self._failure("remote_error", (exc.rank,), _first_line(exc))
             except WorkerLostError as exc:

@@ -10,20 +10,33 @@
                            ``manifest_open``): a flaky storage at resume. ROLE (controller,
                            worker, cli) limits it to the processes of that role.
     manifest_estale=[ROLE:]N  the same with ESTALE (a stale NFS file handle)
+    raise_at_step=S:KIND   every rank raises at training step S, once per run folder (a marker
+                           file per rank, fault-raised-S-rNNNNN, so the retry goes past it):
+                           conn_reset          a real ConnectionResetError (a TCP peer's RST)
+                           collective_timeout  the RuntimeError gloo raises when a collective times out
+                           runtime_error       a RuntimeError of unknown cause, the same on every rank
+                           type_error          the same TypeError on every rank: a bug
+                           user_error          the same UserError on every rank: a bad input
 
-Unset (the normal case), nothing sleeps. A malformed setting raises at the first step,
-naming it.
+Unset (the normal case), nothing sleeps or raises. A malformed setting raises at the first
+step, naming it.
 """
 from __future__ import annotations
 
 import errno
 import functools
 import os
+import socket
+import struct
 import threading
 import time
+from pathlib import Path
+
+from core.errors import UserError
 
 ENV = "BATON_FAULTS"
-KEYS = ("data_delay_ms", "compute_delay_ms", "sync_delay_ms", "manifest_eio", "manifest_estale")
+KEYS = ("data_delay_ms", "compute_delay_ms", "sync_delay_ms", "manifest_eio", "manifest_estale", "raise_at_step")
+KINDS = ("conn_reset", "collective_timeout", "runtime_error", "type_error", "user_error")
 
 
 @functools.cache
@@ -32,8 +45,11 @@ def _settings() -> dict[str, str]:
     for item in filter(None, (s.strip() for s in os.environ.get(ENV, "").split(";"))):
         key, sep, value = item.partition("=")
         if not sep or key not in KEYS:
-            raise ValueError(f"{ENV}: {item!r} is not one of data_delay_ms=N, compute_delay_ms=RANK:N, sync_delay_ms=N, "
-                             "manifest_eio=N, manifest_estale=N")
+            raise ValueError(f"{ENV}: {item!r} is not one of data_delay_ms=N, compute_delay_ms=RANK:N, "
+                             f"sync_delay_ms=N, manifest_eio=N, manifest_estale=N, raise_at_step=STEP:KIND "
+                             f"(KIND: {', '.join(KINDS)})")
+        if key == "raise_at_step" and (value.partition(":")[2] not in KINDS or not value.partition(":")[0].isdigit()):
+            raise ValueError(f"{ENV}: {item!r}: give raise_at_step=STEP:KIND with KIND one of {', '.join(KINDS)}")
         out[key] = value
     return out
 
@@ -81,3 +97,38 @@ def manifest_open(path: os.PathLike[str] | str) -> None:
             _opens[key] += due
         if due:
             raise OSError(code, f"{os.strerror(code)} ({ENV} {key})", str(path))
+
+
+def raise_at_step(step: int, rank: int) -> None:
+    """``raise_at_step=S:KIND``: raise KIND at step S, the first time this rank of this run
+    (``BATON_RUN_DIR``, the worker's run folder) gets there."""
+    at, _, kind = _settings().get("raise_at_step", "").partition(":")
+    if not at or int(at) != step:
+        return
+    marker = Path(os.environ["BATON_RUN_DIR"]) / f"fault-raised-{step}-r{rank:05d}"
+    if marker.exists():
+        return
+    marker.touch()
+    if kind == "conn_reset":
+        _connection_reset()
+    if kind == "collective_timeout":  # gloo's words (ProcessGroupGloo, a recv past the timeout)
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                           f"1800000ms for recv operation to complete (injected at step {step} by {ENV})")
+    if kind == "runtime_error":
+        raise RuntimeError(f"injected failure of unknown cause at step {step} ({ENV})")
+    if kind == "user_error":
+        raise UserError(f"injected bad input at step {step} ({ENV} raise_at_step); fix the input")
+    raise TypeError(f"injected TypeError at step {step} ({ENV})")
+
+
+def _connection_reset() -> None:
+    """Receive from a loopback TCP connection whose peer closed it with a reset: a real ECONNRESET."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        with client:
+            peer, _ = server.accept()
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+            peer.close()
+            client.settimeout(10)
+            client.recv(1)  # raises ConnectionResetError
+    raise ConnectionResetError("the peer closed without a reset")  # not reached on Linux

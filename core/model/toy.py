@@ -6,8 +6,8 @@ calls (core.wire.calls) and a few of its own so tests and benchmarks can drive t
 runtime: NOOP, ECHO, FAIL, SLEEP, PID, GET_STATE, SET_STATE.
 
 Test-only knobs, read from the environment at setup (the recovery tests use them):
-``BATON_TOY_FAIL_AT_STEP=s`` makes ``train_step(s)`` raise on every rank (a deterministic
-bug); ``BATON_TOY_SAVE_DELAY_S=x`` makes each checkpoint save wait x seconds first (a
+``BATON_TOY_FAIL_AT_STEP=s`` makes ``train_step(s)`` raise the same ValueError on every rank
+(a deterministic bug); ``BATON_TOY_SAVE_DELAY_S=x`` makes each checkpoint save wait x seconds first (a
 window to kill a worker while a checkpoint is being written); ``BATON_TOY_STEP_S=x`` makes
 each step take x seconds more (a run long enough to be preempted; the losses are unchanged);
 ``BATON_TOY_SETUP_S=x`` makes setup take x seconds (a worker importing its libraries;
@@ -28,6 +28,7 @@ import numpy as np
 
 from core.checkpoint.spec import TensorSlice
 from core.config.dims import Coords
+from core.job import faults
 from core.job.process import rss_mb
 from core.wire import calls
 from core.wire.contract import Method, NoArgs
@@ -127,7 +128,8 @@ class ToyTask:
         t0 = time.perf_counter()
         step = req.step
         if step == self.fail_at_step:
-            raise RuntimeError(f"toy failure at step {step} (BATON_TOY_FAIL_AT_STEP)")
+            raise ValueError(f"toy failure at step {step} (BATON_TOY_FAIL_AT_STEP)")
+        faults.raise_at_step(step, self.ctx.rank)
         rng = np.random.default_rng([self.seed, step, self.ctx.rank])
         x = rng.normal(size=(32, _DIM))
         y = x @ self.true_w

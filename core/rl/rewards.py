@@ -18,7 +18,8 @@ Built in:
   response's text (before its stop token), stripped of surrounding whitespace, is the
   answer's text, else 0.0.
 
-A user reward that raises is a user error naming the prompt (the step fails, not retried);
+A user reward that raises is a user error (``RewardError``) naming the reward and the prompt
+(the step fails, not retried, exit 2);
 one that returns a non-finite number or a non-number is refused the same way.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from core.errors import ConfigError, UserError
+from core.errors import ConfigError, RewardError
 
 RewardFn = Callable[[Sequence[int], Sequence[int], Mapping[str, Any]], float]
 
@@ -79,8 +80,8 @@ def score(fn: RewardFn, prompt: Sequence[int], response: Sequence[int], metadata
     try:
         value = fn(tuple(prompt), tuple(response), metadata)
     except Exception as exc:  # noqa: BLE001 - the user's code: any failure is theirs, reported as such
-        raise UserError(f"rl.reward: {name} raised {type(exc).__name__}: {exc} on prompt {index} "
-                        f"({list(prompt)[:16]}); fix the reward function") from None
+        raise RewardError(f"rl.reward: {name} raised {type(exc).__name__}: {exc} on prompt {index} "
+                          f"({list(prompt)[:16]}); fix the reward function") from exc
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise UserError(f"rl.reward: {name} returned {value!r} on prompt {index}: a reward must be a finite number")
+        raise RewardError(f"rl.reward: {name} returned {value!r} on prompt {index}: a reward must be a finite number")
     return float(value)

@@ -22,7 +22,7 @@ from typing import Any
 
 from core.config.run import RunConfig
 from core.config.runplan import RunPlan
-from core.errors import ExitCode, RegistrationError, UserError, is_transient
+from core.errors import ExitCode, RegistrationError, fault_class
 from core.job.env import JobEnv
 from core.job.process import free_port
 from core.job.signals import PreemptionFlag
@@ -175,7 +175,9 @@ class WorkerRuntime:
             req_id, _, name, kwargs = call
             entry = table.get(name)
             if entry is None:
-                send(self._error(req_id, "AttributeError", f"no method {name!r} on this worker; known: {sorted(table)}"))
+                err = protocol.Error(exc_type="AttributeError", traceback="",
+                                     message=f"no method {name!r} on this worker; known: {sorted(table)}")
+                send(protocol.encode(err, req_id=req_id, epoch=self.env.epoch))
                 continue
             decode, fn, encode = entry
             hb.busy = name
@@ -204,20 +206,24 @@ class WorkerRuntime:
         log.warning("ignored a %s message from the controller", type(msg).__name__)
         return None
 
-    def _error(self, req_id: int, exc_type: str, message: str, tb: str = "", user_error: bool = False,
-               transient: bool = False) -> list[Any]:
-        err = protocol.Error(exc_type=exc_type, message=message, traceback=tb, user_error=user_error,
-                             transient=transient)
-        return protocol.encode(err, req_id=req_id, epoch=self.env.epoch)
-
     def _failure(self, method: str, exc: Exception, req_id: int) -> list[Any]:
         """The frames of an Error for a call that raised (or whose request or result was malformed)."""
         if isinstance(exc, protocol.ProtocolError):
             log.error("call %s refused: %s", method, exc)
-            return self._error(req_id, "ProtocolError", str(exc))
-        log.exception("call %s failed", method)
-        return self._error(req_id, type(exc).__name__, str(exc), traceback.format_exc(),
-                           user_error=isinstance(exc, UserError), transient=is_transient(exc))
+            err = protocol.Error(exc_type="ProtocolError", message=str(exc), traceback="")
+        else:
+            log.exception("call %s failed", method)
+            err = error_of(exc)
+        return protocol.encode(err, req_id=req_id, epoch=self.env.epoch)
+
+
+def error_of(exc: BaseException) -> protocol.Error:
+    """The Error a worker sends for ``exc``, flagged by its cause (core.errors.fault_class): the
+    controller retries a transient fault and fails a user's at once."""
+    fault = fault_class(exc)
+    tb = "".join(traceback.format_exception(exc))
+    return protocol.Error(exc_type=type(exc).__name__, message=str(exc), traceback=tb,
+                          user_error=fault == "user", transient=fault == "transient")
 
 
 def _close(task: Task) -> None:

@@ -89,7 +89,9 @@ def _remote(rank: int = 1, exc_type: str = "RuntimeError", same: bool = False, u
 
 
 @pytest.mark.parametrize(("exc", "previous", "final"), [
-    (_remote(same=True), (), True),                                      # every rank: a bug
+    (_remote(exc_type="TypeError", same=True), (), True),                # every rank, one cause: a bug
+    (_remote(same=True), (), False),                                     # a RuntimeError: one retry
+    (_remote(same=True), (1, "RuntimeError", "train_step", 10), True),   # ... and back at the same step
     (_remote(exc_type="ConfigError", user=True), (), True),              # a user error (the worker flags it)
     (_remote(), (), False),                                              # one rank: maybe its node
     (_remote(), (1, "RuntimeError", "train_step", 10), True),            # the same again at step 10

@@ -181,6 +181,7 @@ def train_step(ctx: StepContext, step: int, before_update: Callable[[], None] | 
     batches = ctx.source.micro_batches(step, "train")
     data_wait = time.perf_counter() - t0
     faults.compute_delay(ctx.coords.rank)
+    faults.raise_at_step(step, ctx.coords.rank)
     with reduction(ctx, local=local) as synced:
         loss = _run_schedule(ctx, batches, forward_only=False)
     if before_update is not None:
