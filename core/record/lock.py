@@ -257,3 +257,28 @@ def controller_alive(run: RunFolder) -> str | None:
         return holder(run)
     lock.release()
     return None
+
+
+# --- what `baton submit` says about a folder ----------------------------------------------------
+def cross_node_notice(folder: Path) -> str | None:
+    """None when ``folder``'s filesystem gives a cross-node flock or fcntl lock; else the one
+    line saying that Baton keeps one controller per run there with a lease file. A UserError
+    when no lock of any kind can work (not even a lease file can be made). ``folder`` need
+    not exist yet: its nearest existing parent is asked (where it will be made)."""
+    existing = folder
+    while not existing.is_dir() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        support = fsprobe.probe(existing)
+        refused = lease_mod.can_create(existing) if support.method == "lease" else None
+    except OSError as exc:
+        support, refused = fsprobe.Support(method="lease", mount=None, why="no lock call could be tried"), exc
+    if refused is not None:
+        raise UserError(f"{folder}: no lock can work on {support.where()} ({support.why}; a lease file cannot be "
+                        f"made there either: {refused.strerror or refused}); put the run on a filesystem where Baton "
+                        "can write (runs_root=...)")
+    if support.method != "lease":
+        return None
+    return (f"{folder}: {support.where()} gives no cross-node lock ({support.why}); Baton keeps one controller per "
+            f"run with a lease file instead (host, pid, Slurm job, a heartbeat every {lease_mod.HEARTBEAT_S:.0f} s; "
+            f"taken over once its holder is silent {lease_mod.STALE_S:.0f} s or its job is over)")
