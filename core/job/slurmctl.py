@@ -266,12 +266,12 @@ def _quick(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
                           stdin=subprocess.DEVNULL)
 
 
-def job_over(job_id: str, run: Runner = _quick) -> bool | None:
+def job_over(job_id: str, run: Runner | None = None) -> bool | None:
     """Whether Slurm says job ``job_id`` is over: every component in a final state, or the job
     unknown to Slurm (purged after MinJobAge). None when scontrol cannot say (absent, timed
     out, another error): the caller then treats the job as alive."""
     try:
-        proc = run(["scontrol", "show", "job", "-o", job_id])
+        proc = (run or _quick)(["scontrol", "show", "job", "-o", job_id])
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("scontrol show job %s failed: %s", job_id, exc)
         return None

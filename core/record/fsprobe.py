@@ -128,7 +128,7 @@ def _works(fd: int, call: str) -> bool | None:
         else:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.lockf(fd, fcntl.LOCK_UN)
-    except BlockingIOError:
+    except (BlockingIOError, PermissionError):  # held by another: the call works (fcntl: EAGAIN or EACCES)
         return True
     except OSError as exc:
         if exc.errno in UNSUPPORTED:
