@@ -81,6 +81,11 @@ def test_a_run_on_the_mount_submits_resumes_refuses_a_second_controller_and_take
     run = run_folder(first)
     assert json.loads((run / "state.json").read_text())["status"] == "completed"
     assert not (run / "controller.lease").exists()  # released at the end
+    before = _snapshot(run)
+    dry = baton("submit", "--resume", str(run), "trainer.steps=30", "--backend", "slurm", "--dry-run")
+    assert dry.returncode == 0 and "#SBATCH" in dry.stdout, dry.stderr
+    _warning(dry.stderr, run)  # said before anything would be written; and nothing was
+    assert _snapshot(run) == before
 
     args = [sys.executable, "-m", "launcher.cli", "submit", "--resume", str(run), "trainer.steps=100000000",
             "recovery.max_retries=3", "--backend", "local"]
@@ -120,6 +125,17 @@ def test_a_run_on_the_mount_submits_resumes_refuses_a_second_controller_and_take
                 resumed.wait()
             out.close()
     assert f"took over the lease of pid {started['pid']} on" in RunFolder(run).controller_log.read_text()
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    """Every file of the run folder but the logs and the locks' own files (a lease comes and goes)."""
+    out = {}
+    for p in sorted(run.rglob("*")):
+        if "logs" in p.parts or ".lease" in p.name or p.name.startswith(".baton-"):
+            continue
+        if p.is_file():
+            out[str(p.relative_to(run))] = p.read_bytes()
+    return out
 
 
 def _controller(run: Path) -> dict | None:
