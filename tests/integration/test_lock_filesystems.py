@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -143,3 +144,26 @@ def _controller(run: Path) -> dict | None:
         return json.loads((run / "controller.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+@pytest.mark.slurm
+def test_a_lease_of_a_job_that_slurm_says_is_over_is_taken_over(
+        slurm_cluster: str, slurm_jobs: list[int], noflock_mount: Path) -> None:
+    """The holder ran on another node (its pid cannot be asked) and its heartbeat is fresh (the
+    node died a moment ago): only Slurm can tell it is over, and then it does not block."""
+    from tests.integration import slurm_helpers
+
+    done = slurm_helpers.sbatch("--wrap=true", "-o", "/dev/null")  # a real job that ends at once
+    slurm_jobs.append(done)
+    live = slurm_helpers.sbatch("--wrap=sleep 300", "-o", "/dev/null")  # pending or running: not over
+    slurm_jobs.append(live)
+    wait_for(lambda: slurm_helpers.job_field(done, "JobState") == "COMPLETED", 120, f"job {done} to complete")
+    path = _fresh(noflock_mount) / "controller.lease"
+    asker = lease.me(job_id="999999", epoch=0)
+    for job, taken in ((live, False), (done, True)):
+        theirs = lease.Holder(host="node-far", pid=1, job_id=str(job), heartbeat=time.time(), token="t")
+        path.write_text(json.dumps(theirs.__dict__))
+        mine = lease.Lease(path, asker)
+        assert mine.try_acquire() is taken, job
+        assert lease.read_holder(path).token == (asker.token if taken else "t")  # type: ignore[union-attr]
+        mine.release()
