@@ -167,3 +167,25 @@ def test_a_lease_of_a_job_that_slurm_says_is_over_is_taken_over(
         assert mine.try_acquire() is taken, job
         assert lease.read_holder(path).token == (asker.token if taken else "t")  # type: ignore[union-attr]
         mine.release()
+
+
+def test_a_refused_controller_on_slurm_writes_nothing_into_the_live_runs_record(tmp_path: Path) -> None:
+    """Component 0 of a second job on a live run: refused at the lock, before it records its Slurm task."""
+    from tests.helpers import make_run
+
+    run = make_run(tmp_path, "toy.yaml", []).run
+    before = run.state.read_bytes()
+    (run.path / "controller.json").write_text(json.dumps({"pid": 31, "node": "n1", "epoch": 0, "job_id": None}))
+    code = f"import fcntl, os, sys\nfd = os.open({str(run.path / 'controller.lock')!r}, os.O_RDWR | os.O_CREAT)\n" \
+           "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\nsys.stdin.read()\n"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "5550", "SLURM_RESTART_COUNT": "0"}
+        second = subprocess.run([sys.executable, "-c", "import sys\nfrom core.controller.main import run_on_slurm\n"
+                                 f"run_on_slurm({str(run.path)!r})"], env=env, cwd=REPO, capture_output=True,
+                                text=True, timeout=60)
+    finally:
+        holder.communicate("", timeout=30)
+    assert second.returncode != 0 and "another controller runs this run (pid 31 on n1" in second.stderr, second.stderr
+    assert run.state.read_bytes() == before  # no state.slurm of job 5550 in the live run's record

@@ -292,3 +292,22 @@ def test_submit_refuses_where_no_lock_can_work(tmp_path: Path, fresh_probe: None
             lock.cross_node_notice(ro / "runs")
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_sweep_ledger_changes_from_several_processes_lose_none(tmp_path: Path) -> None:
+    """Two `baton sweep` commands on one sweep (two login nodes): each changes its own points,
+    and none of the other's changes is lost (sweep.json's read-modify-write under sweep.lock)."""
+    from launcher import ledger as ledger_mod
+
+    points = tuple(ledger_mod.Entry(index=i, params={"seed": i}, run_id=f"p{i}", run_dir=f"/nowhere/p{i}")
+                   for i in range(6))
+    ledger_mod.write_ledger(tmp_path, ledger_mod.Ledger(name="sw", sweep_file="/x/sw.yaml", created=1.0,
+                                                        backend="slurm", base={}, points=points))
+    code = ("import sys\nfrom dataclasses import replace\nfrom pathlib import Path\nfrom launcher import ledger as L\n"
+            f"d = Path({str(tmp_path)!r})\nmine = [int(i) for i in sys.argv[1:]]\n"
+            "for n in range(1, 16):\n    for i in mine:\n"
+            "        e = L.read_ledger(d).points[i]\n        L.store_entry(d, replace(e, submissions=n))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(a), str(b)], env=env) for a, b in ((0, 1), (2, 3), (4, 5))]
+    assert [p.wait(timeout=100) for p in procs] == [0, 0, 0]
+    assert [e.submissions for e in ledger_mod.read_ledger(tmp_path).points] == [15] * 6
