@@ -21,108 +21,105 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# Import mfusepy only when run as the filesystem process: a test that merely imports this
-# module (to mount) needs neither libfuse nor the binding.
 
+class Passthrough:
+    """Every call on ``root`` + path; the lock calls refused like Lustre's ``noflock``. Mixed
+    into mfusepy's ``Operations`` by ``main`` (only the filesystem process imports mfusepy);
+    an OSError's errno is what the caller gets."""
 
-def _operations(root: str) -> Any:
-    import mfusepy as fuse
+    use_ns = True
 
-    class Passthrough(fuse.Operations):  # type: ignore[misc]
-        """Every call on ``root`` + path; the lock calls refused like Lustre's ``noflock``."""
+    def __init__(self, root: str) -> None:
+        self.root = root
 
-        use_ns = True
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, path.lstrip("/"))
 
-        def _p(self, path: str) -> str:
-            return os.path.join(root, path.lstrip("/"))
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
+        st = os.lstat(self._p(path))
+        keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
+        return {k.removesuffix("_ns"): getattr(st, k) for k in keys}
 
-        def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
-            st = os.lstat(self._p(path))
-            keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
-            return {k.removesuffix("_ns"): getattr(st, k) for k in keys}
+    def readdir(self, path: str, fh: int) -> list[str]:
+        return [".", "..", *os.listdir(self._p(path))]
 
-        def readdir(self, path: str, fh: int) -> list[str]:
-            return [".", "..", *os.listdir(self._p(path))]
+    def access(self, path: str, amode: int) -> int:
+        if not os.access(self._p(path), amode):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return 0
 
-        def access(self, path: str, amode: int) -> int:
-            if not os.access(self._p(path), amode):
-                raise fuse.FuseOSError(errno.EACCES)
-            return 0
+    def open(self, path: str, flags: int) -> int:
+        return os.open(self._p(path), flags)
 
-        def open(self, path: str, flags: int) -> int:
-            return os.open(self._p(path), flags)
+    def create(self, path: str, mode: int, fi: Any = None) -> int:
+        return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
-        def create(self, path: str, mode: int, fi: Any = None) -> int:
-            return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        return os.pread(fh, size, offset)
 
-        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            return os.pread(fh, size, offset)
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+        return os.pwrite(fh, data, offset)
 
-        def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-            return os.pwrite(fh, data, offset)
+    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+        os.truncate(self._p(path), length)
+        return 0
 
-        def truncate(self, path: str, length: int, fh: int | None = None) -> int:
-            os.truncate(self._p(path), length)
-            return 0
+    def flush(self, path: str, fh: int) -> int:
+        return 0
 
-        def flush(self, path: str, fh: int) -> int:
-            return 0
+    def fsync(self, path: str, datasync: int, fh: int) -> int:
+        os.fsync(fh)
+        return 0
 
-        def fsync(self, path: str, datasync: int, fh: int) -> int:
-            os.fsync(fh)
-            return 0
+    def release(self, path: str, fh: int) -> int:
+        os.close(fh)
+        return 0
 
-        def release(self, path: str, fh: int) -> int:
-            os.close(fh)
-            return 0
+    def unlink(self, path: str) -> int:
+        os.unlink(self._p(path))
+        return 0
 
-        def unlink(self, path: str) -> int:
-            os.unlink(self._p(path))
-            return 0
+    def rename(self, old: str, new: str) -> int:
+        os.rename(self._p(old), self._p(new))
+        return 0
 
-        def rename(self, old: str, new: str) -> int:
-            os.rename(self._p(old), self._p(new))
-            return 0
+    def link(self, target: str, source: str) -> int:
+        os.link(self._p(source), self._p(target))
+        return 0
 
-        def link(self, target: str, source: str) -> int:
-            os.link(self._p(source), self._p(target))
-            return 0
+    def symlink(self, target: str, source: str) -> int:
+        os.symlink(source, self._p(target))
+        return 0
 
-        def symlink(self, target: str, source: str) -> int:
-            os.symlink(source, self._p(target))
-            return 0
+    def readlink(self, path: str) -> str:
+        return os.readlink(self._p(path))
 
-        def readlink(self, path: str) -> str:
-            return os.readlink(self._p(path))
+    def mkdir(self, path: str, mode: int) -> int:
+        os.mkdir(self._p(path), mode)
+        return 0
 
-        def mkdir(self, path: str, mode: int) -> int:
-            os.mkdir(self._p(path), mode)
-            return 0
+    def rmdir(self, path: str) -> int:
+        os.rmdir(self._p(path))
+        return 0
 
-        def rmdir(self, path: str) -> int:
-            os.rmdir(self._p(path))
-            return 0
+    def chmod(self, path: str, mode: int) -> int:
+        os.chmod(self._p(path), mode)
+        return 0
 
-        def chmod(self, path: str, mode: int) -> int:
-            os.chmod(self._p(path), mode)
-            return 0
+    def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+        os.utime(self._p(path), ns=times)
+        return 0
 
-        def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
-            os.utime(self._p(path), ns=times)
-            return 0
+    def statfs(self, path: str) -> dict[str, int]:
+        sv = os.statvfs(self._p(path))
+        return {k: getattr(sv, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail",
+                                             "f_ffree", "f_files", "f_flag", "f_frsize", "f_namemax")}
 
-        def statfs(self, path: str) -> dict[str, int]:
-            sv = os.statvfs(self._p(path))
-            return {k: getattr(sv, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail",
-                                                 "f_ffree", "f_files", "f_flag", "f_frsize", "f_namemax")}
+    def flock(self, path: str, fh: int, op: int) -> int:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
-        def flock(self, path: str, fh: int, op: int) -> int:
-            raise fuse.FuseOSError(errno.ENOSYS)
-
-        def lock(self, path: str, fh: int, cmd: int, lock: Any) -> int:
-            raise fuse.FuseOSError(errno.ENOSYS)
-
-    return Passthrough()
+    def lock(self, path: str, fh: int, cmd: int, lock: Any) -> int:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
 
 def is_mounted(mountpoint: Path) -> bool:
@@ -162,8 +159,9 @@ def main(argv: list[str]) -> None:
     import mfusepy as fuse
 
     backing, mountpoint = argv
+    ops = type("NoflockPassthrough", (Passthrough, fuse.Operations), {})(os.path.abspath(backing))
     # default_permissions: the kernel checks modes; no allow_other: only root uses it (as CI runs).
-    fuse.FUSE(_operations(os.path.abspath(backing)), mountpoint, foreground=True, nothreads=False,
+    fuse.FUSE(ops, mountpoint, foreground=True, nothreads=False,
               fsname="baton-noflock", default_permissions=True)
 
 
