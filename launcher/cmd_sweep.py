@@ -249,10 +249,9 @@ def launch(sweep_dir: Path, ledger: Ledger, ready: list[Ready], backend: str, *,
             raise UserError(f"point {item.entry.index}: {exc}; {i} of {len(ready)} submitted; "
                             f"`baton sweep resume {sweep_dir}` submits the rest") from None
         job_ids.append(job_id)
-        ledger = ledger.with_entry(replace(
+        ledger = ledger_mod.store_entry(sweep_dir, replace(
             item.entry, backend="slurm", job_id=job_id, after=after, submitted=time.time(),
             submissions=item.entry.submissions + 1, state=ledger_mod.QUEUED, pid=None, host=None))
-        ledger_mod.write_ledger(sweep_dir, ledger)
         print(f"point {item.entry.index} ({ledger_mod.describe(item.entry)}): job {job_id}"
               + (f" after {after}" if after else "") + f"  {item.run.path}")
     print(f"submitted {len(ready)} job(s); watch with `baton sweep status {sweep_dir}`")
@@ -266,15 +265,13 @@ def _run_locally(sweep_dir: Path, ledger: Ledger, ready: list[Ready]) -> int:
         entry = replace(item.entry, backend="local", job_id=None, after=None, submitted=time.time(),
                         submissions=item.entry.submissions + 1, state=ledger_mod.RUNNING,
                         pid=os.getpid(), host=socket.gethostname())
-        ledger = ledger.with_entry(entry)
-        ledger_mod.write_ledger(sweep_dir, ledger)
+        ledger_mod.store_entry(sweep_dir, entry)
         print(f"point {entry.index} ({ledger_mod.describe(entry)}): running in {item.run.path}", flush=True)
         code = local.run_local(item.run, item.cfg, epoch=item.epoch)
         state = RunRecord(item.run).read()
         final = (ledger_mod.COMPLETED if state.status is Status.COMPLETED
                  else ledger_mod.CANCELLED if local.interrupted(code) else ledger_mod.FAILED)
-        ledger = ledger.with_entry(replace(entry, state=final, pid=None))
-        ledger_mod.write_ledger(sweep_dir, ledger)
+        ledger_mod.store_entry(sweep_dir, replace(entry, state=final, pid=None))
         print(f"point {entry.index}: {final} at step {state.step}/{item.cfg.trainer.steps}"
               + (f", last loss {state.last_loss:.4f}" if state.last_loss is not None else ""), flush=True)
         if local.interrupted(code):  # Ctrl-C, SIGTERM, SIGHUP

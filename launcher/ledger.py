@@ -15,8 +15,10 @@
                  "backend": "slurm", "job_id": "123", "after": null, "submitted": 1.7e9,
                  "submissions": 1, "state": "queued", "pid": null, "host": null}, ...]}
 
-Only ``baton sweep submit`` and ``resume`` write it, atomically (core.record.runfolder.write_json);
-``status`` and ``results`` only read it. A point's live state is derived on each read from
+Only ``baton sweep submit`` and ``resume`` write it, atomically (core.record.runfolder.write_json),
+each change a read-modify-write of one point under ``sweep.lock`` (core.record.lock: flock,
+fcntl or a lease file, as the filesystem allows), so two submitters on two login nodes lose
+neither's points; ``status`` and ``results`` only read it. A point's live state is derived on each read from
 its run's ``state.json`` and the Slurm job state (``refresh``); ``state`` in the file is
 what the writer last knew.
 """
@@ -36,6 +38,7 @@ from typing import Any
 from core.config.schema import build, to_data
 from core.errors import RunFolderError, UserError
 from core.record import steps
+from core.record.lock import exclusive
 from core.record.runfolder import RunFolder, read_json, write_atomic, write_json
 from core.record.state import RunRecord, RunState
 from launcher import slurm_states
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 VERSION = 1
 LEDGER_NAME = "sweep.json"
 COPY_NAME = "sweep.yaml"
+LOCK_NAME = "sweep.lock"
 
 UNSUBMITTED, QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = (
     "unsubmitted", "queued", "running", "completed", "failed", "cancelled")
@@ -108,8 +112,18 @@ def ledger_path(sweep_dir: Path) -> Path:
 
 
 def write_ledger(sweep_dir: Path, ledger: Ledger) -> None:
-    """Replace ``sweep.json`` atomically: a reader sees the old or the new ledger."""
-    write_json(ledger_path(sweep_dir), to_data(ledger))
+    """Replace ``sweep.json`` atomically (a reader sees the old or the new ledger), under sweep.lock."""
+    with exclusive(Path(sweep_dir) / LOCK_NAME):
+        write_json(ledger_path(sweep_dir), to_data(ledger))
+
+
+def store_entry(sweep_dir: Path, entry: Entry) -> Ledger:
+    """Replace one point of ``sweep.json`` under sweep.lock: the ledger on disk read, the point
+    changed, written back (another submitter's changes to other points are kept). The ledger."""
+    with exclusive(Path(sweep_dir) / LOCK_NAME):
+        ledger = read_ledger(sweep_dir).with_entry(entry)
+        write_json(ledger_path(sweep_dir), to_data(ledger))
+    return ledger
 
 
 def write_copy(sweep_dir: Path, text: str) -> None:

@@ -24,7 +24,7 @@ from core.hf import files as hf_files
 from core.hf import layout as hf_layout
 from core.record import discovery
 from core.record import events as ev
-from core.record.lock import controller_alive
+from core.record.lock import controller_alive, cross_node_notice
 from core.record.runfolder import RunFolder, write_atomic
 from core.record.state import RunRecord, RunState
 
@@ -39,12 +39,25 @@ def generate_keys(keys_dir: Path) -> None:
         raise UserError(f"{keys_dir}: key generation failed: {proc.stderr.strip().splitlines()[-1:]}")
 
 
+_SAID: set[Path] = set()
+
+
+def say_lock(folder: Path) -> None:
+    """One line on stderr, once per folder, when its filesystem gives no cross-node lock (Baton
+    uses a lease file there); a UserError when no lock can work (core.record.lock)."""
+    notice = cross_node_notice(folder)
+    if notice is not None and folder not in _SAID:
+        _SAID.add(folder)
+        print(f"baton: warning: {notice}", file=sys.stderr)
+
+
 def checked(cfg: RunConfig) -> tuple[RunConfig, tuple[str, bytes] | None]:
     """Every input of a new run checked on the login node, nothing written: ``init_from``
     (pinned: ``resolve_init``), the files a relative path names stored resolved (a later
     resume from another folder reads the same ones), an SFT run's conversations and an RL
     file task's prompts read through their tokenizer. The config to store, and an SFT run's
     tokenized conversations (``check_sft``)."""
+    say_lock(Path(cfg.runs_root).expanduser().resolve())
     cfg = resolve_init(cfg)
     if cfg.rl.prompts and not Path(cfg.rl.prompts).is_absolute():
         cfg = replace(cfg, rl=replace(cfg.rl, prompts=str(Path(cfg.rl.prompts).resolve())))
@@ -166,6 +179,7 @@ def check_resume(run_dir: Path, overrides: list[str], *, from_scratch: bool = Fa
     UserError; a storage error reading a checkpoint a one-line TransientIOError (the CLI: exit 1)."""
     run = RunFolder.open(run_dir.expanduser().resolve())
     state = RunRecord(run).read()
+    say_lock(run.path)
     live = controller_alive(run)
     if live is not None:
         raise UserError(f"{run.path}: its controller still runs ({live}); wait for it, or end it first "

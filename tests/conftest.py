@@ -2,6 +2,7 @@
 so ``pytest -m "not slow"`` (make test-fast) never starts Megatron-core or a Slurm job."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,3 +24,17 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("hf")
     return {family: save_hf_model(family, root / family) for family in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def noflock_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A real filesystem without flock or fcntl locks (every lock call answers ENOSYS, as on
+    Lustre's ``noflock`` mount): tests/fuse_noflock.py mounted with FUSE for the session,
+    unmounted after. Skips only where the kernel offers no FUSE (/dev/fuse absent)."""
+    if not Path("/dev/fuse").exists():
+        pytest.skip("no /dev/fuse on this machine: the mount without flock is a FUSE filesystem")
+    from tests.fuse_noflock import mounted
+
+    root = tmp_path_factory.mktemp("noflock")
+    with mounted(root / "backing", root / "mnt") as mountpoint:
+        yield mountpoint

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +45,21 @@ def publish_address(run: RunFolder, sock: ControllerSocket, *, host: str, epoch:
     info = {
         "address": f"tcp://{host}:{sock.port}", "host": host, "port": sock.port, "epoch": epoch,
         "pid": os.getpid(), "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "started": time.time(),
+        "job_id": os.environ.get("SLURM_JOB_ID"),  # core.record.lock: a later start of this job waits out this one
     }
     write_json(run.controller, info)
     return info
 
 
-def run_controller(env: JobEnv) -> int:
-    """The controller role; its ExitCode."""
+def run_controller(env: JobEnv, *, locked: Callable[[RunFolder], None] | None = None) -> int:
+    """The controller role; its ExitCode. ``locked``: what to record once the lock is held."""
     run = RunFolder(env.run_dir)
     logsetup.configure("controller", run.controller_log)
     signals = PreemptionFlag.install()  # before anything slow: a signal now is not lost
-    with controller_lock(run):  # one controller per run folder, for this whole process
+    # One controller per run folder, for this whole process; nothing is written before it is held.
+    with controller_lock(run, job_id=env.job_id, epoch=env.epoch):
+        if locked is not None:
+            locked(run)
         return _run_locked(env, run, signals)
 
 
@@ -157,19 +162,23 @@ def _requeue(env: JobEnv, program: Program, outcome: Outcome) -> int:
 def run_on_slurm(run_dir: str) -> int:
     """Component 0's task on Slurm (core.controller.slurm_entry): the controller, in-process.
 
-    Records what the task sees of Slurm in the run's state (``slurm.controller_task``),
-    then runs ``run_controller`` under the env contract (core.job.env). A non-zero exit
-    raises, so that Slurm and submitit record the component as failed.
+    Runs ``run_controller`` under the env contract (core.job.env), which records what the
+    task sees of Slurm in the run's state (``slurm.controller_task``) once it holds the
+    controller lock (a refused second controller writes nothing). A non-zero exit raises,
+    so that Slurm and submitit record the component as failed.
     """
     os.environ["BATON_RUN_DIR"] = run_dir
     run = RunFolder(Path(run_dir))
     seen = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURMD_NODENAME",
                                            "SLURM_RESTART_COUNT", "SLURM_HET_SIZE", "SLURM_JOB_NODELIST_HET_GROUP_1")}
-    with RunRecord(run).update() as s:
-        s.slurm = SlurmInfo(job_id=seen["SLURM_JOB_ID"], controller_task={"het_group": 0, **seen})
+
+    def record_slurm(run: RunFolder) -> None:
+        with RunRecord(run).update() as s:
+            s.slurm = SlurmInfo(job_id=seen["SLURM_JOB_ID"], controller_task={"het_group": 0, **seen})
+
     # submitit logs and ignores SIGTERM; scancel should end the controller now, through its finally.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    code = run_controller(JobEnv.from_environ())
+    code = run_controller(JobEnv.from_environ(), locked=record_slurm)
     if code != 0:
         raise RuntimeError(f"controller exited with code {code}; see {run.controller_log}")
     return code

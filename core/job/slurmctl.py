@@ -384,3 +384,29 @@ def _scontrol(run: Runner, args: list[str]) -> RequeueResult:
     if args[1] == "requeue" and _PENDING in out.lower():
         return RequeueResult(ok=True, detail="Slurm is already requeueing the job")
     return RequeueResult(ok=False, detail=f"{' '.join(args)}: rc {proc.returncode}: {out}")
+
+
+# States after which the job runs nothing more (a requeued job is PENDING/REQUEUED again, not here).
+FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                          "DEADLINE", "OUT_OF_MEMORY"})
+JOB_OVER_TIMEOUT_S = 5.0  # asked on the login node too: never hold it up for long
+
+
+def _quick(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=JOB_OVER_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+
+
+def job_over(job_id: str, run: Runner | None = None) -> bool | None:
+    """Whether Slurm says job ``job_id`` is over: every component in a final state, or the job
+    unknown to Slurm (purged after MinJobAge). None when scontrol cannot say (absent, timed
+    out, another error): the caller then treats the job as alive."""
+    try:
+        proc = (run or _quick)(["scontrol", "show", "job", "-o", job_id])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s failed: %s", job_id, exc)
+        return None
+    if proc.returncode != 0:
+        return True if "invalid job id" in (proc.stderr + proc.stdout).lower() else None
+    states = [s for s in parse_show_job(proc.stdout).state.split(",") if s]
+    return bool(states) and all(s in FINAL_STATES for s in states)

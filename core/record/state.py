@@ -5,8 +5,9 @@ Two files in the run folder, one lock beside them:
     state.json     the current state (``RunState``): status, step, restarts, ranks, the
                    retry budget, goodput; replaced atomically (temporary file, fsync, rename)
     events.jsonl   the history, one ``core.record.events`` event per line, appended
-    state.lock     ``fcntl.flock``: held exclusively by every writer while it reads,
-                   changes and writes (``RunRecord.update``, ``RunRecord.append``)
+    state.lock     held exclusively by every writer while it reads, changes and writes
+                   (``RunRecord.update``, ``RunRecord.append``): flock, fcntl or a lease
+                   file, whichever the filesystem gives across nodes (core.record.lock)
 
 An event changes the state one way only: ``FOLD`` says what each kind sets, and every
 event appended (``update``, ``append``, ``create``) is folded in; a writer sets by hand only
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import fcntl
 import json
 import logging
 import os
@@ -36,6 +36,7 @@ from core.config.schema import build, to_data
 from core.errors import RunFolderError
 from core.record import events as ev
 from core.record.events import RankInfo
+from core.record.lock import exclusive
 from core.record.runfolder import RunFolder, write_atomic
 
 log = logging.getLogger(__name__)
@@ -281,14 +282,12 @@ class RunRecord:
     def _locked(self) -> Iterator[None]:
         if self._held:  # flock is per open file: a nested update would wait for itself
             raise RuntimeError(f"{self.lock_path}: already held by this RunRecord (an update inside an update)")
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with exclusive(self.lock_path):
             self._held = True
-            yield
-        finally:
-            self._held = False
-            os.close(fd)  # releases the lock
+            try:
+                yield
+            finally:
+                self._held = False
 
     @contextlib.contextmanager
     def update(self, *new_events: ev.Event) -> Iterator[RunState]:

@@ -17,7 +17,7 @@ RULES: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors", "hf"},
     "hf": {"errors"},
-    "record": {"errors", "config"},
+    "record": {"errors", "config", "job"},
     "wire": {"errors", "config"},
     "job": {"errors"},
     "data": {"errors"},
@@ -43,6 +43,7 @@ ONLY = {
     ("checkpoint", "job"): {"core.job.faults"},  # the tests' storage faults at a manifest's open
     ("launcher", "data"): {"core.data.sft", "core.data.prompts", "core.data.tokenizer"},  # submit reads the data it will train on
     ("supervisor", "checkpoint"): {"core.checkpoint.manifest"},
+    ("record", "job"): {"core.job.slurmctl"},  # a lock's holder: is its Slurm job over (core.record.lease)
     ("config", "hf"): {"core.hf.families"},  # config.json as the model section; no numpy
     ("launcher", "hf"): {"core.hf.families", "core.hf.files", "core.hf.layout"},  # checks, never the reader
 }

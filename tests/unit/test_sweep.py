@@ -197,12 +197,12 @@ def test_ledger_round_trips_atomically(tmp_path: Path) -> None:
     ledger_mod.write_ledger(tmp_path, led)
     back = ledger_mod.read_ledger(tmp_path)
     assert back == led
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]  # no temporary left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json", "sweep.lock"]  # no temporary left behind
     before = (tmp_path / "sweep.json").read_text()
     with pytest.raises(TypeError):  # a failed write leaves the old ledger whole
         ledger_mod.write_ledger(tmp_path, replace(led, base={"bad": object()}))
     assert (tmp_path / "sweep.json").read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json", "sweep.lock"]
 
 
 def test_reading_a_folder_without_or_with_a_foreign_ledger_is_a_user_error(tmp_path: Path) -> None:
