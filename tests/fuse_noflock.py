@@ -52,7 +52,7 @@ class Passthrough:
         return os.open(self._p(path), flags)
 
     def create(self, path: str, mode: int, fi: Any = None) -> int:
-        return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        return os.open(self._p(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
         return os.pread(fh, size, offset)
