@@ -9,7 +9,8 @@ a ``read(name, offset, shape)`` callable, so a checkpoint saved as tp2pp2 loads 
 Names and slicing come from Megatron's ``sharded_state_dict()``: transformer layers are
 stacked along a leading layer axis (``decoder.layers.self_attention...`` has global shape
 ``(num_layers, ...)``), TP shards split one axis, and ``replica_id`` marks copies (TP-
-replicated norms, DP replicas): only the all-zeros replica writes a model weight. The
+replicated norms, DP replicas): one replica writes each model box, chosen by
+core.model.gpt.spread so that the data-parallel replicas share the writing. The
 optimizer's fp32 state is core.model.gpt.optimizer_state's; the RNG streams are
 core.parallel.rng's, kept with the coordinates they belong to.
 
@@ -30,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from core.checkpoint.spec import TensorSlice
 from core.config.dims import Coords, ParallelDims
 from core.errors import CheckpointError
+from core.model.gpt import spread
 from core.model.gpt.model import unwrap
 from core.model.gpt.optimizer_state import OptimizerState
 from core.parallel import rng
@@ -220,8 +222,9 @@ def export_items(model_chunks: list[Any], optimizer: Any, prefix: str = "") -> t
         ready = torch.cuda.Event()
         ready.record()
     items: Items = []
+    writes = spread.writers([p.sh for p in parts], follows=0 if opt.distributed else len(opt.kinds))
     for sh, tensor, param, start in parts:
-        writer = is_writer(sh)
+        writer = writes(sh)  # one DP replica per box, the bytes balanced over the replicas
         s = slice_of(sh)
         if writer:  # the array carries the slice's shape: stacked layers add a leading axis of 1
             items.append((s, LiveTensor(tensor, s.shape, ready)))
