@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import threading
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ import h5py
 import numpy as np
 import xxhash
 
+from core.checkpoint import stream
 from core.checkpoint.manifest import (
     CHECKSUM_ALGO,
     FORMAT_VERSION,
@@ -52,23 +54,18 @@ def _dataset_name(index: int) -> str:
     return f"tensor_{index:05d}"
 
 
-def _native(item: TensorSlice, array: np.ndarray) -> np.ndarray:
-    """The array as C-contiguous native bytes of the slice's dtype, or a CheckpointError."""
-    dtype = np.dtype(item.dtype)
-    if tuple(array.shape) != tuple(item.shape):
-        raise CheckpointError(f"{item.name}: array shape {tuple(array.shape)} is not the slice shape {item.shape}")
-    if dtype.hasobject or dtype.kind in "USV":
-        raise CheckpointError(f"{item.name}: dtype {dtype} cannot be checkpointed; use a numeric dtype")
-    return np.asarray(array, dtype=dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
-
-
 def _simple(value: Any) -> bool:
     return isinstance(value, str | int | float | bool)
 
 
-def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: dict[str, Any],
-                attrs: dict[str, Any]) -> ShardAck:
+def write_shard(path: Path, items: list[tuple[TensorSlice, Any]], blobs: dict[str, Any],
+                attrs: dict[str, Any], *, bucket_bytes: int = stream.BUCKET_BYTES) -> ShardAck:
     """Write one rank's HDF5 file at ``path`` (which must not exist), durably; return its ack.
+
+    An item's data is an array or a ``LiveArray``, read while it is written, one item after
+    another (core.checkpoint.stream): what is not already host memory of the slice's dtype is
+    copied ``bucket_bytes`` at a time into one reusable buffer, so the save holds at most
+    that much more host memory than the state itself.
 
     ``attrs`` should hold ``step``, ``rank``, ``layout`` and ``config_hash``; without
     ``rank`` it is taken from the file name ``rank_NNNNN.h5``. ``blobs`` must be
@@ -81,13 +78,14 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
         rank = int(m.group(1))
     if not isinstance(rank, int):
         raise CheckpointError(f"{path}: no rank in attrs and none in the file name (rank_00000.h5)")
-    arrays = [_native(item, array) for item, array in items]
+    for item, data in items:
+        stream.check(item, data)
     blob_bytes = json.dumps(blobs, sort_keys=True, allow_nan=True).encode()
     if path.exists():
         raise CheckpointError(f"{path}: exists already; each save writes into a fresh folder from tmp_step_dir()")
     try:
-        regions = _lay_out(path, [item for item, _ in items], arrays, blob_bytes, attrs)
-        size, checksum = _write_data(path, regions)
+        regions = _lay_out(path, items, blob_bytes, attrs)
+        size, checksum = _write_data(path, regions, bucket_bytes)
         fsync_dir(path.parent)
     except BaseException as exc:
         try:
@@ -108,9 +106,12 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
         for i, (item, _) in enumerate(items)))
 
 
-def _lay_out(path: Path, items: Sequence[TensorSlice], arrays: Sequence[np.ndarray], blob_bytes: bytes,
-             attrs: dict[str, Any]) -> list[tuple[int, np.ndarray]]:
-    """Create the file with every dataset allocated but unwritten; return (file offset, data) pairs.
+Region = tuple[int, TensorSlice, Any]  # (file offset, slice, its data: an array or a LiveArray)
+
+
+def _lay_out(path: Path, items: Sequence[tuple[TensorSlice, Any]], blob_bytes: bytes,
+             attrs: dict[str, Any]) -> list[Region]:
+    """Create the file with every dataset allocated but unwritten; return its regions by offset.
 
     Datasets and their attributes are made with h5py's low-level API: half the time of
     the high-level one, which matters for ranks holding thousands of tensors.
@@ -127,17 +128,19 @@ def _lay_out(path: Path, items: Sequence[TensorSlice], arrays: Sequence[np.ndarr
         for key in ("step", "rank", "config_hash", "layout"):
             if key in attrs and attrs[key] is not None:
                 f.attrs[key] = attrs[key] if _simple(attrs[key]) else json.dumps(attrs[key], sort_keys=True)
-        for i, (item, array) in enumerate(zip(items, arrays, strict=True)):
-            space = h5py.h5s.create_simple(array.shape) if array.ndim else h5py.h5s.create(h5py.h5s.SCALAR)
-            dsid = h5py.h5d.create(f.id, _dataset_name(i).encode(), h5py.h5t.py_create(array.dtype), space, dcpl=dcpl)
+        for i, (item, data) in enumerate(items):
+            dtype = stream.dtype_of(item)
+            nbytes = dtype.itemsize * math.prod(item.shape)
+            space = h5py.h5s.create_simple(item.shape) if item.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+            dsid = h5py.h5d.create(f.id, _dataset_name(i).encode(), h5py.h5t.py_create(dtype), space, dcpl=dcpl)
             _str_attr(dsid, b"name", item.name)
             _int_attr(dsid, b"global_shape", item.global_shape)
             _int_attr(dsid, b"offset", item.offset)
             offset = dsid.get_offset()
-            if offset is not None and array.nbytes:
-                regions.append((offset, array))
-            elif array.nbytes:  # HDF5 gives no offset for some tiny (scalar) datasets: let h5py write them
-                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, array)
+            if offset is not None and nbytes:
+                regions.append((offset, item, data))
+            elif nbytes:  # HDF5 gives no offset for some tiny (scalar) datasets: let h5py write them
+                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, stream.whole(item, data))
         f.create_dataset(_BLOBS, data=np.frombuffer(blob_bytes, dtype=np.uint8), track_times=False)
     return sorted(regions, key=lambda r: r[0])
 
@@ -158,53 +161,90 @@ def _int_attr(obj: Any, key: bytes, values: tuple[int, ...]) -> None:
         np.asarray(values, dtype="<i8"))
 
 
-def _write_data(path: Path, regions: list[tuple[int, np.ndarray]]) -> tuple[int, str]:
-    """pwrite each region, hash the whole file on a second thread, fsync; return (size, checksum)."""
+def _write_data(path: Path, regions: list[Region], bucket_bytes: int) -> tuple[int, str]:
+    """pwrite each region's pieces, hash the whole file on a second thread, fsync; return (size, checksum)."""
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size  # HDF5 sets the file to its full allocated size at close
-        hashed: list[str | BaseException] = []
-        hasher = threading.Thread(target=_hash_file, args=(fd, size, regions, hashed), name="ckpt-hash")
-        hasher.start()
+        hasher = _Hasher(fd, size)
+        ring = stream.Ring(bucket_bytes)
         try:
-            for offset, array in regions:
-                view = memoryview(array.reshape(-1).view(np.uint8))
-                while view:
-                    n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
-                    offset += n
-                    view = view[n:]
+            for offset, item, data in regions:
+                for piece in stream.pieces(item, data, ring, hasher.drain):  # the ring is reused once hashed
+                    hasher.feed(offset, piece)
+                    _pwrite(fd, piece, offset)
+                    offset += piece.nbytes
             os.fsync(fd)
+            checksum = hasher.finish()
         finally:
-            hasher.join()
-        if isinstance(hashed[0], BaseException):
-            raise hashed[0]
+            hasher.close()
         if os.fstat(fd).st_size != size:  # HDF5 did not size the file up front: hash what is on disk
             logger.warning("%s: file grew while writing data; checksumming it from disk", path)
             return os.fstat(fd).st_size, file_checksum(path)
-        return size, str(hashed[0])
+        return size, checksum
     finally:
         os.close(fd)
 
 
-def _hash_file(fd: int, size: int, regions: list[tuple[int, np.ndarray]], out: list[str | BaseException]) -> None:
-    """xxh3-64 over the file as it will be: metadata gaps read back (small), data from the buffers.
+def _pwrite(fd: int, piece: np.ndarray, offset: int) -> None:
+    view = memoryview(piece)
+    while view:
+        n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
+        offset += n
+        view = view[n:]
+
+
+class _Hasher:
+    """xxh3-64 over the file as it will be, on a second thread: the metadata gaps read back
+    (small), the data from the pieces as they are written, in file order.
 
     Equal to ``manifest.file_checksum`` of the finished file. xxhash releases the GIL, so
-    this runs beside the writes.
+    this runs beside the writes. ``drain`` returns once every piece fed is hashed (the
+    writer then reuses its buffer); an error is raised by ``finish``.
     """
-    try:
-        h = xxhash.xxh3_64()
-        pos = 0
-        for offset, array in [*regions, (size, np.empty(0, np.uint8))]:
-            gap = offset - pos
-            if gap > 0:
-                data = os.pread(fd, gap, pos)
-                h.update(data + bytes(gap - len(data)))  # short read: an unwritten hole reads as zeros
-            h.update(memoryview(array.reshape(-1).view(np.uint8)))
-            pos = offset + array.nbytes
-        out.append(f"{CHECKSUM_ALGO}:{h.hexdigest()}")
-    except BaseException as exc:  # handed to the writing thread, which re-raises it
-        out.append(exc)
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd, self._size, self._pos = fd, size, 0
+        self._h = xxhash.xxh3_64()
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[tuple[int, np.ndarray] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
+        self._thread.start()
+
+    def feed(self, offset: int, piece: np.ndarray) -> None:
+        self._queue.put((offset, piece))
+
+    def drain(self) -> None:
+        self._queue.join()
+
+    def finish(self) -> str:
+        self.feed(self._size, np.empty(0, np.uint8))  # the metadata after the last dataset
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    offset, piece = job
+                    gap = offset - self._pos
+                    if gap > 0:
+                        data = os.pread(self._fd, gap, self._pos)
+                        self._h.update(data + bytes(gap - len(data)))  # short read: a hole reads as zeros
+                    self._h.update(memoryview(piece))
+                    self._pos = offset + piece.nbytes
+            except BaseException as exc:  # noqa: BLE001 - handed to the writing thread by finish()
+                self._error = exc
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
 
 
 def _flat_start(shape: tuple[int, ...], box: tuple[slice, ...]) -> int | None:

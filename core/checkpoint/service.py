@@ -35,7 +35,7 @@ import numpy as np
 
 from core.checkpoint import calls
 from core.checkpoint.manifest import rank_file_name
-from core.checkpoint.spec import ShardAck, TensorSlice, current
+from core.checkpoint.spec import ShardAck, TensorSlice
 from core.config.modelcfg import ModelConfig
 from core.errors import BatonRuntimeError
 from core.hf import families, layout
@@ -90,7 +90,8 @@ class CheckpointService:
         attrs = {"step": req.attrs.step, "layout": req.attrs.layout, "config_hash": req.attrs.config_hash,
                  "rank": self.rank}
         if not req.async_save:
-            return calls.Saved(ack=hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs))
+            # Streamed: each item is read while it is written, through one bounded buffer.
+            return calls.Saved(ack=hdf5.write_shard(path, items, blobs, attrs))
         if self._writer is None:
             self._writer = async_writer.AsyncWriter()
         live = any(hasattr(a, "snapshot_into") for _, a in items)

@@ -119,7 +119,8 @@ class LiveTensor:
     buffer; torch's copy releases the GIL, so the writer thread does it beside training.
     On a GPU the copy runs on a side stream, after ``ready`` (an event recorded on the
     training stream at export), so it neither waits for nor holds up the next step's
-    kernels. ``current`` is a zero-copy view for an fp32 host tensor, else an fp32 copy.
+    kernels. ``current`` is a zero-copy view for an fp32 host tensor (``host_view``), else an
+    fp32 copy; ``snapshot_flat_into`` copies a piece (core.checkpoint.stream).
     """
 
     __slots__ = ("tensor", "shape", "ready")
@@ -132,7 +133,14 @@ class LiveTensor:
         self.ready = ready
 
     def snapshot_into(self, out: np.ndarray) -> None:
-        t = self.tensor.reshape(out.shape)
+        self._copy(self.tensor.reshape(out.shape), out)
+
+    def snapshot_flat_into(self, start: int, out: np.ndarray) -> None:
+        """Copy the flat elements ``[start, start + out.size)`` into ``out``: a synchronous save
+        streams a tensor to its file this way, one bounded piece at a time."""
+        self._copy(self.tensor.reshape(-1)[start:start + out.size].reshape(out.shape), out)
+
+    def _copy(self, t: torch.Tensor, out: np.ndarray) -> None:
         with torch.no_grad():
             if not t.is_cuda:
                 torch.from_numpy(out).copy_(t)
@@ -143,11 +151,16 @@ class LiveTensor:
                     stream.wait_event(self.ready)
                 torch.from_numpy(out).copy_(t)  # pageable host memory: returns once the data is there
 
-    def current(self) -> np.ndarray:
+    def host_view(self) -> np.ndarray | None:
+        """The tensor as an fp32 host array without a copy (an fp32 CPU tensor), else None."""
         t = self.tensor
         if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
             return t.numpy().reshape(self.shape)
-        return _numpy(t).reshape(self.shape)
+        return None
+
+    def current(self) -> np.ndarray:
+        view = self.host_view()
+        return view if view is not None else _numpy(self.tensor).reshape(self.shape)
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
