@@ -7,12 +7,10 @@ One file per writing rank. Each slice a rank owns is its own contiguous dataset
 ``rank``, ``config_hash`` and ``layout``; ``blobs`` is a uint8 dataset holding the
 rank's loop/RNG/optimizer scalars as JSON.
 
-Why the data goes in with ``pwrite`` rather than through h5py: h5py lays out the file
-(datasets allocated early, never filled) and writes all metadata at close; Baton then
-writes each buffer's bytes at its dataset's file offset. That is the raw-write fast path,
-and it lets the file checksum (xxh3-64 over the whole file, what the controller verifies
-without h5py) be computed from the in-memory buffers on a second thread while the disk
-works, instead of re-reading the file.
+The data does not go through h5py: h5py lays out the file (datasets allocated early, never
+filled) and writes all metadata at close; core.checkpoint.pipeline then writes each
+dataset's bytes at its file offset with ``pwrite`` and checksums the file from the same
+buffers (the raw-write fast path; the file is never read back).
 """
 from __future__ import annotations
 
@@ -20,23 +18,18 @@ import json
 import logging
 import math
 import os
-import queue
 import re
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
-import xxhash
 
-from core.checkpoint import stream
+from core.checkpoint import pipeline, stream
 from core.checkpoint.manifest import (
-    CHECKSUM_ALGO,
     FORMAT_VERSION,
     Manifest,
-    file_checksum,
     fsync_dir,
     read_manifest,
 )
@@ -47,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 _BLOBS = "blobs"
 _RANK_RE = re.compile(r"^rank_(\d+)\.h5$")
-_WRITE_BLOCK = 256 << 20  # below Linux's 2 GiB per-call write limit
+_READ_BLOCK = 256 << 20  # below Linux's 2 GiB per-call limit
 
 
 def _dataset_name(index: int) -> str:
@@ -59,13 +52,15 @@ def _simple(value: Any) -> bool:
 
 
 def write_shard(path: Path, items: list[tuple[TensorSlice, Any]], blobs: dict[str, Any],
-                attrs: dict[str, Any], *, bucket_bytes: int = stream.BUCKET_BYTES) -> ShardAck:
+                attrs: dict[str, Any], *, slots: stream.Slots | None = None, copy_all: bool = False,
+                on_copied: Callable[[], None] | None = None) -> ShardAck:
     """Write one rank's HDF5 file at ``path`` (which must not exist), durably; return its ack.
 
-    An item's data is an array or a ``LiveArray``, read while it is written, one item after
-    another (core.checkpoint.stream): what is not already host memory of the slice's dtype is
-    copied ``bucket_bytes`` at a time into one reusable buffer, so the save holds at most
-    that much more host memory than the state itself.
+    An item's data is an array or a ``LiveArray``, read while it is written
+    (core.checkpoint.stream): what is not already host memory of the slice's dtype (or
+    everything, with ``copy_all``) is copied a bucket at a time into ``slots`` (default: two
+    buckets), so the save holds at most ``slots.nbytes`` more host memory than the state.
+    ``on_copied`` runs once every item has been read (the state may change from then on).
 
     ``attrs`` should hold ``step``, ``rank``, ``layout`` and ``config_hash``; without
     ``rank`` it is taken from the file name ``rank_NNNNN.h5``. ``blobs`` must be
@@ -85,7 +80,7 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, Any]], blobs: dict[st
         raise CheckpointError(f"{path}: exists already; each save writes into a fresh folder from tmp_step_dir()")
     try:
         regions = _lay_out(path, items, blob_bytes, attrs)
-        size, checksum = _write_data(path, regions, bucket_bytes)
+        size, checksum = pipeline.write_regions(path, regions, slots or stream.Slots(), copy_all, on_copied)
         fsync_dir(path.parent)
     except BaseException as exc:
         try:
@@ -106,11 +101,8 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, Any]], blobs: dict[st
         for i, (item, _) in enumerate(items)))
 
 
-Region = tuple[int, TensorSlice, Any]  # (file offset, slice, its data: an array or a LiveArray)
-
-
 def _lay_out(path: Path, items: Sequence[tuple[TensorSlice, Any]], blob_bytes: bytes,
-             attrs: dict[str, Any]) -> list[Region]:
+             attrs: dict[str, Any]) -> list[pipeline.Region]:
     """Create the file with every dataset allocated but unwritten; return its regions by offset.
 
     Datasets and their attributes are made with h5py's low-level API: half the time of
@@ -159,92 +151,6 @@ def _int_attr(obj: Any, key: bytes, values: tuple[int, ...]) -> None:
     """A 1-D little-endian int64 attribute."""
     h5py.h5a.create(obj, key, h5py.h5t.STD_I64LE, h5py.h5s.create_simple((len(values),))).write(
         np.asarray(values, dtype="<i8"))
-
-
-def _write_data(path: Path, regions: list[Region], bucket_bytes: int) -> tuple[int, str]:
-    """pwrite each region's pieces, hash the whole file on a second thread, fsync; return (size, checksum)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size  # HDF5 sets the file to its full allocated size at close
-        hasher = _Hasher(fd, size)
-        ring = stream.Ring(bucket_bytes)
-        try:
-            for offset, item, data in regions:
-                for piece in stream.pieces(item, data, ring, hasher.drain):  # the ring is reused once hashed
-                    hasher.feed(offset, piece)
-                    _pwrite(fd, piece, offset)
-                    offset += piece.nbytes
-            os.fsync(fd)
-            checksum = hasher.finish()
-        finally:
-            hasher.close()
-        if os.fstat(fd).st_size != size:  # HDF5 did not size the file up front: hash what is on disk
-            logger.warning("%s: file grew while writing data; checksumming it from disk", path)
-            return os.fstat(fd).st_size, file_checksum(path)
-        return size, checksum
-    finally:
-        os.close(fd)
-
-
-def _pwrite(fd: int, piece: np.ndarray, offset: int) -> None:
-    view = memoryview(piece)
-    while view:
-        n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
-        offset += n
-        view = view[n:]
-
-
-class _Hasher:
-    """xxh3-64 over the file as it will be, on a second thread: the metadata gaps read back
-    (small), the data from the pieces as they are written, in file order.
-
-    Equal to ``manifest.file_checksum`` of the finished file. xxhash releases the GIL, so
-    this runs beside the writes. ``drain`` returns once every piece fed is hashed (the
-    writer then reuses its buffer); an error is raised by ``finish``.
-    """
-
-    def __init__(self, fd: int, size: int) -> None:
-        self._fd, self._size, self._pos = fd, size, 0
-        self._h = xxhash.xxh3_64()
-        self._error: BaseException | None = None
-        self._queue: queue.Queue[tuple[int, np.ndarray] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
-        self._thread.start()
-
-    def feed(self, offset: int, piece: np.ndarray) -> None:
-        self._queue.put((offset, piece))
-
-    def drain(self) -> None:
-        self._queue.join()
-
-    def finish(self) -> str:
-        self.feed(self._size, np.empty(0, np.uint8))  # the metadata after the last dataset
-        self.close()
-        if self._error is not None:
-            raise self._error
-        return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                if self._error is None:
-                    offset, piece = job
-                    gap = offset - self._pos
-                    if gap > 0:
-                        data = os.pread(self._fd, gap, self._pos)
-                        self._h.update(data + bytes(gap - len(data)))  # short read: a hole reads as zeros
-                    self._h.update(memoryview(piece))
-                    self._pos = offset + piece.nbytes
-            except BaseException as exc:  # noqa: BLE001 - handed to the writing thread by finish()
-                self._error = exc
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
 
 
 def _flat_start(shape: tuple[int, ...], box: tuple[slice, ...]) -> int | None:
@@ -327,7 +233,7 @@ class ShardReader:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         while view:
-            n = os.preadv(self._fd, [view[:_WRITE_BLOCK]], pos)
+            n = os.preadv(self._fd, [view[:_READ_BLOCK]], pos)
             if n == 0:
                 raise CheckpointError(f"{self.path}: ends inside dataset {dataset!r}; the file is truncated: "
                                       "run `baton ckpt verify` and resume from another step")

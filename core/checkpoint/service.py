@@ -73,6 +73,7 @@ class CheckpointService:
         self._acks: dict[int, ShardAck] = {}  # step → ack of a finished async save
         self.fenced = False  # set by CheckpointedTask when the task calls fence() before it updates
         self.snapshot_timeout_s = 600.0
+        self.async_host_buffer_bytes: int | None = None  # an async snapshot's host memory (None: the state's)
 
     def handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
         return {calls.CKPT_SAVE: self.save, calls.CKPT_POLL: lambda req: self.poll(req.step),
@@ -93,7 +94,7 @@ class CheckpointService:
             # Streamed: each item is read while it is written, through one bounded buffer.
             return calls.Saved(ack=hdf5.write_shard(path, items, blobs, attrs))
         if self._writer is None:
-            self._writer = async_writer.AsyncWriter()
+            self._writer = async_writer.AsyncWriter(host_buffer_bytes=self.async_host_buffer_bytes)
         live = any(hasattr(a, "snapshot_into") for _, a in items)
         mode = "background" if self.fenced else ("now" if live else "none")
         self._pending = self._writer.submit(path, items, blobs, attrs, snapshot=mode)

@@ -3,6 +3,7 @@ the file is the same as one written from whole host arrays, and the save holds a
 bucket of extra host memory, not a copy of the state."""
 from __future__ import annotations
 
+import threading
 import tracemalloc
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 
 from core.checkpoint import manifest
+from core.checkpoint.async_writer import AsyncWriter
 from core.checkpoint.hdf5 import ShardReader, write_shard
 from core.checkpoint.spec import TensorSlice
+from core.checkpoint.stream import Slots
 
 MIB = 1 << 20
 
@@ -55,7 +58,7 @@ def test_a_streamed_save_writes_the_file_a_whole_array_save_writes(tmp_path: Pat
                         {"k": 1}, {"rank": 0})
     live = {n: Chunked(a) for n, a in state.items()}
     streamed = write_shard(tmp_path / "b" / "rank_00000.h5", [(_slice(n, a.shape), live[n]) for n, a in state.items()],
-                           {"k": 1}, {"rank": 0}, bucket_bytes=4096)
+                           {"k": 1}, {"rank": 0}, slots=Slots(4096, 2))
     assert streamed.checksum == whole.checksum == manifest.file_checksum(tmp_path / "b" / "rank_00000.h5")
     assert (tmp_path / "a" / "rank_00000.h5").read_bytes() == (tmp_path / "b" / "rank_00000.h5").read_bytes()
     assert max(c.largest for c in live.values()) <= 4096  # no piece larger than the bucket
@@ -75,7 +78,7 @@ def test_a_sync_save_holds_one_bucket_of_host_memory_not_the_state(tmp_path: Pat
     try:
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
-        ack = write_shard(tmp_path / "rank_00000.h5", items, {}, {"rank": 0}, bucket_bytes=MIB)
+        ack = write_shard(tmp_path / "rank_00000.h5", items, {}, {"rank": 0}, slots=Slots(MIB, 1))
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
@@ -88,3 +91,52 @@ def test_a_sync_save_holds_one_bucket_of_host_memory_not_the_state(tmp_path: Pat
             shard.read_into(dataset, box, out, box)
             assert np.array_equal(out, a.astype(np.float32)), s.name
 
+
+
+class Gated(Chunked):
+    """A chunked LiveArray whose copy starts when the test says so (a slow device-to-host copy)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        super().__init__(array)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def snapshot_flat_into(self, start: int, out: np.ndarray) -> None:
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the copy"
+        super().snapshot_flat_into(start, out)
+
+
+def test_a_background_save_bigger_than_its_buffers_snapshots_every_item_before_the_update(tmp_path: Path) -> None:
+    """An async writer with 64 KiB of buffers saves 1 MiB: the buffers are reused as the disk
+    frees them, the snapshot is taken only once the last item is copied, and the file holds
+    the values from before the update that follows, byte for byte a sync save's."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal((64, 1024)).astype(np.float32) for _ in range(4)]
+    expected = [a.copy() for a in arrays]
+    gated = Gated(arrays[-1])
+    items = [(_slice(f"t{i}", a.shape), Chunked(a)) for i, a in enumerate(arrays[:-1])]
+    items.append((_slice("t3", arrays[-1].shape), gated))
+    writer = AsyncWriter(host_buffer_bytes=64 << 10)
+    (tmp_path / "async").mkdir()
+    (tmp_path / "sync").mkdir()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        handle = writer.submit(tmp_path / "async" / "rank_00000.h5", items, {"k": 1}, {"rank": 0},
+                               snapshot="background")
+        assert gated.entered.wait(30), "the writer never reached the last item: its buffers were never freed"
+        assert not handle.snapshot_taken()
+        gated.release.set()
+        assert handle.wait_snapshot(30)
+        for a in arrays:  # the optimizer step after the fence
+            a += 1.0
+        ack = handle.result(timeout=30)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        writer.close()
+    assert peak <= 256 << 10, f"the background save allocated {peak >> 10} KiB at its peak (buffers: 64 KiB, state 1 MiB)"
+    sync = write_shard(tmp_path / "sync" / "rank_00000.h5", [(s, e) for (s, _), e in zip(items, expected, strict=True)],
+                       {"k": 1}, {"rank": 0})
+    assert ack == sync
+    assert (tmp_path / "sync" / "rank_00000.h5").read_bytes() == (tmp_path / "async" / "rank_00000.h5").read_bytes()
