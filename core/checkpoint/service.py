@@ -194,10 +194,13 @@ class CheckpointService:
 class CheckpointedTask:
     """A task's own handlers plus the checkpoint calls, as one task."""
 
-    def __init__(self, task: Any, rank: int) -> None:
+    def __init__(self, task: Any, rank: int, *, async_buffer_bytes: int | None = None) -> None:
+        """``async_buffer_bytes``: the most host memory an async save's snapshot holds (None:
+        as much as the state; ``checkpoint.async_buffer_mb``)."""
         self.task = task
         self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state, {
             "weights": getattr(task, "restore_weights", None), "reference": getattr(task, "restore_reference", None)})
+        self.service.async_host_buffer_bytes = async_buffer_bytes
         bind = getattr(task, "bind_checkpoint_fence", None)
         if bind is not None:
             bind(self.service.fence)
