@@ -140,3 +140,38 @@ def test_a_background_save_bigger_than_its_buffers_snapshots_every_item_before_t
                        {"k": 1}, {"rank": 0})
     assert ack == sync
     assert (tmp_path / "sync" / "rank_00000.h5").read_bytes() == (tmp_path / "async" / "rank_00000.h5").read_bytes()
+
+
+def test_a_failed_write_releases_the_training_and_its_buffers_serve_the_next_save(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fails (ENOSPC) while a background save bigger than its buffers is copied: the
+    save raises a transient error, leaves no file, releases the fence; the next save reuses
+    the buffers (none was lost with the failed one) and writes a sync save's file."""
+    import errno
+
+    from core.checkpoint import pipeline
+    from core.errors import TransientIOError
+
+    rng = np.random.default_rng(3)
+    items = [(_slice(f"t{i}", (64, 1024)), Chunked(rng.standard_normal((64, 1024)).astype(np.float32)))
+             for i in range(4)]
+    writer = AsyncWriter(host_buffer_bytes=64 << 10)
+    write = pipeline._pwrite
+
+    def full(fd: int, piece: np.ndarray, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "_pwrite", full)
+    (tmp_path / "a").mkdir()
+    handle = writer.submit(tmp_path / "a" / "rank_00000.h5", items, {}, {"rank": 0}, snapshot="background")
+    assert handle.wait_snapshot(30)
+    with pytest.raises(TransientIOError, match="No space left"):
+        handle.result(timeout=30)
+    assert not (tmp_path / "a" / "rank_00000.h5").exists()
+    monkeypatch.setattr(pipeline, "_pwrite", write)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "sync").mkdir()
+    ack = writer.submit(tmp_path / "b" / "rank_00000.h5", items, {}, {"rank": 0}, snapshot="background").result(30)
+    writer.close()
+    sync = write_shard(tmp_path / "sync" / "rank_00000.h5", [(s, c.array) for s, c in items], {}, {"rank": 0})
+    assert ack == sync
