@@ -2,10 +2,10 @@
 
 HDF5 (core.checkpoint.hdf5) lays the file out with every dataset allocated and unwritten;
 ``write_regions`` then fills the datasets at their file offsets. The calling thread copies
-the items into bounded slots (core.checkpoint.stream), a second thread pwrites each filled
-slot, a third computes the file's xxh3-64 checksum (what the controller verifies without
-h5py) from the same buffers, so the file is never read back. A slot is reused once both are
-done with it.
+the items into bounded slots (core.checkpoint.stream) and writes those that need no copy
+itself, a second thread pwrites each filled slot, a third computes the file's xxh3-64
+checksum (what the controller verifies without h5py) from the same buffers, so the file is
+never read back. A slot is reused once both are done with it.
 
 Why ``pwrite`` rather than h5py: h5py lays out the file (datasets allocated early, never
 filled) and writes all metadata at close; writing each buffer's bytes at its dataset's file
@@ -37,27 +37,38 @@ _WRITE_BLOCK = 256 << 20  # below Linux's 2 GiB per-call write limit
 
 def write_regions(path: Path, regions: list[Region], slots: stream.Slots, copy_all: bool,
                   on_copied: Callable[[], None] | None) -> tuple[int, str]:
-    """Copy the regions into ``slots`` on this thread while a second one pwrites them and a
-    third hashes the whole file; fsync; return (size, checksum). ``on_copied`` runs once every
-    item has been read (with ``copy_all``, the live state may change from then on)."""
+    """Write the regions at their offsets and checksum the file; fsync; return (size, checksum).
+
+    This thread copies what must be copied into ``slots`` and hands each filled slot to a
+    disk thread, so the next copy runs beside the last write; what is already host memory
+    of the file's dtype it writes itself, from that memory. A third thread hashes everything
+    in file order. ``on_copied`` runs once every item has been read (with ``copy_all``, the
+    live state may change from then on)."""
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size  # HDF5 sets the file to its full allocated size at close
-        disk = _Disk(fd, size, slots)
+        hasher, disk = _Hasher(fd, size), _Disk(fd)
         try:
-            for batch in stream.batches(regions, slots, copy_all=copy_all):
+            for slot, pieces in stream.batches(regions, slots, copy_all=copy_all):
+                release = _Release(slots, slot) if slot is not None else None
+                hasher.feed(pieces, release)  # in file order: batches come in file order
+                if release is None:
+                    for offset, piece in pieces:
+                        _pwrite(fd, piece, offset)
+                    continue
                 try:
-                    disk.put(batch)
+                    disk.put(pieces, release)
                 except BaseException:
-                    if batch[0] is not None:
-                        slots.put(batch[0])  # never reached the writer: back to the slots
+                    release.done()  # never reached the disk thread: its half is done
                     raise
             if on_copied is not None:
                 on_copied()
-            checksum = disk.finish()
+            disk.written()
+            os.fsync(fd)  # while the hasher finishes
+            checksum = hasher.finish()
         finally:
             disk.close()
-        os.fsync(fd)
+            hasher.close()
         if os.fstat(fd).st_size != size:  # HDF5 did not size the file up front: hash what is on disk
             logger.warning("%s: file grew while writing data; checksumming it from disk", path)
             return os.fstat(fd).st_size, file_checksum(path)
@@ -80,55 +91,49 @@ class _Release:
                 self._slots.put(self._slot)
 
 
+Pieces = list[tuple[int, np.ndarray]]  # (file offset, bytes)
+
+
 class _Disk:
-    """The writing thread: pwrites each batch at its offsets, feeds the hasher beside it.
+    """The writing thread: pwrites each filled slot at its offsets, then releases its half.
 
-    After an error it keeps handing slots back (the copying thread must not wait forever for
-    one) and writes nothing more; ``finish`` raises the first error."""
+    After an error it keeps releasing slots (the copying thread must not wait forever for
+    one) and writes nothing more; ``put`` and ``written`` raise the first error."""
 
-    def __init__(self, fd: int, size: int, slots: stream.Slots) -> None:
-        self._fd, self._slots = fd, slots
-        self._hasher = _Hasher(fd, size)
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
         self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue[stream.Batch | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Pieces, _Release] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ckpt-disk", daemon=True)
         self._thread.start()
 
-    def put(self, batch: stream.Batch) -> None:
+    def put(self, pieces: Pieces, release: _Release) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put(batch)
+        self._queue.put((pieces, release))
 
-    def finish(self) -> str:
-        """Wait for every batch; the file's checksum (or the first error)."""
-        self._join()
+    def written(self) -> None:
+        """Wait until every slot is written (or raise the first error)."""
+        self.close()
         if self._error is not None:
             raise self._error
-        return self._hasher.finish()
 
     def close(self) -> None:
-        self._join()
-        self._hasher.close()
-
-    def _join(self) -> None:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            slot, pieces = job
-            release = _Release(self._slots, slot) if slot is not None else None
-            self._hasher.feed(pieces, release)
+            pieces, release = job
             try:
                 if self._error is None:
                     for offset, piece in pieces:
                         _pwrite(self._fd, piece, offset)
-            except BaseException as exc:  # noqa: BLE001 - raised on the copying thread by put/finish
+            except BaseException as exc:  # noqa: BLE001 - raised on the copying thread by put/written
                 self._error = exc
             finally:
-                if release is not None:
-                    release.done()
+                release.done()
 
 
 def _pwrite(fd: int, piece: np.ndarray, offset: int) -> None:
