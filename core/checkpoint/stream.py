@@ -4,8 +4,8 @@ A synchronous save used to turn every item into a host array before the first by
 written: for a bf16 model (fp32 in the checkpoint) or a GPU's state, a copy of the whole
 rank state in host memory at once. ``batches`` instead gives the bytes in file order: an
 item that already is host memory of the file's dtype (an fp32 CPU tensor, an array) as it
-is, anything else copied ``bucket_bytes`` at a time into ``Slots``, which the writing thread
-(core.checkpoint.hdf5) hands back once it has written and hashed them. The copying thread
+is, anything else copied ``bucket_bytes`` at a time into ``Slots``, which the writer
+(core.checkpoint.pipeline) hands back once it has written and hashed them. The copying thread
 fills the next slot while the disk takes the last: the extra host memory of a save is
 ``Slots.nbytes`` (two buckets for a synchronous save), whatever the state's size.
 
