@@ -29,7 +29,8 @@ def task_factory(cfg: RunConfig) -> Callable[[WorkerContext], Task]:
 
     def build(ctx: WorkerContext) -> Task:
         if ctx.role.name == "trainer":
-            return CheckpointedTask(cls(ctx), ctx.rank)
+            mb = cfg.checkpoint.async_buffer_mb
+            return CheckpointedTask(cls(ctx), ctx.rank, async_buffer_bytes=None if mb is None else mb << 20)
         return cls(ctx)  # a generator of its own processes holds nothing to checkpoint
 
     return build

@@ -3,17 +3,21 @@
 ``submit`` hands one rank's items to a long-lived writer thread and returns. How the
 snapshot (the values the file will hold) is taken is the caller's choice:
 
-  "background"  the writer thread copies every item (an array or a ``LiveArray``) into
-                host buffers while training goes on; the caller must not change its state
-                until ``SaveHandle.wait_snapshot()`` returns, which it calls right before
-                its next update (the optimizer step). Training is blocked only for what
-                is left of the copy at that point: usually nothing.
+  "background"  the writer thread copies every item (an array or a ``LiveArray``), a
+                bucket at a time, into host buffers while training goes on, and a disk
+                thread writes each filled buffer meanwhile (core.checkpoint.stream,
+                core.checkpoint.pipeline); the caller must not change its state until
+                ``SaveHandle.wait_snapshot()`` returns, which it calls right before its
+                next update (the optimizer step). Training is blocked only for what is
+                left of the copy at that point: usually nothing. With ``host_buffer_bytes``
+                the buffers hold at most that much: a larger state is copied as fast as
+                the disk frees them, so the update may also wait for the disk.
   "now"         the copy is made on the caller's thread before ``submit`` returns.
   "none"        the arrays are already private copies nobody changes: written as they are.
 
-Snapshot buffers are allocated once and reused by every later save of the same state
-(fresh memory is slow to touch; a warm buffer copies at memory speed). The writer thread
-runs the very same ``write_shard`` as a synchronous save, so the files are byte-identical.
+Snapshot buffers are allocated once and reused by every later save (fresh memory is slow
+to touch; a warm buffer copies at memory speed). The writer thread runs the very same
+``write_shard`` as a synchronous save, so the files are byte-identical.
 
 At most one save is in flight: the next ``submit`` first waits (with a deadline) for the
 previous write, because it reuses the same buffers. A failed snapshot or write never
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from core.checkpoint import stream
 from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.spec import ShardAck, TensorSlice, current
 from core.errors import BatonRuntimeError, CheckpointError
@@ -94,10 +100,15 @@ Job = tuple[SaveHandle, list[tuple[TensorSlice, Any]], dict[str, Any], dict[str,
 class AsyncWriter:
     """Writes one rank's shards in the background from reusable snapshot buffers."""
 
-    def __init__(self, *, previous_timeout_s: float = 600.0) -> None:
-        """``previous_timeout_s``: how long ``submit`` waits for the previous save to finish."""
+    def __init__(self, *, previous_timeout_s: float = 600.0, host_buffer_bytes: int | None = None) -> None:
+        """``previous_timeout_s``: how long ``submit`` waits for the previous save to finish.
+        ``host_buffer_bytes``: the most host memory a background snapshot holds (None: as much
+        as the state, so the copy never waits for the disk)."""
         self.previous_timeout_s = previous_timeout_s
-        self._buffers: list[np.ndarray] = []  # flat uint8, one per item position, reused across saves
+        self._buffers: list[np.ndarray] = []  # "now" snapshots: flat uint8, one per item position, reused
+        count = sys.maxsize if host_buffer_bytes is None else max(2, host_buffer_bytes // stream.BUCKET_BYTES)
+        bucket = stream.BUCKET_BYTES if host_buffer_bytes is None else min(stream.BUCKET_BYTES, host_buffer_bytes // 2)
+        self._slots = stream.Slots(max(1, bucket), count)  # "background" snapshots, reused across saves
         self._pending: SaveHandle | None = None
         # One long-lived thread fed by a queue: starting a thread per save costs the caller a
         # GIL hand-off (up to the 5 ms switch interval) before start() returns.
@@ -178,10 +189,12 @@ class AsyncWriter:
             try:
                 if background:
                     try:
-                        items = self._snapshot(items)
+                        ack = write_shard(handle.path, items, blobs, attrs, slots=self._slots, copy_all=True,
+                                          on_copied=handle._snapshot.set)
                     finally:
                         handle._snapshot.set()  # the caller may go on, also when the copy failed
-                ack = write_shard(handle.path, items, blobs, attrs)
+                else:
+                    ack = write_shard(handle.path, items, blobs, attrs)
             except BaseException as exc:  # reported through the handle, never as an ack
                 logger.error("background checkpoint write to %s failed: %s", handle.path, exc)
                 handle._finish(None, exc)
@@ -194,6 +207,7 @@ class AsyncWriter:
             raise BatonRuntimeError(f"{self._pending.path}: checkpoint write still running after {timeout_s:.0f} s")
         self._pending = None
         self._buffers.clear()
+        self._slots = stream.Slots(self._slots.bucket_bytes, self._slots.count)
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout_s)

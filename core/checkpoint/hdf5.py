@@ -7,12 +7,10 @@ One file per writing rank. Each slice a rank owns is its own contiguous dataset
 ``rank``, ``config_hash`` and ``layout``; ``blobs`` is a uint8 dataset holding the
 rank's loop/RNG/optimizer scalars as JSON.
 
-Why the data goes in with ``pwrite`` rather than through h5py: h5py lays out the file
-(datasets allocated early, never filled) and writes all metadata at close; Baton then
-writes each buffer's bytes at its dataset's file offset. That is the raw-write fast path,
-and it lets the file checksum (xxh3-64 over the whole file, what the controller verifies
-without h5py) be computed from the in-memory buffers on a second thread while the disk
-works, instead of re-reading the file.
+The data does not go through h5py: h5py lays out the file (datasets allocated early, never
+filled) and writes all metadata at close; core.checkpoint.pipeline then writes each
+dataset's bytes at its file offset with ``pwrite`` and checksums the file from the same
+buffers (the raw-write fast path; the file is never read back).
 
 Why h5py lays the file out in memory (``SparseImage``, through its file-object driver) and
 never touches the disk: HDF5 writes its metadata when it flushes or closes, and a full disk
@@ -28,21 +26,18 @@ import logging
 import math
 import os
 import re
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
-import xxhash
 
+from core.checkpoint import pipeline, stream
 from core.checkpoint.image import SparseImage
 from core.checkpoint.manifest import (
-    CHECKSUM_ALGO,
     FORMAT_VERSION,
     Manifest,
-    file_checksum,
     fsync_dir,
     read_manifest,
 )
@@ -53,30 +48,27 @@ logger = logging.getLogger(__name__)
 
 _BLOBS = "blobs"
 _RANK_RE = re.compile(r"^rank_(\d+)\.h5$")
-_WRITE_BLOCK = 256 << 20  # below Linux's 2 GiB per-call write limit
+_READ_BLOCK = 256 << 20  # below Linux's 2 GiB per-call limit
 
 
 def _dataset_name(index: int) -> str:
     return f"tensor_{index:05d}"
 
 
-def _native(item: TensorSlice, array: np.ndarray) -> np.ndarray:
-    """The array as C-contiguous native bytes of the slice's dtype, or a CheckpointError."""
-    dtype = np.dtype(item.dtype)
-    if tuple(array.shape) != tuple(item.shape):
-        raise CheckpointError(f"{item.name}: array shape {tuple(array.shape)} is not the slice shape {item.shape}")
-    if dtype.hasobject or dtype.kind in "USV":
-        raise CheckpointError(f"{item.name}: dtype {dtype} cannot be checkpointed; use a numeric dtype")
-    return np.asarray(array, dtype=dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
-
-
 def _simple(value: Any) -> bool:
     return isinstance(value, str | int | float | bool)
 
 
-def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: dict[str, Any],
-                attrs: dict[str, Any]) -> ShardAck:
+def write_shard(path: Path, items: list[tuple[TensorSlice, Any]], blobs: dict[str, Any],
+                attrs: dict[str, Any], *, slots: stream.Slots | None = None, copy_all: bool = False,
+                on_copied: Callable[[], None] | None = None) -> ShardAck:
     """Write one rank's HDF5 file at ``path`` (which must not exist), durably; return its ack.
+
+    An item's data is an array or a ``LiveArray``, read while it is written
+    (core.checkpoint.stream): what is not already host memory of the slice's dtype (or
+    everything, with ``copy_all``) is copied a bucket at a time into ``slots`` (default: two
+    buckets), so the save holds at most ``slots.nbytes`` more host memory than the state.
+    ``on_copied`` runs once every item has been read (the state may change from then on).
 
     ``attrs`` should hold ``step``, ``rank``, ``layout`` and ``config_hash``; without
     ``rank`` it is taken from the file name ``rank_NNNNN.h5``. ``blobs`` must be
@@ -89,14 +81,16 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
         rank = int(m.group(1))
     if not isinstance(rank, int):
         raise CheckpointError(f"{path}: no rank in attrs and none in the file name (rank_00000.h5)")
-    arrays = [_native(item, array) for item, array in items]
+    for item, data in items:
+        stream.check(item, data)
     blob_bytes = json.dumps(blobs, sort_keys=True, allow_nan=True).encode()
     if path.exists():
         raise CheckpointError(f"{path}: exists already; each save writes into a fresh folder from tmp_step_dir()")
     image = SparseImage()
-    regions = _lay_out(image, [item for item, _ in items], arrays, blob_bytes, attrs)
+    regions = _lay_out(image, items, blob_bytes, attrs)  # in memory: no storage fault can reach HDF5
     try:
-        size, checksum = _write_data(path, image, regions)
+        image.create_file(path)
+        size, checksum = pipeline.write_regions(path, regions, slots or stream.Slots(), copy_all, on_copied)
         fsync_dir(path.parent)
     except BaseException as exc:
         try:
@@ -117,10 +111,10 @@ def write_shard(path: Path, items: list[tuple[TensorSlice, np.ndarray]], blobs: 
         for i, (item, _) in enumerate(items)))
 
 
-def _lay_out(image: SparseImage, items: Sequence[TensorSlice], arrays: Sequence[np.ndarray], blob_bytes: bytes,
-             attrs: dict[str, Any]) -> list[tuple[int, np.ndarray]]:
-    """Lay the file out in ``image`` with every dataset allocated but unwritten; return (file
-    offset, data) pairs.
+def _lay_out(image: SparseImage, items: Sequence[tuple[TensorSlice, Any]], blob_bytes: bytes,
+             attrs: dict[str, Any]) -> list[pipeline.Region]:
+    """Lay the file out in ``image`` with every dataset allocated but unwritten; return its
+    regions by offset.
 
     Datasets and their attributes are made with h5py's low-level API: half the time of
     the high-level one, which matters for ranks holding thousands of tensors.
@@ -137,17 +131,19 @@ def _lay_out(image: SparseImage, items: Sequence[TensorSlice], arrays: Sequence[
         for key in ("step", "rank", "config_hash", "layout"):
             if key in attrs and attrs[key] is not None:
                 f.attrs[key] = attrs[key] if _simple(attrs[key]) else json.dumps(attrs[key], sort_keys=True)
-        for i, (item, array) in enumerate(zip(items, arrays, strict=True)):
-            space = h5py.h5s.create_simple(array.shape) if array.ndim else h5py.h5s.create(h5py.h5s.SCALAR)
-            dsid = h5py.h5d.create(f.id, _dataset_name(i).encode(), h5py.h5t.py_create(array.dtype), space, dcpl=dcpl)
+        for i, (item, data) in enumerate(items):
+            dtype = stream.dtype_of(item)
+            nbytes = dtype.itemsize * math.prod(item.shape)
+            space = h5py.h5s.create_simple(item.shape) if item.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+            dsid = h5py.h5d.create(f.id, _dataset_name(i).encode(), h5py.h5t.py_create(dtype), space, dcpl=dcpl)
             _str_attr(dsid, b"name", item.name)
             _int_attr(dsid, b"global_shape", item.global_shape)
             _int_attr(dsid, b"offset", item.offset)
             offset = dsid.get_offset()
-            if offset is not None and array.nbytes:
-                regions.append((offset, array))
-            elif array.nbytes:  # HDF5 gives no offset for some tiny (scalar) datasets: let h5py write them
-                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, array)
+            if offset is not None and nbytes:
+                regions.append((offset, item, data))
+            elif nbytes:  # HDF5 gives no offset for some tiny (scalar) datasets: let h5py write them
+                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, stream.whole(item, data))
         f.create_dataset(_BLOBS, data=np.frombuffer(blob_bytes, dtype=np.uint8), track_times=False)
     return sorted(regions, key=lambda r: r[0])
 
@@ -166,63 +162,6 @@ def _int_attr(obj: Any, key: bytes, values: tuple[int, ...]) -> None:
     """A 1-D little-endian int64 attribute."""
     h5py.h5a.create(obj, key, h5py.h5t.STD_I64LE, h5py.h5s.create_simple((len(values),))).write(
         np.asarray(values, dtype="<i8"))
-
-
-def _write_data(path: Path, image: SparseImage, regions: list[tuple[int, np.ndarray]]) -> tuple[int, str]:
-    """Create the file: the image's metadata, then each data region by pwrite while a second
-    thread hashes the whole file; fsync; return (size, checksum). Fails only as an OSError."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.ftruncate(fd, image.size)  # HDF5's end of allocation; the data regions are holes until written
-        for offset, data in image.runs():
-            _pwrite_all(fd, memoryview(data), offset)
-        size = os.fstat(fd).st_size
-        hashed: list[str | BaseException] = []
-        hasher = threading.Thread(target=_hash_file, args=(fd, size, regions, hashed), name="ckpt-hash")
-        hasher.start()
-        try:
-            for offset, array in regions:
-                _pwrite_all(fd, memoryview(array.reshape(-1).view(np.uint8)), offset)
-            os.fsync(fd)
-        finally:
-            hasher.join()
-        if isinstance(hashed[0], BaseException):
-            raise hashed[0]
-        if os.fstat(fd).st_size != size:  # HDF5 did not size the file up front: hash what is on disk
-            logger.warning("%s: file grew while writing data; checksumming it from disk", path)
-            return os.fstat(fd).st_size, file_checksum(path)
-        return size, str(hashed[0])
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """Write all of ``view`` at ``offset`` (pwrite may write less than asked)."""
-    while view:
-        n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
-        offset += n
-        view = view[n:]
-
-
-def _hash_file(fd: int, size: int, regions: list[tuple[int, np.ndarray]], out: list[str | BaseException]) -> None:
-    """xxh3-64 over the file as it will be: metadata gaps read back (small), data from the buffers.
-
-    Equal to ``manifest.file_checksum`` of the finished file. xxhash releases the GIL, so
-    this runs beside the writes.
-    """
-    try:
-        h = xxhash.xxh3_64()
-        pos = 0
-        for offset, array in [*regions, (size, np.empty(0, np.uint8))]:
-            gap = offset - pos
-            if gap > 0:
-                data = os.pread(fd, gap, pos)
-                h.update(data + bytes(gap - len(data)))  # short read: an unwritten hole reads as zeros
-            h.update(memoryview(array.reshape(-1).view(np.uint8)))
-            pos = offset + array.nbytes
-        out.append(f"{CHECKSUM_ALGO}:{h.hexdigest()}")
-    except BaseException as exc:  # handed to the writing thread, which re-raises it
-        out.append(exc)
 
 
 def _flat_start(shape: tuple[int, ...], box: tuple[slice, ...]) -> int | None:
@@ -308,7 +247,7 @@ class ShardReader:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
         while view:
-            n = os.preadv(self._fd, [view[:_WRITE_BLOCK]], pos)
+            n = os.preadv(self._fd, [view[:_READ_BLOCK]], pos)
             if n == 0:
                 raise CheckpointError(f"{self.path}: ends inside dataset {dataset!r}; the file is truncated: "
                                       "run `baton ckpt verify` and resume from another step")

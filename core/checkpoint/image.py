@@ -9,7 +9,10 @@ disk afterwards by plain ``pwrite``, whose failure is an ``OSError`` with its er
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
+
+_WRITE_BLOCK = 64 << 20
 
 
 class SparseImage:
@@ -85,3 +88,17 @@ class SparseImage:
                 runs.append((start, [data]))
             end = start + len(data)
         return [(start, b"".join(chunks)) for start, chunks in runs]
+
+    def create_file(self, path: Path) -> None:
+        """Create ``path`` (which must not exist) sized as HDF5 left the image, with what was
+        written (the metadata) in place; the data regions stay holes for the caller's pwrite."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, self.size)
+            for offset, data in self.runs():
+                view = memoryview(data)
+                while view:
+                    n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
+                    offset, view = offset + n, view[n:]
+        finally:
+            os.close(fd)

@@ -35,7 +35,7 @@ import numpy as np
 
 from core.checkpoint import calls
 from core.checkpoint.manifest import rank_file_name
-from core.checkpoint.spec import ShardAck, TensorSlice, current
+from core.checkpoint.spec import ShardAck, TensorSlice
 from core.config.modelcfg import ModelConfig
 from core.errors import BatonRuntimeError
 from core.hf import families, layout
@@ -73,6 +73,7 @@ class CheckpointService:
         self._acks: dict[int, ShardAck] = {}  # step → ack of a finished async save
         self.fenced = False  # set by CheckpointedTask when the task calls fence() before it updates
         self.snapshot_timeout_s = 600.0
+        self.async_host_buffer_bytes: int | None = None  # an async snapshot's host memory (None: the state's)
 
     def handlers(self) -> dict[Method[Any, Any], Callable[[Any], Any]]:
         return {calls.CKPT_SAVE: self.save, calls.CKPT_POLL: lambda req: self.poll(req.step),
@@ -90,9 +91,10 @@ class CheckpointService:
         attrs = {"step": req.attrs.step, "layout": req.attrs.layout, "config_hash": req.attrs.config_hash,
                  "rank": self.rank}
         if not req.async_save:
-            return calls.Saved(ack=hdf5.write_shard(path, [(s, current(a)) for s, a in items], blobs, attrs))
+            # Streamed: each item is read while it is written, through one bounded buffer.
+            return calls.Saved(ack=hdf5.write_shard(path, items, blobs, attrs))
         if self._writer is None:
-            self._writer = async_writer.AsyncWriter()
+            self._writer = async_writer.AsyncWriter(host_buffer_bytes=self.async_host_buffer_bytes)
         live = any(hasattr(a, "snapshot_into") for _, a in items)
         mode = "background" if self.fenced else ("now" if live else "none")
         self._pending = self._writer.submit(path, items, blobs, attrs, snapshot=mode)
@@ -192,10 +194,13 @@ class CheckpointService:
 class CheckpointedTask:
     """A task's own handlers plus the checkpoint calls, as one task."""
 
-    def __init__(self, task: Any, rank: int) -> None:
+    def __init__(self, task: Any, rank: int, *, async_buffer_bytes: int | None = None) -> None:
+        """``async_buffer_bytes``: the most host memory an async save's snapshot holds (None:
+        as much as the state; ``checkpoint.async_buffer_mb``)."""
         self.task = task
         self.service = CheckpointService(rank, task.checkpoint_state, task.restore_state, {
             "weights": getattr(task, "restore_weights", None), "reference": getattr(task, "restore_reference", None)})
+        self.service.async_host_buffer_bytes = async_buffer_bytes
         bind = getattr(task, "bind_checkpoint_fence", None)
         if bind is not None:
             bind(self.service.fence)

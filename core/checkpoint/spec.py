@@ -36,6 +36,8 @@ class LiveArray(Protocol):
     synchronous save writes ``current()`` at once; an asynchronous one lets its writer
     thread ``snapshot_into`` reusable buffers while training goes on, and the task waits
     for that snapshot (``CheckpointService.fence``) before it next changes the state.
+    It may also offer ``host_view()`` and ``snapshot_flat_into(start, out)``, with which a
+    synchronous save streams it piece by piece (core.checkpoint.stream).
     """
 
     shape: tuple[int, ...]  # the slice's shape

@@ -199,6 +199,9 @@ class CheckpointConfig:
     interval_steps: int = bounded(0, ge=0, le=MAX_STEPS)  # 0: only at the end of the run
     keep_last: int = bounded(2, le=MAX_COUNT)
     async_save: bool = field(default=False, metadata={"key": "async"})
+    # An async save's host buffers per rank; null: as large as the rank's state, so the copy
+    # never waits for the disk (core.checkpoint.async_writer).
+    async_buffer_mb: int | None = bounded(None, ge=1, le=2**30)
     at_end: bool = True
 
     def __post_init__(self) -> None:

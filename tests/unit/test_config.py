@@ -31,6 +31,7 @@ def test_overrides_set_dotted_paths_with_yaml_types() -> None:
         ({"trainer": {"steps": True}}, "trainer.steps: True is not an integer"),
         ({"training": {"micro_batch_size": "big"}}, "training.micro_batch_size: 'big' is not an integer or 'auto'"),
         ({"checkpoint": {"keep_last": 1}}, "checkpoint.keep_last: 1 must be ≥ 2"),
+        ({"checkpoint": {"async_buffer_mb": 0}}, "checkpoint.async_buffer_mb: 0 must be ≥ 1"),
         ({"timeouts": {"heartbeat_timeout_s": 0.5}},
          "timeouts.heartbeat_timeout_s: 0.5 must exceed twice timeouts.heartbeat_interval_s = 0.25"),
         ({"timeouts": {"heartbeat_interval_s": 6, "heartbeat_timeout_s": 20}},

@@ -52,7 +52,7 @@ HOMES = {
     "zmq": {"core/wire/transport.py"},
     "msgpack": {"core/wire/protocol.py"},
     "yaml": {"core/config/run.py"},
-    "xxhash": {"core/checkpoint/manifest.py", "core/checkpoint/hdf5.py"},
+    "xxhash": {"core/checkpoint/manifest.py", "core/checkpoint/pipeline.py"},
     "h5py": {"core/checkpoint/hdf5.py", "core/data/build.py", "core/data/dataset.py", "core/model/gpt/data.py"},
     "torch": {"core/parallel/", "core/model/gpt/", "core/hf/reader.py"},
     "safetensors": {"core/hf/files.py", "core/hf/reader.py"},

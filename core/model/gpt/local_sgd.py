@@ -31,8 +31,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from core.job import faults
+from core.model.gpt import spread
 from core.model.gpt.optimizer_state import OptimizerState
-from core.model.gpt.state import LiveTensor, is_writer, param_parts, slice_of
+from core.model.gpt.state import LiveTensor, param_parts, slice_of
 from core.model.gpt.step import StepContext
 
 MOMENTUM = "sync.momentum."
@@ -85,8 +86,10 @@ class Replicas:
             return []
         by_param = dict(zip(self.held, self.outer.momentum, strict=True))
         out = []
-        for sh, tensor, param, start in param_parts(self.ctx.model_chunks):
-            if is_writer(sh):
+        parts = list(param_parts(self.ctx.model_chunks))
+        writes = spread.writers([p.sh for p in parts], follows=0 if self.opt.distributed else len(self.opt.kinds))
+        for sh, tensor, param, start in parts:
+            if writes(sh):  # the writer of the weight's box (core.model.gpt.spread)
                 s = dataclasses.replace(slice_of(sh), name=f"{MOMENTUM}{sh.key}")
                 out.append((s, LiveTensor(by_param[id(param)].view(-1)[start:start + tensor.numel()], s.shape)))
         return out

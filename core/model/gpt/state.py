@@ -9,7 +9,8 @@ a ``read(name, offset, shape)`` callable, so a checkpoint saved as tp2pp2 loads 
 Names and slicing come from Megatron's ``sharded_state_dict()``: transformer layers are
 stacked along a leading layer axis (``decoder.layers.self_attention...`` has global shape
 ``(num_layers, ...)``), TP shards split one axis, and ``replica_id`` marks copies (TP-
-replicated norms, DP replicas): only the all-zeros replica writes a model weight. The
+replicated norms, DP replicas): one replica writes each model box, chosen by
+core.model.gpt.spread so that the data-parallel replicas share the writing. The
 optimizer's fp32 state is core.model.gpt.optimizer_state's; the RNG streams are
 core.parallel.rng's, kept with the coordinates they belong to.
 
@@ -30,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from core.checkpoint.spec import TensorSlice
 from core.config.dims import Coords, ParallelDims
 from core.errors import CheckpointError
+from core.model.gpt import spread
 from core.model.gpt.model import unwrap
 from core.model.gpt.optimizer_state import OptimizerState
 from core.parallel import rng
@@ -117,7 +119,8 @@ class LiveTensor:
     buffer; torch's copy releases the GIL, so the writer thread does it beside training.
     On a GPU the copy runs on a side stream, after ``ready`` (an event recorded on the
     training stream at export), so it neither waits for nor holds up the next step's
-    kernels. ``current`` is a zero-copy view for an fp32 host tensor, else an fp32 copy.
+    kernels. ``current`` is a zero-copy view for an fp32 host tensor (``host_view``), else an
+    fp32 copy; ``snapshot_flat_into`` copies a piece (core.checkpoint.stream).
     """
 
     __slots__ = ("tensor", "shape", "ready")
@@ -130,7 +133,14 @@ class LiveTensor:
         self.ready = ready
 
     def snapshot_into(self, out: np.ndarray) -> None:
-        t = self.tensor.reshape(out.shape)
+        self._copy(self.tensor.reshape(out.shape), out)
+
+    def snapshot_flat_into(self, start: int, out: np.ndarray) -> None:
+        """Copy the flat elements ``[start, start + out.size)`` into ``out``: a synchronous save
+        streams a tensor to its file this way, one bounded piece at a time."""
+        self._copy(self.tensor.reshape(-1)[start:start + out.size].reshape(out.shape), out)
+
+    def _copy(self, t: torch.Tensor, out: np.ndarray) -> None:
         with torch.no_grad():
             if not t.is_cuda:
                 torch.from_numpy(out).copy_(t)
@@ -141,11 +151,16 @@ class LiveTensor:
                     stream.wait_event(self.ready)
                 torch.from_numpy(out).copy_(t)  # pageable host memory: returns once the data is there
 
-    def current(self) -> np.ndarray:
+    def host_view(self) -> np.ndarray | None:
+        """The tensor as an fp32 host array without a copy (an fp32 CPU tensor), else None."""
         t = self.tensor
         if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
             return t.numpy().reshape(self.shape)
-        return _numpy(t).reshape(self.shape)
+        return None
+
+    def current(self) -> np.ndarray:
+        view = self.host_view()
+        return view if view is not None else _numpy(self.tensor).reshape(self.shape)
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
@@ -220,8 +235,9 @@ def export_items(model_chunks: list[Any], optimizer: Any, prefix: str = "") -> t
         ready = torch.cuda.Event()
         ready.record()
     items: Items = []
+    writes = spread.writers([p.sh for p in parts], follows=0 if opt.distributed else len(opt.kinds))
     for sh, tensor, param, start in parts:
-        writer = is_writer(sh)
+        writer = writes(sh)  # one DP replica per box, the bytes balanced over the replicas
         s = slice_of(sh)
         if writer:  # the array carries the slice's shape: stacked layers add a leading axis of 1
             items.append((s, LiveTensor(tensor, s.shape, ready)))
