@@ -17,7 +17,9 @@ BASE = ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]
 
 
 def _resume(run: Path, *overrides: str) -> None:
-    res = baton("submit", "--resume", str(run), *overrides, "--backend", "local")
+    """Resume a run whose step-20 checkpoint was removed: the record knows it was committed, so
+    the resume goes on from step 10 only with --from-scratch (otherwise refused, exit 2)."""
+    res = baton("submit", "--resume", str(run), "--from-scratch", *overrides, "--backend", "local")
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -32,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _copy_half(runs: dict[str, Path], name: str) -> Path:
     """The run as it stood after step 10: its step-20 checkpoint removed (the records of steps
-    10-19 are dropped by the resume, which redoes them)."""
+    10-19 are superseded by the resume, which redoes them)."""
     dst = runs["root"] / name / runs["full"].name
     shutil.copytree(runs["full"], dst)
     shutil.rmtree(dst / "checkpoints" / manifest.step_dir_name(20))
