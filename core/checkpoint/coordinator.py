@@ -193,12 +193,17 @@ class CheckpointCoordinator:
                 break
             self._sleep(min(POLL_S, timeout_s - waited))
         self._pending = None
-        last = manifest.committed_steps(self.root)
-        self.record.append(ev.CheckpointAbandoned(step=p.step, waited_s=round(waited, 3), resume_step=last[-1] if last else None,
-                                                  reason=f"the async save of step {p.step} was not durable within "
-                                                         f"{timeout_s:.0f} s, the time the job has left"))
-        log.warning("the async save of step %d is not durable after %.1f s: abandoned", p.step, waited)
+        self.abandon(p.step, waited, f"the async save of step {p.step} was not durable within {timeout_s:.0f} s, "
+                                     "the time the job has left")
         return False
+
+    def abandon(self, step: int, waited_s: float, reason: str) -> None:
+        """Record that ``step`` will not be saved (no time is left): the next epoch resumes from
+        the newest committed checkpoint."""
+        last = manifest.committed_steps(self.root)
+        self.record.append(ev.CheckpointAbandoned(step=step, waited_s=round(waited_s, 3),
+                                                  resume_step=last[-1] if last else None, reason=reason))
+        log.warning("checkpoint of step %d abandoned after %.1f s: %s", step, waited_s, reason)
 
     def forget(self) -> None:
         """After a failure: the async save in flight will never be committed (its folder is debris)."""

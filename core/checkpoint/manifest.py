@@ -333,13 +333,9 @@ def vanished(root: Path, recorded: Sequence[int]) -> tuple[str | None, list[str]
     """The run's record (``recorded``: the steps it committed and retention did not delete)
     against what ``root`` holds: a refusal (one line) when the newest recorded checkpoint is
     gone and nothing as new is left (a resume would go back, or start from step 0), and a
-    note per older one gone. A damaged one (set aside) is not gone: it is named elsewhere."""
-    here = set()
-    if root.is_dir():
-        for p in root.iterdir():
-            m = STEP_RE.match(p.name) or DAMAGED_RE.match(p.name)
-            if m and p.is_dir():
-                here.add(int(m.group(1)))
+    note per older one gone. A damaged one (set aside) is not gone: it is named elsewhere. A
+    step folder without its manifest (a purge that deleted the files, not the folders) is gone."""
+    here = set(committed_steps(root)) | {int(m.group(1)) for p in damaged(root) if (m := DAMAGED_RE.match(p.name))}
     gone = sorted((s for s in set(recorded) - here), reverse=True)
     if not gone:
         return None, []
@@ -352,8 +348,8 @@ def vanished(root: Path, recorded: Sequence[int]) -> tuple[str | None, list[str]
     fallback = (f"go on from {step_dir_name(left[-1])}, the newest left (steps {left[-1]} to {gone[0]} are redone)"
                 if left else "start again from step 0 (no checkpoint is left)")
     return (f"{where}: {', '.join(names)} missing, though the run's record says "
-            f"{'they were' if len(names) > 1 else 'it was'} committed and not deleted by retention (moved away or "
-            f"purged?); restore {'them' if len(names) > 1 else 'it'} into {root} and resume, or add --from-scratch to "
+            f"{'they were' if len(names) > 1 else 'it was'} committed and not deleted by retention (moved away, "
+            f"emptied or purged?); restore {'them' if len(names) > 1 else 'it'} into {root} and resume, or add --from-scratch to "
             f"{fallback}"), []
 
 

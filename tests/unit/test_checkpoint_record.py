@@ -136,3 +136,16 @@ def test_a_state_json_of_an_older_baton_without_the_recorded_checkpoints_reads_a
     state = state_from_data(json.loads(json.dumps(data)), "state.json")
     assert (state.checkpoints, state.retired) == ((), ())
     assert manifest.vanished(tmp_path / "checkpoints", state.checkpoints) == (None, [])
+
+
+def test_step_folders_left_empty_by_a_purge_are_gone(tmp_path: Path) -> None:
+    """A scratch purge that deletes files and leaves folders: a final-name folder without its
+    manifest is not a checkpoint, so the resume is refused rather than starting over."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        _save(root, step)
+    for step in (10, 20):
+        for f in (root / manifest.step_dir_name(step)).iterdir():
+            f.unlink()
+    refusal, _ = manifest.vanished(root, (10, 20))
+    assert refusal is not None and "step_00000020, step_00000010 missing" in refusal and "step 0" in refusal
