@@ -82,6 +82,7 @@ class Decision:
     reason: str
     backoff_s: float = 0.0
     exclude: tuple[str, ...] = ()
+    down: tuple[str, ...] = ()  # of ``exclude``: the nodes Slurm has out of service
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +112,7 @@ def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: flo
     gone = [n for n in out_of_service if n not in budget.exclude]
     if on_slurm and gone:
         exclude = (*budget.exclude, *gone)
-        return Decision(action="requeue", exclude=exclude, reason=(
+        return Decision(action="requeue", exclude=exclude, down=tuple(gone), reason=(
             f"node(s) {', '.join(gone)} drained or down in Slurm: requeue excluding {', '.join(exclude)}"))
     bad = [n for n, c in sorted(budget.node_failures.items()) if c >= node_failure_limit and n not in budget.exclude]
     if on_slurm and bad:
@@ -251,7 +252,8 @@ class Recovery:
             decision = decide(failure, budget, max_retries=cfg.recovery.max_retries, backoff_s=cfg.recovery.backoff_s,
                               worker_restarts=self.worker_restarts, on_slurm=self.on_slurm,
                               node_failure_limit=cfg.recovery.node_failure_limit, out_of_service=tuple(down))
-            s.recovery = replace(budget, exclude=decision.exclude) if decision.action == "requeue" else budget
+            s.recovery = (replace(budget, exclude=decision.exclude, down=(*budget.down, *decision.down))
+                          if decision.action == "requeue" else budget)
         program.record.append(*(ev.NodeFailed(node=n, state=st, why=why, step=failure.step,
                                               failures=budget.node_failures.get(n, 0)) for n, (st, why) in down.items()))
         if decision.action == "fail":
@@ -282,7 +284,8 @@ class Recovery:
             for n in down:
                 counts[n] = counts.get(n, 0) + 1
             bad = tuple(n for n in down if counts[n] >= limit and n not in s.recovery.exclude)
-            s.recovery = replace(s.recovery, node_failures=counts, exclude=(*s.recovery.exclude, *bad))
+            s.recovery = replace(s.recovery, node_failures=counts, exclude=(*s.recovery.exclude, *bad),
+                                 down=(*s.recovery.down, *bad))  # Slurm took them: readmitted once it gives them back
             exclude = s.recovery.exclude if bad else ()
         program.record.append(*(ev.NodeFailed(node=n, state=st, why=why, step=program.step, failures=counts[n])
                                 for n, (st, why) in down.items()))
@@ -293,13 +296,16 @@ class Recovery:
         return exclude, f": {named}"
 
     def _readmit(self, new: tuple[str, ...]) -> tuple[str, ...]:
-        """At a requeue: Baton's exclusions from earlier requeues (not ``new``, this one's) that
-        Slurm reports back in service (idle, mixed, allocated) leave the run's exclusions; each
-        keeps one failure less than ``recovery.node_failure_limit``, so that one more failure
-        excludes it again. The user's own exclusions are not Baton's: never touched. Returns
+        """At a requeue: Baton's exclusions from earlier requeues (not ``new``, this one's) made
+        while Slurm had the node down or drained, that Slurm now reports back in service (idle,
+        mixed, allocated), leave the run's exclusions; each keeps one failure less than
+        ``recovery.node_failure_limit``, so that one more failure excludes it again. A node
+        excluded for failures Slurm does not see (a GPU error, a hung NIC) looks idle to Slurm:
+        it stays excluded. The user's own exclusions are not Baton's: never touched. Returns
         the readmitted nodes (events ``node_readmitted``)."""
         program = self.program
-        earlier = [n for n in program.record.read().recovery.exclude if n not in new]
+        recovery = program.record.read().recovery
+        earlier = [n for n in recovery.exclude if n not in new and n in recovery.down]
         back = slurmctl.in_service(earlier) if self.on_slurm and earlier else set()
         if not back:
             return ()
@@ -307,7 +313,8 @@ class Recovery:
         with program.record.update() as s:
             counts = {n: min(c, limit - 1) if n in back else c for n, c in s.recovery.node_failures.items()}
             s.recovery = replace(s.recovery, node_failures=counts,
-                                 exclude=tuple(n for n in s.recovery.exclude if n not in back))
+                                 exclude=tuple(n for n in s.recovery.exclude if n not in back),
+                                 down=tuple(n for n in s.recovery.down if n not in back))
         readmitted = tuple(n for n in earlier if n in back)
         program.record.append(*(ev.NodeReadmitted(node=n, step=program.step, failures=counts.get(n, 0))
                                 for n in readmitted))

@@ -75,6 +75,7 @@ class Budget:
     retries: int = 0
     node_failures: dict[str, int] = field(default_factory=dict)
     exclude: tuple[str, ...] = ()
+    down: tuple[str, ...] = ()  # of ``exclude``: those excluded while Slurm had them down or drained
     last_failure_step: int = -1
 
     def spend(self, *, nodes: tuple[str, ...], step: int, committed_step: int | None) -> Budget:

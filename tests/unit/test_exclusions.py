@@ -99,16 +99,19 @@ def test_a_requeue_readmits_batons_earlier_exclusions_that_slurm_put_back(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     run = RunFolder(tmp_path)
     record = RunRecord(run)
-    budget = Budget(retries=1, node_failures={"node3": 2, "node4": 3, "node5": 1}, exclude=("node3", "node4"))
+    # node3, node4: excluded while Slurm had them down; node6: for failures Slurm never saw (idle to it)
+    budget = Budget(retries=1, node_failures={"node3": 2, "node4": 3, "node5": 1, "node6": 2},
+                    exclude=("node3", "node4", "node6"), down=("node3", "node4"))
     record.create(RunState(status=Status.RUNNING, total_steps=10, recovery=budget), ev.Created(backend="slurm"))
-    slurm = Slurm({"sinfo": (0, "node3|idle\nnode4|drained\n")})
+    slurm = Slurm({"sinfo": (0, "node3|idle\nnode4|drained\nnode6|idle\n")})
     monkeypatch.setattr(slurmctl.subprocess, "run", lambda args, **kw: slurm(args))  # the process boundary
     cfg = config_mod.load(Path("experiments/toy.yaml"), [])
     program = SimpleNamespace(record=record, cfg=cfg, step=7)
     assert Recovery(program, worker_restarts=False, on_slurm=True)._readmit(()) == ("node3",)  # type: ignore[arg-type]
     after = record.read().recovery
     limit = cfg.recovery.node_failure_limit
-    assert after.exclude == ("node4",) and after.node_failures == {"node3": limit - 1, "node4": 3, "node5": 1}
+    assert after.exclude == ("node4", "node6") and after.down == ("node4",)
+    assert after.node_failures == {"node3": limit - 1, "node4": 3, "node5": 1, "node6": 2}
     (back,) = [e for e in record.events() if isinstance(e, ev.NodeReadmitted)]
     assert (back.node, back.step, back.failures) == ("node3", 7, limit - 1)
     assert Recovery(program, worker_restarts=False, on_slurm=True)._readmit(("node4",)) == ()  # type: ignore[arg-type]
