@@ -229,6 +229,32 @@ class Submitted:
                 os.kill(pid, signal.SIGKILL)
 
 
+
+@contextlib.contextmanager
+def submitted_runs(root: Path, common: list[str]) -> Iterator[Callable[..., Submitted]]:
+    """A test's ``Submitted`` starter under ``root`` (``common``: the module's overrides);
+    every run it started is ended at the end."""
+    runs: list[Submitted] = []
+
+    def start(*overrides: str, env: dict[str, str] | None = None) -> Submitted:
+        r = Submitted(root / f"r{len(runs)}", list(overrides), env, common=common)
+        runs.append(r)
+        return r
+
+    try:
+        yield start
+    finally:
+        for r in runs:
+            r.cleanup()
+
+
+def toy_reference(root: Path, common: list[str]) -> list[float]:
+    """The loss at every step of an uninterrupted toy run of ``common`` (the reference a
+    recovered run must equal)."""
+    res = baton("submit", "experiments/toy.yaml", f"runs_root={root}", *common, "--backend", "local", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return losses(next((root / "toy").glob("*")), every_step_once=True)
+
 # --- what a run folder holds ------------------------------------------------------------------
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """Every line of a JSON-lines file (metrics.jsonl, samples.jsonl), parsed."""

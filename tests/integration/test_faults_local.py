@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from core.checkpoint import manifest
-from tests.helpers import Submitted, baton, fill_up, losses, small_tmpfs, wait_for
+from tests.helpers import fill_up, losses, small_tmpfs, submitted_runs, toy_reference, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 200
@@ -26,25 +26,14 @@ CHECKPOINT_BYTES = 48 << 10  # a toy checkpoint on tmpfs: 4 shards of 2 pages, t
 
 @pytest.fixture
 def submit(tmp_path: Path) -> Iterator[Any]:
-    runs: list[Submitted] = []
-
-    def start(*overrides: str, env: dict[str, str] | None = None) -> Submitted:
-        r = Submitted(tmp_path / f"r{len(runs)}", list(overrides), env, common=COMMON)
-        runs.append(r)
-        return r
-
-    yield start
-    for r in runs:
-        r.cleanup()
+    with submitted_runs(tmp_path, COMMON) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The loss at every step of an uninterrupted run of the same config."""
-    root = tmp_path_factory.mktemp("reference")
-    res = baton("submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON, "--backend", "local", timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return losses(next((root / "toy").glob("*")), every_step_once=True)
+    return toy_reference(tmp_path_factory.mktemp("reference"), COMMON)
 
 
 def _no_crash(run: Any) -> None:

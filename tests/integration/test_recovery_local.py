@@ -23,7 +23,7 @@ from core.controller.main import publish_address
 from core.errors import RegistrationError
 from core.wire.protocol import Refuse, Register, decode, encode
 from core.wire.transport import ControllerSocket, WorkerSocket
-from tests.helpers import Submitted, baton, losses, make_run, wait_for
+from tests.helpers import baton, losses, make_run, submitted_runs, toy_reference, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 1200
@@ -35,25 +35,14 @@ COMMON = [
 
 @pytest.fixture
 def submit(tmp_path: Path) -> Iterator[Any]:
-    runs: list[Submitted] = []
-
-    def start(*overrides: str, env: dict[str, str] | None = None) -> Submitted:
-        r = Submitted(tmp_path / f"r{len(runs)}", list(overrides), env, common=COMMON)
-        runs.append(r)
-        return r
-
-    yield start
-    for r in runs:
-        r.cleanup()
+    with submitted_runs(tmp_path, COMMON) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The loss at every step of an uninterrupted run of the same config."""
-    root = tmp_path_factory.mktemp("reference")
-    res = baton("submit", "experiments/toy.yaml", f"runs_root={root}", *COMMON, "--backend", "local", timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return losses(next((root / "toy").glob("*")), every_step_once=True)
+    return toy_reference(tmp_path_factory.mktemp("reference"), COMMON)
 
 
 def _pid_gone(pid: int) -> bool:
