@@ -84,6 +84,16 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
+def same_cluster(theirs: str | None, mine: str | None) -> bool:
+    """Whether a holder of Slurm cluster ``theirs`` is on the asker's (``mine``; a login node
+    outside a job asks scontrol for its ClusterName)."""
+    if theirs == mine:
+        return True
+    if mine is None and theirs is not None and shutil.which("scontrol"):
+        return slurmctl.local_cluster() == theirs
+    return False
+
+
 def stale_reason(holder: Holder, asker: Holder, now: float) -> str | None:
     """Why ``holder`` no longer holds its lease against ``asker``; None while it may be alive."""
     if holder.token == asker.token:
@@ -93,13 +103,15 @@ def stale_reason(holder: Holder, asker: Holder, now: float) -> str | None:
         return f"its heartbeat is {age:.0f} s old (stale after {STALE_S:.0f} s)"
     if holder.host == asker.host and _pid_gone(holder.pid):
         return f"pid {holder.pid} has ended on this host"
-    same_cluster = holder.cluster == asker.cluster
-    if holder.job_id and holder.job_id == asker.job_id and same_cluster and holder.epoch < asker.epoch:
+    if not holder.job_id:
+        return None
+    if not same_cluster(holder.cluster, asker.cluster):
+        return None  # another cluster's job: only its heartbeat says it is gone
+    if holder.job_id == asker.job_id and holder.epoch < asker.epoch:
         return f"it is epoch {holder.epoch} of this same Slurm job {holder.job_id}, now at epoch {asker.epoch}"
-    if holder.job_id and holder.job_id != asker.job_id and same_cluster:
-        if shutil.which("scontrol") and slurmctl.job_over(holder.job_id):
-            return f"Slurm says its job {holder.job_id} is over"
-    return None  # another cluster's job: only its heartbeat says it is gone
+    if holder.job_id != asker.job_id and shutil.which("scontrol") and slurmctl.job_over(holder.job_id):
+        return f"Slurm says its job {holder.job_id} is over"
+    return None
 
 
 def _encode(holder: Holder) -> bytes:

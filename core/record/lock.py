@@ -298,7 +298,7 @@ def _holder_is_over(run: RunFolder, job_id: str | None, epoch: int) -> str | Non
     of this cluster (another cluster's job id is "invalid" here, yet alive)."""
     info = _controller_json(run)
     held_job, held_epoch = info.get("job_id"), info.get("epoch")
-    if not held_job or info.get("cluster") != (os.environ.get("SLURM_CLUSTER_NAME") or None):
+    if not held_job or not lease_mod.same_cluster(info.get("cluster"), os.environ.get("SLURM_CLUSTER_NAME") or None):
         return None
     if held_job == job_id and isinstance(held_epoch, int) and held_epoch < epoch:
         return f"it was epoch {held_epoch} of this Slurm job {job_id}, which Slurm started again (epoch {epoch})"

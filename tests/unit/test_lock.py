@@ -170,6 +170,22 @@ def test_a_requeued_controller_sets_the_lock_of_its_jobs_earlier_start_aside(tmp
         _end(holder)
 
 
+def test_a_holder_of_another_cluster_is_never_judged_over_by_its_job_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RunFolder(tmp_path)
+    (tmp_path / "controller.json").write_text(json.dumps({"pid": 11, "node": "n1", "epoch": 0, "job_id": "77",
+                                                          "cluster": "beta"}))
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "alpha")  # job 77 of cluster alpha is another job
+    holder = _hold(tmp_path / "controller.lock", "flock")
+    try:
+        with pytest.raises(UserError, match="another controller runs this run"):
+            with lock.controller_lock(run, job_id="77", epoch=1, wait_s=0):
+                pass
+        assert list(tmp_path.glob("controller.lock.stale-*")) == []
+    finally:
+        _end(holder)
+
+
 def test_a_taker_that_locked_a_file_renamed_aside_meanwhile_locks_the_new_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A contender opens controller.lock, another renames it aside before the first locks: the
@@ -451,14 +467,23 @@ def _umask() -> int:
 
 def test_slurm_is_asked_about_a_holder_only_on_its_own_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two clusters share the filesystem: the other cluster's job id is "invalid" here, yet alive."""
-    monkeypatch.setattr(slurmctl, "_quick", lambda args: subprocess.CompletedProcess(
-        args, 1, "", "slurm_load_jobs error: Invalid job id specified"))
+    def scontrol(args: list[str]) -> subprocess.CompletedProcess[str]:
+        if args[1:3] == ["show", "config"]:  # a login node outside a job asks its ClusterName
+            return subprocess.CompletedProcess(args, 0, "ClusterName             = alpha\nSlurmUser = slurm\n", "")
+        return subprocess.CompletedProcess(args, 1, "", "slurm_load_jobs error: Invalid job id specified")
+
+    monkeypatch.setattr(slurmctl, "_quick", scontrol)
+    monkeypatch.setattr(slurmctl, "_CLUSTER", [])
     monkeypatch.setattr(lease.shutil, "which", lambda name: "/usr/bin/" + name)
     theirs = lease.Holder(host="far", pid=1, job_id="900", cluster="beta", heartbeat=time.time(), token="t")
-    monkeypatch.setenv("SLURM_CLUSTER_NAME", "alpha")
-    assert lease.stale_reason(theirs, lease.me(job_id="901"), time.time()) is None  # another cluster's: alive
     same = lease.Holder(**{**theirs.__dict__, "cluster": "alpha"})
-    assert "over" in (lease.stale_reason(same, lease.me(job_id="901"), time.time()) or "")
-    monkeypatch.setenv("SLURM_CLUSTER_NAME", "beta")  # an earlier epoch of the same job id, another cluster
+    for env in ("alpha", None):  # inside a job of cluster alpha; on alpha's login node
+        if env is None:
+            monkeypatch.delenv("SLURM_CLUSTER_NAME", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_CLUSTER_NAME", env)
+        assert lease.stale_reason(theirs, lease.me(job_id="901"), time.time()) is None  # another cluster's: alive
+        assert "Slurm says its job 900 is over" == lease.stale_reason(same, lease.me(job_id="901"), time.time())
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "beta")  # the same job id on another cluster is not an earlier epoch
     assert lease.stale_reason(lease.Holder(**{**same.__dict__, "job_id": "901"}), lease.me(job_id="901", epoch=1),
                               time.time()) is None
