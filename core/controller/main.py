@@ -58,24 +58,26 @@ def run_controller(env: JobEnv, *, locked: Callable[[RunFolder], None] | None = 
     logsetup.configure("controller", run.controller_log)
     signals = PreemptionFlag.install()  # before anything slow: a signal now is not lost
     # One controller per run folder, for this whole process; nothing is written before it is held.
-    with controller_lock(run, job_id=env.job_id, epoch=env.epoch):
+    with controller_lock(run, job_id=env.job_id, epoch=env.epoch) as held:
         if locked is not None:
             locked(run)
         try:
             return _run_locked(env, run, signals)
         except ControllerLockLost as exc:
-            return _fenced(env, run, str(exc))
+            return _fenced(env, run, str(exc), taken=held.taken_over())
 
 
-def _fenced(env: JobEnv, run: RunFolder, reason: str) -> int:
-    """Another controller took the run over (this one's lease was lost): stop, committing and
-    requeueing nothing; USER_ERROR tells the supervisor the record is the live controller's."""
+def _fenced(env: JobEnv, run: RunFolder, reason: str, *, taken: bool) -> int:
+    """This controller's lease was lost: stop, committing nothing more. Taken over by another
+    controller: USER_ERROR (the supervisor leaves the record, now the live one's, and
+    requeues nothing). Only a storage stall (no heartbeat written for STALE_S, nobody took
+    over): FAILED, a controller death the supervisor retries."""
     log.error("%s", reason)
     try:
         RunRecord(run).append(ev.ControllerFenced(reason=reason, epoch=env.epoch, pid=os.getpid(), node=env.node))
     except (OSError, BatonError) as exc:
         log.warning("could not record the fencing: %s", exc)
-    return ExitCode.USER_ERROR
+    return ExitCode.USER_ERROR if taken else ExitCode.FAILED
 
 
 def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:

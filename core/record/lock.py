@@ -234,6 +234,12 @@ class FileLock:
             os.close(self._fd)
             self._fd = None
 
+    def taken_over(self) -> bool:
+        """Whether another holder's lease now stands where this one's was (not a mere stall)."""
+        held = self._guard or self._lease
+        current = lease_mod.read_holder(self.lease_path) if held is not None else None
+        return current is not None and current.token != self.holder.token
+
     def lost_reason(self) -> str | None:
         """Why this holder's lease (its lock, or the lease guarding its kernel lock) is lost."""
         held = self._guard or self._lease

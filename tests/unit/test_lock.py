@@ -375,12 +375,14 @@ def test_a_controller_whose_lease_was_taken_over_commits_nothing_more(
 
     monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
     run = RunFolder(tmp_path)
-    with lock.controller_lock(run, job_id="5", epoch=0):
+    with lock.controller_lock(run, job_id="5", epoch=0) as held:
+        assert not held.taken_over()
         lock.check_fence()  # held: nothing raised
         assert StopPolicy(None, None).check(step_s=1.0, save_s=None) is None
         _lease_of(tmp_path / "controller.lease", host="node-new", job_id="5", epoch=1)  # the takeover
         wait_for(lambda: lease.read_holder(tmp_path / "controller.lease") is not None
                  and _raises(lock.check_fence), 10, "the fence to close")
+        assert held.taken_over()  # not a mere stall: the controller exits as refused, requeueing nothing
         with pytest.raises(lock.ControllerLockLost, match="another holder took over"):
             StopPolicy(None, None).check(step_s=1.0, save_s=None)
         (tmp_path / "tmp_step").mkdir()
