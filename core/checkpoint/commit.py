@@ -38,6 +38,7 @@ from core.checkpoint.manifest import (
 )
 from core.checkpoint.spec import ShardAck, SliceAck, TensorSlice
 from core.errors import CheckpointError
+from core.record.lock import check_fence
 from core.record.runfolder import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def commit(root: Path, step: int, tmp_dir: Path, acks: list[ShardAck], meta: dic
     removes debris of older saves. Returns the
     committed folder. Raises ``CheckpointError`` naming the problem; nothing is committed then.
     """
+    check_fence()  # a controller whose lock was taken over commits nothing (ControllerLockLost)
     tmp_dir = Path(tmp_dir)
     expected = len(acks) if world_size is None else world_size
     files, tensors = _validate_acks(tmp_dir, acks, expected)

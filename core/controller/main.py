@@ -26,12 +26,12 @@ from core.controller.program import Program
 from core.controller.recovery import Outcome, Recovery
 from core.controller.roles import RoleGroup
 from core.controller.stop import StopPolicy
-from core.errors import BatonRuntimeError, ExitCode
+from core.errors import BatonError, BatonRuntimeError, ExitCode
 from core.job import logsetup, process, slurmctl
 from core.job.env import JobEnv
 from core.job.signals import PreemptionFlag
 from core.record import events as ev
-from core.record.lock import controller_lock
+from core.record.lock import ControllerLockLost, controller_lock
 from core.record.runfolder import RunFolder, write_json
 from core.record.state import RunRecord, SlurmInfo, Status
 from core.supervisor.contract import WorkerRequest, request_workers
@@ -46,6 +46,7 @@ def publish_address(run: RunFolder, sock: ControllerSocket, *, host: str, epoch:
         "address": f"tcp://{host}:{sock.port}", "host": host, "port": sock.port, "epoch": epoch,
         "pid": os.getpid(), "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "started": time.time(),
         "job_id": os.environ.get("SLURM_JOB_ID"),  # core.record.lock: a later start of this job waits out this one
+        "cluster": os.environ.get("SLURM_CLUSTER_NAME") or None,  # ... asking Slurm only of this cluster's jobs
     }
     write_json(run.controller, info)
     return info
@@ -57,10 +58,26 @@ def run_controller(env: JobEnv, *, locked: Callable[[RunFolder], None] | None = 
     logsetup.configure("controller", run.controller_log)
     signals = PreemptionFlag.install()  # before anything slow: a signal now is not lost
     # One controller per run folder, for this whole process; nothing is written before it is held.
-    with controller_lock(run, job_id=env.job_id, epoch=env.epoch):
+    with controller_lock(run, job_id=env.job_id, epoch=env.epoch) as held:
         if locked is not None:
             locked(run)
-        return _run_locked(env, run, signals)
+        try:
+            return _run_locked(env, run, signals)
+        except ControllerLockLost as exc:
+            return _fenced(env, run, str(exc), taken=held.taken_over())
+
+
+def _fenced(env: JobEnv, run: RunFolder, reason: str, *, taken: bool) -> int:
+    """This controller's lease was lost: stop, committing nothing more. Taken over by another
+    controller: USER_ERROR (the supervisor leaves the record, now the live one's, and
+    requeues nothing). Only a storage stall (no heartbeat written for STALE_S, nobody took
+    over): FAILED, a controller death the supervisor retries."""
+    log.error("%s", reason)
+    try:
+        RunRecord(run).append(ev.ControllerFenced(reason=reason, epoch=env.epoch, pid=os.getpid(), node=env.node))
+    except (OSError, BatonError) as exc:
+        log.warning("could not record the fencing: %s", exc)
+    return ExitCode.USER_ERROR if taken else ExitCode.FAILED
 
 
 def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:

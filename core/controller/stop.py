@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from core.job.signals import PreemptionFlag
 from core.job.slurmctl import JobClock
+from core.record.lock import check_fence
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class StopPolicy:
         self._decided: StopRequest | None = None
 
     def check(self, *, step_s: float, save_s: float | None) -> StopRequest | None:
+        check_fence()  # a controller whose lock was taken over goes no further (ControllerLockLost)
         if self._decided is not None:
             return self._decided
         if self.flag is not None and self.flag.is_set:

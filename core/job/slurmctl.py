@@ -15,6 +15,7 @@ the sequence short (children inherit SIG_IGN).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -397,9 +398,28 @@ def _quick(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
                           stdin=subprocess.DEVNULL)
 
 
+_CLUSTER: list[str | None] = []  # this node's Slurm cluster, once asked
+
+
+def local_cluster(run: Runner | None = None) -> str | None:
+    """This node's Slurm cluster: SLURM_CLUSTER_NAME inside a job, else scontrol's ClusterName
+    (a login node; asked once per process); None when neither says."""
+    if name := os.environ.get("SLURM_CLUSTER_NAME"):
+        return name
+    if not _CLUSTER:
+        try:
+            proc = (run or _quick)(["scontrol", "show", "config"])
+            found = re.search(r"^ClusterName\s*=\s*(\S+)", proc.stdout, re.M) if proc.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            found = None
+        _CLUSTER.append(found.group(1) if found else None)
+    return _CLUSTER[0]
+
+
 def job_over(job_id: str, run: Runner | None = None) -> bool | None:
     """Whether Slurm says job ``job_id`` is over: every component in a final state, or the job
-    unknown to Slurm (purged after MinJobAge). None when scontrol cannot say (absent, timed
+    unknown to Slurm (purged after MinJobAge; ask only about a job of this node's cluster,
+    ``local_cluster``: another cluster's live job is unknown here too). None when scontrol cannot say (absent, timed
     out, another error): the caller then treats the job as alive."""
     try:
         proc = (run or _quick)(["scontrol", "show", "job", "-o", job_id])

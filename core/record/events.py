@@ -303,6 +303,18 @@ class Failed(Event):
     step: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class ControllerFenced(Event):
+    """A controller found its lock taken over (core.record.lock.check_fence): it stopped, with
+    nothing more committed; the run's status is the live controller's to set."""
+
+    KIND: ClassVar[str] = "controller_fenced"
+    reason: str
+    epoch: int
+    pid: int
+    node: str
+
+
 # --- the supervisors -----------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ControllerDied(Event):
@@ -326,6 +338,7 @@ KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     Created, ResumeRequested, Submitted, SubmitFailed, Cancelled, ControllerStarted, WorkersReady, Resumed,
     CheckpointDamaged, InitialisedFrom, RestartFromScratch, SyncPeriodChanged, Preempted, TimeRunningOut, CheckpointStarted, CheckpointCommitted, CheckpointAbandoned, WorkerLost, NodeReadmitted, ExcludeAdjusted,
     NodeFailed, RequeueDecided, RestartingWorkers, Requeued, Completed, Stopped, Failed, ControllerDied,
+    ControllerFenced,
 )}
 
 

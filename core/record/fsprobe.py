@@ -28,9 +28,20 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import BatonError, RunFolderError, TransientIOError, is_transient
+
 # What a lock call answers when the filesystem does not do that kind of lock.
 UNSUPPORTED = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
 MOUNTINFO = "/proc/self/mountinfo"
+
+
+def lock_error(path: Path, exc: OSError) -> BatonError:
+    """A lock's OSError as Baton reports it: a storage fault (EIO, ESTALE, EDQUOT ...) is
+    transient (retried); anything else (EACCES, EROFS ...) is the run folder's, in one line."""
+    why = exc.strerror or str(exc)
+    if is_transient(exc):
+        return TransientIOError(f"{path}: cannot lock ({why}); a storage fault, tried again")
+    return RunFolderError(f"{path}: cannot lock ({why}); fix the permissions/quota of the run folder")
 
 
 @dataclass(frozen=True)
@@ -139,9 +150,14 @@ def _works(fd: int, call: str) -> bool | None:
 
 def _calls_that_work(folder: Path) -> tuple[dict[str, bool], str]:
     scratch = folder / f".baton-lockprobe.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
-    fd = os.open(scratch, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(scratch, os.O_RDWR | os.O_CREAT, 0o660)
+    except OSError as exc:
+        raise lock_error(folder, exc) from exc
     try:
         works = {call: bool(_works(fd, call)) for call in ("flock", "fcntl")}
+    except OSError as exc:
+        raise lock_error(folder, exc) from exc
     finally:
         os.close(fd)
         scratch.unlink(missing_ok=True)

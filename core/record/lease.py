@@ -4,14 +4,17 @@
 when the name exists, on NFS and Lustre too; ``O_CREAT|O_EXCL`` where links are refused)
 and holds its holder as JSON::
 
-    {"host": "node3", "pid": 4121, "job_id": "8123", "epoch": 1, "heartbeat": 1765000000.5,
-     "token": "9f2c..."}
+    {"host": "node3", "pid": 4121, "job_id": "8123", "cluster": "alpha", "epoch": 1,
+     "heartbeat": 1765000000.5, "token": "9f2c..."}
 
 While held, a thread rewrites ``heartbeat`` every ``HEARTBEAT_S``. A holder is stale, and
 its lease taken over, when its heartbeat is older than ``STALE_S``, when it is on this host
 and its pid is gone, when it is an earlier start (epoch) of this same Slurm job (Slurm runs
 one start of a job at a time), or when Slurm says its job is over (``scontrol``, a few
-seconds at most). A takeover renames the stale lease aside and checks that what it moved
+seconds at most; trusted only when the holder's Slurm cluster, ``SLURM_CLUSTER_NAME``, is the
+asker's: a folder shared by two clusters must not read another cluster's live job as an
+"invalid job id"). A holder whose heartbeat was taken over, or could not be written for
+``STALE_S``, has lost its lease (``Lease.lost_reason``): its controller must stop committing. A takeover renames the stale lease aside and checks that what it moved
 is the lease it judged (another contender may have replaced it meanwhile); release removes
 the lease only while it is still this holder's.
 """
@@ -44,6 +47,7 @@ class Holder:
     host: str
     pid: int
     job_id: str | None = None
+    cluster: str | None = None  # SLURM_CLUSTER_NAME: a job id means something on its own cluster only
     epoch: int = 0
     heartbeat: float = 0.0
     token: str = ""
@@ -55,7 +59,8 @@ class Holder:
 
 def me(*, job_id: str | None = None, epoch: int = 0) -> Holder:
     """This process as a holder."""
-    return Holder(host=socket.gethostname(), pid=os.getpid(), job_id=job_id, epoch=epoch, token=uuid.uuid4().hex)
+    return Holder(host=socket.gethostname(), pid=os.getpid(), job_id=job_id, epoch=epoch,
+                  cluster=os.environ.get("SLURM_CLUSTER_NAME") or None, token=uuid.uuid4().hex)
 
 
 def read_holder(path: Path) -> Holder | None:
@@ -63,7 +68,8 @@ def read_holder(path: Path) -> Holder | None:
     try:
         data = json.loads(path.read_bytes())
         return Holder(host=str(data["host"]), pid=int(data["pid"]), job_id=data.get("job_id"),
-                      epoch=int(data.get("epoch", 0)), heartbeat=float(data["heartbeat"]), token=str(data["token"]))
+                      cluster=data.get("cluster"), epoch=int(data.get("epoch", 0)),
+                      heartbeat=float(data["heartbeat"]), token=str(data["token"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -78,6 +84,16 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
+def same_cluster(theirs: str | None, mine: str | None) -> bool:
+    """Whether a holder of Slurm cluster ``theirs`` is on the asker's (``mine``; a login node
+    outside a job asks scontrol for its ClusterName)."""
+    if theirs == mine:
+        return True
+    if mine is None and theirs is not None and shutil.which("scontrol"):
+        return slurmctl.local_cluster() == theirs
+    return False
+
+
 def stale_reason(holder: Holder, asker: Holder, now: float) -> str | None:
     """Why ``holder`` no longer holds its lease against ``asker``; None while it may be alive."""
     if holder.token == asker.token:
@@ -87,11 +103,14 @@ def stale_reason(holder: Holder, asker: Holder, now: float) -> str | None:
         return f"its heartbeat is {age:.0f} s old (stale after {STALE_S:.0f} s)"
     if holder.host == asker.host and _pid_gone(holder.pid):
         return f"pid {holder.pid} has ended on this host"
-    if holder.job_id and holder.job_id == asker.job_id and holder.epoch < asker.epoch:
+    if not holder.job_id:
+        return None
+    if not same_cluster(holder.cluster, asker.cluster):
+        return None  # another cluster's job: only its heartbeat says it is gone
+    if holder.job_id == asker.job_id and holder.epoch < asker.epoch:
         return f"it is epoch {holder.epoch} of this same Slurm job {holder.job_id}, now at epoch {asker.epoch}"
-    if holder.job_id and holder.job_id != asker.job_id and shutil.which("scontrol"):
-        if slurmctl.job_over(holder.job_id):
-            return f"Slurm says its job {holder.job_id} is over"
+    if holder.job_id != asker.job_id and shutil.which("scontrol") and slurmctl.job_over(holder.job_id):
+        return f"Slurm says its job {holder.job_id} is over"
     return None
 
 
@@ -101,7 +120,7 @@ def _encode(holder: Holder) -> bytes:
 
 def _write_new(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` (a fresh scratch name), fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)  # teammates of the group read and take it
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -143,6 +162,7 @@ class Lease:
         self.path = path
         self.holder = holder
         self.lost = False  # set when the heartbeat found another holder's lease in its place
+        self._written = time.monotonic()  # when the heartbeat was last written (or the lease made)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -150,6 +170,7 @@ class Lease:
         """Take the lease if it is free or its holder stale; False while a live one holds it."""
         for _ in range(2):  # once more after a takeover
             if _create(self.path, _encode(self._now())):
+                self._written = time.monotonic()
                 self._start_heartbeat()
                 return True
             current = read_holder(self.path)
@@ -163,6 +184,17 @@ class Lease:
                 return False
             self._take_over(current, why)
         return False
+
+    def lost_reason(self) -> str | None:
+        """Why this holder can no longer trust that it holds the lease; None while it does.
+        Another holder took it over, or no heartbeat was written for ``STALE_S`` (others may
+        take it over now; it holds again once a heartbeat finds its own lease in place)."""
+        if self.lost:
+            return f"another holder took over {self.path}"
+        silent = time.monotonic() - self._written
+        if self._thread is not None and silent > STALE_S:
+            return f"no heartbeat written to {self.path} for {silent:.0f} s (others take it over after {STALE_S:.0f} s)"
+        return None
 
     def current(self) -> Holder | None:
         return read_holder(self.path)
@@ -211,6 +243,7 @@ class Lease:
                 scratch = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.tmp")
                 _write_new(scratch, _encode(self._now()))
                 os.replace(scratch, self.path)
+                self._written = time.monotonic()
             except OSError as exc:  # a storage hiccup: the next beat tries again
                 log.warning("%s: heartbeat not written: %s", self.path, exc)
 

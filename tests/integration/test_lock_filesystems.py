@@ -189,3 +189,48 @@ def test_a_refused_controller_on_slurm_writes_nothing_into_the_live_runs_record(
         holder.communicate("", timeout=30)
     assert second.returncode != 0 and "another controller runs this run (pid 31 on n1" in second.stderr, second.stderr
     assert run.state.read_bytes() == before  # no state.slurm of job 5550 in the live run's record
+
+
+@pytest.mark.slow
+def test_a_controller_whose_lease_another_took_over_stops_and_commits_nothing_more(tmp_path: Path) -> None:
+    """An NFS stall longer than STALE_S let another controller take the lease over: the old one
+    (a real toy run) sees it at its next heartbeat, records `controller_fenced`, commits no
+    further checkpoint and leaves the run to the other (its supervisor requeues nothing)."""
+    args = [sys.executable, "-m", "launcher.cli", "submit", "experiments/toy.yaml", f"runs_root={tmp_path}",
+            "trainer.steps=100000000", "checkpoint.interval_steps=5", *FAST, "--backend", "local"]
+    out = (tmp_path / "submit.out").open("w")
+    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        run = wait_for(lambda: next((p.parent for p in tmp_path.glob("*/*/controller.lease")), None)
+                       or next((p.parent for p in tmp_path.glob("*/controller.lease")), None), 60, "the lease")
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), 60, "a first checkpoint")
+        theirs = {"host": "node-new", "pid": 1, "job_id": None, "cluster": None, "epoch": 1, "token": "theirs"}
+
+        def taken() -> bool:  # the other controller's lease, heartbeaten (a beat of the old one may race it)
+            if proc.poll() is not None:
+                return True
+            held = lease.read_holder(run / "controller.lease")
+            if held is None or held.token != "theirs" or time.time() - held.heartbeat > 5:
+                (run / "controller.lease.tmp-test").write_text(json.dumps({**theirs, "heartbeat": time.time()}))
+                os.replace(run / "controller.lease.tmp-test", run / "controller.lease")
+            return False
+
+        wait_for(taken, 120, "the old controller's launcher to end", interval_s=0.5)
+        fenced_at = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        out.close()
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    kinds = [e["event"] for e in events]
+    assert "controller_fenced" in kinds, (tmp_path / "submit.out").read_text()[-3000:]
+    fenced = events[kinds.index("controller_fenced")]
+    assert "another holder took over" in fenced["reason"]
+    after = [e for e in events[kinds.index("controller_fenced"):] if e["event"] in (
+        "checkpoint_committed", "requeued", "failed", "completed", "stopped", "controller_started")]
+    assert after == []  # nothing committed, requeued or ended by the fenced controller or its launcher
+    assert all(e["time"] <= fenced["time"] for e in events if e["event"] == "checkpoint_committed")
+    assert fenced["time"] <= fenced_at
+    assert lease.read_holder(run / "controller.lease").token == "theirs"  # type: ignore[union-attr]

@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,31 +152,60 @@ def test_a_controller_of_a_live_job_is_refused_at_once_naming_it(tmp_path: Path)
         _end(holder)
 
 
-def test_a_requeued_controller_waits_out_the_lock_of_its_jobs_earlier_start(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """An NFS lock of a dead node lingers until the server's lease ends: the next start of the
-    same Slurm job waits for it instead of refusing itself as a second controller."""
+def test_a_requeued_controller_sets_the_lock_of_its_jobs_earlier_start_aside(tmp_path: Path) -> None:
+    """An NLM lock of a crashed node lasts until that node reboots: the next start of the same
+    Slurm job renames the lock file aside (kept) and locks a fresh inode instead of waiting."""
     run = RunFolder(tmp_path)
     (tmp_path / "controller.json").write_text(json.dumps({"pid": 11, "node": "n1", "epoch": 0, "job_id": "77"}))
-    holder = _hold(tmp_path / "controller.lock", "flock")
-    got: list[object] = []
-
-    def requeued() -> None:
-        try:
-            with lock.controller_lock(run, job_id="77", epoch=1, wait_s=60) as held:
-                got.append(held.method)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            got.append(exc)
-
-    t = threading.Thread(target=requeued)
-    t.start()
+    holder = _hold(tmp_path / "controller.lock", "flock")  # the dead node's lock, still granted
     try:
-        wait_for(lambda: "waiting up to 60 s" in caplog.text, 30, "the requeued controller to wait")
-        assert not got  # the holder still holds it; the requeued controller waits, it is not refused
+        old = os.stat(tmp_path / "controller.lock").st_ino
+        with lock.controller_lock(run, job_id="77", epoch=1, wait_s=0) as held:
+            assert held.method == "flock"
+            assert os.stat(tmp_path / "controller.lock").st_ino != old
+            (aside,) = tmp_path.glob("controller.lock.stale-*")
+            assert aside.stat().st_ino == old  # kept, not deleted
+            assert lease.read_holder(tmp_path / "controller.lease").epoch == 1  # type: ignore[union-attr]
     finally:
-        _end(holder)  # the lock of the dead start goes (the server's lease ran out)
-    t.join(timeout=60)
-    assert got == ["flock"]
+        _end(holder)
+
+
+def test_a_holder_of_another_cluster_is_never_judged_over_by_its_job_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RunFolder(tmp_path)
+    (tmp_path / "controller.json").write_text(json.dumps({"pid": 11, "node": "n1", "epoch": 0, "job_id": "77",
+                                                          "cluster": "beta"}))
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "alpha")  # job 77 of cluster alpha is another job
+    holder = _hold(tmp_path / "controller.lock", "flock")
+    try:
+        with pytest.raises(UserError, match="another controller runs this run"):
+            with lock.controller_lock(run, job_id="77", epoch=1, wait_s=0):
+                pass
+        assert list(tmp_path.glob("controller.lock.stale-*")) == []
+    finally:
+        _end(holder)
+
+
+def test_a_taker_that_locked_a_file_renamed_aside_meanwhile_locks_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contender opens controller.lock, another renames it aside before the first locks: the
+    first must not believe it holds the lock on an inode the path no longer names."""
+    path = tmp_path / "controller.lock"
+    path.touch()
+    real_open, opened = os.open, []
+
+    def open_then_renamed(name: object, flags: int, mode: int = 0o777) -> int:
+        fd = real_open(name, flags, mode)  # type: ignore[arg-type]
+        if not opened:
+            opened.append(fd)
+            os.rename(path, tmp_path / "controller.lock.stale-x")
+        return fd
+
+    taker = lock.FileLock(path)  # probed before
+    monkeypatch.setattr(lock.os, "open", open_then_renamed)
+    assert taker.try_acquire() and opened
+    assert taker._fd is not None and os.fstat(taker._fd).st_ino == os.stat(path).st_ino
+    taker.release()
 
 
 def test_job_over_reads_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,3 +339,153 @@ def test_sweep_ledger_changes_from_several_processes_lose_none(tmp_path: Path) -
     procs = [subprocess.Popen([sys.executable, "-c", code, str(a), str(b)], env=env) for a, b in ((0, 1), (2, 3), (4, 5))]
     assert [p.wait(timeout=100) for p in procs] == [0, 0, 0]
     assert [e.submissions for e in ledger_mod.read_ledger(tmp_path).points] == [15] * 6
+
+
+def test_a_node_that_leases_sees_and_is_refused_by_a_controller_holding_a_kernel_lock(
+        tmp_path: Path, fresh_probe: None) -> None:
+    """NFSv3 with lockd down on the login node (ENOLCK: it leases) while the compute nodes
+    flock: the controller also holds controller.lease, so the leasing node sees it alive."""
+    run = RunFolder(tmp_path)
+    (tmp_path / "controller.json").write_text(json.dumps({"pid": 12, "node": "c1", "epoch": 0}))
+    code = ("import sys\nfrom pathlib import Path\nfrom core.record import lock\nfrom core.record.runfolder import "
+            f"RunFolder\nwith lock.controller_lock(RunFolder(Path({str(tmp_path)!r}))) as held:\n"
+            "    print(held.method, flush=True)\n    sys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "flock"
+        fsprobe._CACHE[str(tmp_path.resolve())] = fsprobe.Support("lease", None, "flock and fcntl unsupported")
+        assert lock.controller_alive(run) == "pid 12 on c1 (epoch 0)"
+        with pytest.raises(UserError, match="another controller runs this run"):
+            with lock.controller_lock(run):
+                pass
+    finally:
+        _end(proc)
+    assert lock.controller_alive(run) is None  # its lease went with it
+    assert not (tmp_path / "controller.lease").exists()
+
+
+def test_a_controller_whose_lease_was_taken_over_commits_nothing_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An NFS stall longer than STALE_S: another controller took the lease over. The old one
+    is fenced: its next step boundary and any commit raise ControllerLockLost."""
+    from core.checkpoint import commit as commit_mod
+    from core.controller.stop import StopPolicy
+
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
+    run = RunFolder(tmp_path)
+    with lock.controller_lock(run, job_id="5", epoch=0) as held:
+        assert not held.taken_over()
+        lock.check_fence()  # held: nothing raised
+        assert StopPolicy(None, None).check(step_s=1.0, save_s=None) is None
+        _lease_of(tmp_path / "controller.lease", host="node-new", job_id="5", epoch=1)  # the takeover
+        wait_for(lambda: lease.read_holder(tmp_path / "controller.lease") is not None
+                 and _raises(lock.check_fence), 10, "the fence to close")
+        assert held.taken_over()  # not a mere stall: the controller exits as refused, requeueing nothing
+        with pytest.raises(lock.ControllerLockLost, match="another holder took over"):
+            StopPolicy(None, None).check(step_s=1.0, save_s=None)
+        (tmp_path / "tmp_step").mkdir()
+        with pytest.raises(lock.ControllerLockLost):
+            commit_mod.commit(tmp_path / "checkpoints", 10, tmp_path / "tmp_step", [], {})
+        assert not (tmp_path / "checkpoints").exists()
+    assert lease.read_holder(tmp_path / "controller.lease").host == "node-new"  # type: ignore[union-attr]
+    lock.check_fence()  # released: no fence left in this process
+
+
+def test_a_lease_not_heartbeaten_for_stale_s_is_lost_until_a_beat_finds_it_still_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lease, "STALE_S", 0.2)
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 3600.0)  # the storage stalls: no beat is written
+    mine = lease.Lease(tmp_path / "x.lease", lease.me())
+    assert mine.try_acquire() and mine.lost_reason() is None
+    wait_for(mine.lost_reason, 10, "the silent lease to count as lost")
+    assert "no heartbeat written" in mine.lost_reason()  # type: ignore[operator]
+    mine.release()
+
+
+def _raises(call: object) -> bool:
+    try:
+        call()  # type: ignore[operator]
+    except lock.ControllerLockLost:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("err", "kind"), [(errno.EIO, "transient"), (errno.ESTALE, "transient"),
+                                           (errno.EACCES, "user"), (errno.EROFS, "user")])
+def test_lock_errors_are_one_line_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_probe: None, err: int, kind: str) -> None:
+    from core.errors import RunFolderError, TransientIOError
+
+    expected = TransientIOError if kind == "transient" else RunFolderError
+    lock.FileLock(tmp_path / "controller.lock")  # probed before the faults
+    (tmp_path / "controller.lock").touch()
+    real_open = os.open
+
+    def failing_open(name: object, flags: int, mode: int = 0o777) -> int:
+        if str(name).endswith("controller.lock"):
+            raise OSError(err, os.strerror(err))
+        return real_open(name, flags, mode)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:  # a teammate's 0600 file (EACCES), a read-only mount (EROFS) ...
+        m.setattr(lock.os, "open", failing_open)
+        with pytest.raises(expected, match=rf"controller.lock: cannot lock \({os.strerror(err)}\)") as got:
+            lock.controller_alive(RunFolder(tmp_path))
+        assert "\n" not in str(got.value)
+    if kind == "transient":  # ... and the lock call itself (EIO or ESTALE from the NFS server)
+        def failing_flock(fd: int, op: int) -> None:
+            raise OSError(err, os.strerror(err))
+
+        monkeypatch.setattr(fcntl, "flock", failing_flock)
+        with pytest.raises(TransientIOError, match="cannot lock"):
+            with lock.controller_lock(RunFolder(tmp_path)):
+                pass
+
+
+def test_the_probe_maps_a_full_quota_and_a_denied_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_probe: None) -> None:
+    from core.errors import RunFolderError, TransientIOError
+
+    for err, expected in ((errno.EDQUOT, TransientIOError), (errno.EACCES, RunFolderError)):
+        def refuse(name: object, flags: int, mode: int = 0o777, err: int = err) -> int:
+            raise OSError(err, os.strerror(err))
+
+        with monkeypatch.context() as m:
+            m.setattr(fsprobe.os, "open", refuse)
+            with pytest.raises(expected, match=rf"{tmp_path}: cannot lock \({os.strerror(err)}\)"):
+                fsprobe.probe(tmp_path)
+    made = lock.FileLock(tmp_path / "state.lock")  # teammates of the group may take it: 0o660 less the umask
+    assert made.try_acquire()
+    assert (tmp_path / "state.lock").stat().st_mode & 0o777 == 0o660 & ~_umask()
+    made.release()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_slurm_is_asked_about_a_holder_only_on_its_own_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two clusters share the filesystem: the other cluster's job id is "invalid" here, yet alive."""
+    def scontrol(args: list[str]) -> subprocess.CompletedProcess[str]:
+        if args[1:3] == ["show", "config"]:  # a login node outside a job asks its ClusterName
+            return subprocess.CompletedProcess(args, 0, "ClusterName             = alpha\nSlurmUser = slurm\n", "")
+        return subprocess.CompletedProcess(args, 1, "", "slurm_load_jobs error: Invalid job id specified")
+
+    monkeypatch.setattr(slurmctl, "_quick", scontrol)
+    monkeypatch.setattr(slurmctl, "_CLUSTER", [])
+    monkeypatch.setattr(lease.shutil, "which", lambda name: "/usr/bin/" + name)
+    theirs = lease.Holder(host="far", pid=1, job_id="900", cluster="beta", heartbeat=time.time(), token="t")
+    same = lease.Holder(**{**theirs.__dict__, "cluster": "alpha"})
+    for env in ("alpha", None):  # inside a job of cluster alpha; on alpha's login node
+        if env is None:
+            monkeypatch.delenv("SLURM_CLUSTER_NAME", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_CLUSTER_NAME", env)
+        assert lease.stale_reason(theirs, lease.me(job_id="901"), time.time()) is None  # another cluster's: alive
+        assert "Slurm says its job 900 is over" == lease.stale_reason(same, lease.me(job_id="901"), time.time())
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "beta")  # the same job id on another cluster is not an earlier epoch
+    assert lease.stale_reason(lease.Holder(**{**same.__dict__, "job_id": "901"}), lease.me(job_id="901", epoch=1),
+                              time.time()) is None
