@@ -96,6 +96,7 @@ def cancel(run: RunFolder, *, timeout_s: float) -> str:
                         f"({socket.gethostname()}); run `baton cancel {run.path}` on {host}")
     deadline = time.monotonic() + timeout_s
     done = "nothing of the run was running"
+    ended = sup.alive() or any(k.alive() for k in kids)
     if sup.alive():
         os.kill(sup.pid, signal.SIGTERM)  # answered as Ctrl-C: checkpoint, end every child, record
         done = f"the supervisor (pid {sup.pid}) ended the run"
@@ -112,7 +113,11 @@ def cancel(run: RunFolder, *, timeout_s: float) -> str:
     if still:
         raise UserError(f"{run.path}: pid(s) {', '.join(map(str, still))} still running after {timeout_s:.0f} s; "
                         "retry with a longer --timeout")
-    RunRecord(run).append(ev.Cancelled(job_id=f"local:{sup.pid}"))  # a completed or failed run stays so
+    record = RunRecord(run)
+    status = record.read().status
+    if not ended and status.final:  # an ended run: nothing to cancel, nothing written
+        return f"{done}; the run had ended ({status}), nothing recorded"
+    record.append(ev.Cancelled(job_id=f"local:{sup.pid}"))  # a completed or failed run stays so
     return done
 
 

@@ -18,8 +18,6 @@ from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.loop import LoopState
 from core.checkpoint.spec import ShardAck, TensorSlice
 from core.config.dims import ParallelDims
-from core.config.run import CheckpointConfig
-from core.controller.saving import SavePolicy
 from core.controller.stop import STOP_MARGIN_S, StopPolicy
 from core.job.signals import PreemptionFlag
 from core.job.slurmctl import JobClock
@@ -146,14 +144,3 @@ def test_without_a_slurm_clock_the_drain_waits_with_the_checkpoint_timeout(tmp_p
     assert ranks.calls == [("ckpt_wait", CHECKPOINT_S)]
     assert manifest.committed_steps(coord.root) == [10, 20]
 
-
-def test_a_stop_with_no_time_left_saves_nothing_and_records_the_step_abandoned(tmp_path: Path) -> None:
-    """Slurm leaves less than the margin: a save now would be cut off mid-write, so none is
-    started; the next epoch resumes from the newest committed checkpoint."""
-    coord, ranks, clock, record = _coordinator(tmp_path, durable_after_s=50.0)
-    saves = SavePolicy(coord, CheckpointConfig(), total_steps=100, loop_of=lambda step, loss: LoopState(step=step))
-    saves.at_stop(25, None, _policy(5.0).time_budget_s(CHECKPOINT_S))  # 5 s left, less the margin: 0
-    assert "ckpt_save" not in {name for name, _ in ranks.calls}
-    abandoned = [e for e in record.events() if isinstance(e, ev.CheckpointAbandoned)]
-    assert [(e.step, e.resume_step) for e in abandoned] == [(20, 10), (25, 10)]
-    assert manifest.committed_steps(coord.root) == [10]
