@@ -18,6 +18,10 @@ PROACTIVE_MARGIN_S = 30.0  # slack on top of one step and one save before the wa
 # What a stopping controller needs after its last save, before Slurm's end time: record the
 # requeue, release the workers, and the scontrol calls of a requeue (each up to a few seconds).
 STOP_MARGIN_S = 10.0
+# The least a stop waits for a save, whatever the clock says: at a preemption Slurm's EndTime
+# can read "now" while its GraceTime still runs (seen on Slurm 22.05); a wait Slurm cuts short
+# costs nothing more than giving up at once would (the newest committed checkpoint stands).
+STOP_FLOOR_S = 15.0
 UNKNOWN_SAVE_S = 60.0  # a save's duration before the first one was measured
 
 
@@ -74,10 +78,10 @@ class StopPolicy:
 
     def time_budget_s(self, default_s: float) -> float:
         """How long a wait of the stop path (an async save in flight, the last save) may take:
-        the time Slurm's clock leaves, less STOP_MARGIN_S, at most ``default_s`` (the
-        checkpoint timeout, also what it is without a clock or an end time); 0 when none is left."""
+        the time Slurm's clock leaves, less STOP_MARGIN_S, at least STOP_FLOOR_S, at most
+        ``default_s`` (the checkpoint timeout, also what it is without a clock or an end time)."""
         left = self.clock.time_left_s() if self.clock is not None else None
-        return default_s if left is None else max(0.0, min(default_s, left - STOP_MARGIN_S))
+        return default_s if left is None else min(default_s, max(STOP_FLOOR_S, left - STOP_MARGIN_S))
 
     def stop_requested(self) -> bool:
         """A signal arrived (between steps, e.g. while waiting for workers)."""

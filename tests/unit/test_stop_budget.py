@@ -18,7 +18,7 @@ from core.checkpoint.hdf5 import write_shard
 from core.checkpoint.loop import LoopState
 from core.checkpoint.spec import ShardAck, TensorSlice
 from core.config.dims import ParallelDims
-from core.controller.stop import STOP_MARGIN_S, StopPolicy
+from core.controller.stop import STOP_FLOOR_S, STOP_MARGIN_S, StopPolicy
 from core.job.signals import PreemptionFlag
 from core.job.slurmctl import JobClock
 from core.record import events as ev
@@ -110,7 +110,8 @@ def _policy(seconds_left: float | None) -> StopPolicy:
     return StopPolicy(PreemptionFlag(), JobClock("16", run=_scontrol, now=lambda: end - seconds_left))
 
 
-@pytest.mark.parametrize(("left", "budget"), [(30.0, 30.0 - STOP_MARGIN_S), (5.0, 0.0), (5000.0, CHECKPOINT_S),
+@pytest.mark.parametrize(("left", "budget"), [(30.0, 30.0 - STOP_MARGIN_S), (5.0, STOP_FLOOR_S), (-1.0, STOP_FLOOR_S),
+                                              (5000.0, CHECKPOINT_S),
                                               (None, CHECKPOINT_S)])
 def test_the_stop_budget_is_the_time_slurm_leaves_less_a_margin_else_the_checkpoint_timeout(
         left: float | None, budget: float) -> None:
