@@ -16,11 +16,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.checkpoint.coordinator import CheckpointCoordinator
 from core.config import run as config_mod
-from core.config.runplan import read_plan
+from core.config.runplan import RunPlan, read_plan
 from core.controller.group import WorkerGroup
 from core.controller.program import Program
 from core.controller.recovery import Outcome, Recovery
@@ -36,6 +36,9 @@ from core.record.runfolder import RunFolder, write_json
 from core.record.state import RunRecord, SlurmInfo, Status
 from core.supervisor.contract import WorkerRequest, request_workers
 from core.wire.transport import ControllerSocket
+
+if TYPE_CHECKING:
+    from core.controller.metrics import Metrics  # prometheus_client: imported only when metrics are on
 
 log = logging.getLogger("baton.controller")
 
@@ -91,6 +94,15 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
         metrics.start(run, cfg.metrics.port, host=env.controller_host, bind=cfg.metrics.bind,
                       sd_dir=cfg.metrics.sd_dir)
         metrics.set_restarts(env.epoch)
+    try:
+        return _run_program(env, run, signals, cfg, plan, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()  # withdraws the file_sd target too, however the controller ends
+
+
+def _run_program(env: JobEnv, run: RunFolder, signals: PreemptionFlag, cfg: config_mod.RunConfig, plan: RunPlan,
+                 metrics: Metrics | None) -> int:
     record = RunRecord(run)
     started = process.started_at()
     record.append(ev.ControllerStarted(node=env.node, epoch=env.epoch, pid=os.getpid(), started_at=round(started, 3),
@@ -114,8 +126,6 @@ def _run_locked(env: JobEnv, run: RunFolder, signals: PreemptionFlag) -> int:
     except BatonRuntimeError as exc:  # a failure recovery does not handle (e.g. a failed commit)
         return _failed(program, str(exc).splitlines()[0], ExitCode.FAILED)
     finally:
-        if metrics is not None:
-            metrics.close()
         group.close()
         time.sleep(0.05)  # let the last broadcast leave the socket before it closes (linger is 0)
         sock.close()
