@@ -167,10 +167,12 @@ def test_estale_past_the_retries_at_a_requeued_resume_is_recovered_with_the_good
 
 def test_a_worker_killed_mid_run_leaves_the_redone_steps_records_marked_superseded(
         tmp_path: Path, submitted: list[Submitted], reference) -> None:
-    r = Submitted(tmp_path, ["trainer.steps=30", "checkpoint.interval_steps=10", *FAST],
-                  env={"BATON_FAULTS": "data_delay_ms=20"})
+    # state.json's step every step, and 100 ms steps: the kill lands between the checkpoints at
+    # 10 and 20, so the steps from 10 to the lost one are redone
+    r = Submitted(tmp_path, ["trainer.steps=30", "checkpoint.interval_steps=10", "trainer.log_interval_steps=1", *FAST],
+                  env={"BATON_FAULTS": "data_delay_ms=100"})
     submitted.append(r)
-    r.wait_step(14)
+    r.wait_step(12)
     os.kill(r.worker_pid(1), signal.SIGKILL)
     assert r.finish() == 0, r.output
     resumed = r.events("resumed")[-1]["step"]
