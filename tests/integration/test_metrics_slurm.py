@@ -35,7 +35,8 @@ def test_a_slurm_run_is_discoverable_while_live_and_goodput_counts_from_the_job_
     assert {s.labels["run"] for s in samples["baton_step"]} == {run_label(run)}
     done = sh.finished(run, job, 120)
     assert (done["status"], done["step"]) == ("completed", 40), done.get("reason")
-    assert list(sd_dir.iterdir()) == []  # withdrawn by the controller as it ended
+    # withdrawn by the controller as it ends (just after it records the run completed)
+    sh.wait_until(lambda: list(sd_dir.iterdir()), lambda left: left == [], 60, awaited=f"{target_file} withdrawn")
     start = datetime.strptime(sh.job_field(job, "StartTime") or "", "%Y-%m-%dT%H:%M:%S").timestamp()
     (began,) = history(run, "controller_started")
     assert began["started_at"] > start + SETUP_S - 1  # the setup ran before the controller's process

@@ -131,7 +131,7 @@ def _two_runs_discovered(tmp_path: Path, sd_dir: Path, base: str) -> None:
         for r in (toy, gpt):
             r.cleanup()
     # each controller withdrew its target as it ended; Prometheus drops them
-    assert sorted(sd_dir.iterdir()) == []
+    wait_for(lambda: sorted(sd_dir.iterdir()) == [], 30, "the ended runs' file_sd targets withdrawn")
     wait_for(lambda: _api(base, "targets")["activeTargets"] == [], 30, "Prometheus to drop the ended runs' targets")
 
 
