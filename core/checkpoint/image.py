@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-_WRITE_BLOCK = 64 << 20
+from core.checkpoint.pipeline import pwrite_all
 
 
 class SparseImage:
@@ -96,9 +96,6 @@ class SparseImage:
         try:
             os.ftruncate(fd, self.size)
             for offset, data in self.runs():
-                view = memoryview(data)
-                while view:
-                    n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
-                    offset, view = offset + n, view[n:]
+                pwrite_all(fd, memoryview(data), offset)
         finally:
             os.close(fd)

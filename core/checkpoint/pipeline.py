@@ -54,7 +54,7 @@ def write_regions(path: Path, regions: list[Region], slots: stream.Slots, copy_a
                 hasher.feed(pieces, release)  # in file order: batches come in file order
                 if release is None:
                     for offset, piece in pieces:
-                        _pwrite(fd, piece, offset)
+                        pwrite_all(fd, memoryview(piece), offset)
                     continue
                 try:
                     disk.put(pieces, release)
@@ -94,57 +94,78 @@ class _Release:
 Pieces = list[tuple[int, np.ndarray]]  # (file offset, bytes)
 
 
-class _Disk:
-    """The writing thread: pwrites each filled slot at its offsets, then releases its half.
+class _Stage:
+    """A thread that takes jobs (pieces, and the slot half to release after them) in order.
 
     After an error it keeps releasing slots (the copying thread must not wait forever for
-    one) and writes nothing more; ``put`` and ``written`` raise the first error."""
+    one) and handles nothing more; the owner raises the first error."""
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+    NAME = "ckpt-stage"
+
+    def __init__(self) -> None:
         self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[Pieces, _Release] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="ckpt-disk", daemon=True)
+        self._queue: queue.SimpleQueue[tuple[list[tuple[int, np.ndarray]], _Release | None] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=self.NAME, daemon=True)
         self._thread.start()
-
-    def put(self, pieces: Pieces, release: _Release) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put((pieces, release))
-
-    def written(self) -> None:
-        """Wait until every slot is written (or raise the first error)."""
-        self.close()
-        if self._error is not None:
-            raise self._error
 
     def close(self) -> None:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
 
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _handle(self, offset: int, piece: np.ndarray) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             pieces, release = job
             try:
-                if self._error is None:
-                    for offset, piece in pieces:
-                        _pwrite(self._fd, piece, offset)
-            except BaseException as exc:  # noqa: BLE001 - raised on the copying thread by put/written
+                for offset, piece in pieces if self._error is None else ():
+                    self._handle(offset, piece)
+            except BaseException as exc:  # noqa: BLE001 - raised on the copying thread by its owner
                 self._error = exc
             finally:
-                release.done()
+                if release is not None:
+                    release.done()
 
 
-def _pwrite(fd: int, piece: np.ndarray, offset: int) -> None:
-    view = memoryview(piece)
+class _Disk(_Stage):
+    """The writing thread: pwrites each filled slot at its offsets, then releases its half;
+    ``put`` and ``written`` raise the first error."""
+
+    NAME = "ckpt-disk"
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        super().__init__()
+
+    def put(self, pieces: Pieces, release: _Release) -> None:
+        self._raise()
+        self._queue.put((pieces, release))
+
+    def written(self) -> None:
+        """Wait until every slot is written (or raise the first error)."""
+        self.close()
+        self._raise()
+
+    def _handle(self, offset: int, piece: np.ndarray) -> None:
+        pwrite_all(self._fd, memoryview(piece), offset)
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` (pwrite may write less than asked)."""
     while view:
         n = os.pwrite(fd, view[:_WRITE_BLOCK], offset)
         offset += n
         view = view[n:]
 
 
-class _Hasher:
+class _Hasher(_Stage):
     """xxh3-64 over the file as it will be, on its own thread: the metadata gaps read back
     (small), the data from the pieces as they are written, in file order.
 
@@ -152,14 +173,12 @@ class _Hasher:
     this runs beside the writes. An error is raised by ``finish``.
     """
 
+    NAME = "ckpt-hash"
+
     def __init__(self, fd: int, size: int) -> None:
         self._fd, self._size, self._pos = fd, size, 0
         self._h = xxhash.xxh3_64()
-        self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[list[tuple[int, np.ndarray]], _Release | None] | None] = \
-            queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
-        self._thread.start()
+        super().__init__()
 
     def feed(self, pieces: list[tuple[int, np.ndarray]], release: _Release | None) -> None:
         self._queue.put((pieces, release))
@@ -167,28 +186,13 @@ class _Hasher:
     def finish(self) -> str:
         self.feed([(self._size, np.empty(0, np.uint8))], None)  # the metadata after the last dataset
         self.close()
-        if self._error is not None:
-            raise self._error
+        self._raise()
         return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
 
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            pieces, release = job
-            try:
-                for offset, piece in pieces if self._error is None else ():
-                    gap = offset - self._pos
-                    if gap > 0:
-                        data = os.pread(self._fd, gap, self._pos)
-                        self._h.update(data + bytes(gap - len(data)))  # short read: a hole reads as zeros
-                    self._h.update(memoryview(piece))
-                    self._pos = offset + piece.nbytes
-            except BaseException as exc:  # noqa: BLE001 - raised on the copying thread by finish()
-                self._error = exc
-            finally:
-                if release is not None:
-                    release.done()
+    def _handle(self, offset: int, piece: np.ndarray) -> None:
+        gap = offset - self._pos
+        if gap > 0:
+            data = os.pread(self._fd, gap, self._pos)
+            self._h.update(data + bytes(gap - len(data)))  # short read: a hole reads as zeros
+        self._h.update(memoryview(piece))
+        self._pos = offset + piece.nbytes

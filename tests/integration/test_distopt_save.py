@@ -91,11 +91,11 @@ def hold_the_disk_until_the_fence(task: Any, nbytes: int) -> None:
         reached.set()
         service.fence()
 
-    def held(fd: int, piece: Any, offset: int, write: Any = pipeline._pwrite) -> None:
+    def held(fd: int, piece: Any, offset: int, write: Any = pipeline.pwrite_all) -> None:
         assert reached.wait(120), "training never reached the fence"
         write(fd, piece, offset)
 
-    task.rank.fence, pipeline._pwrite = fence, held
+    task.rank.fence, pipeline.pwrite_all = fence, held
 
 
 def copy_done_at_fence(task: Any) -> bool | None:

@@ -156,19 +156,19 @@ def test_a_failed_write_releases_the_training_and_its_buffers_serve_the_next_sav
     items = [(_slice(f"t{i}", (64, 1024)), Chunked(rng.standard_normal((64, 1024)).astype(np.float32)))
              for i in range(4)]
     writer = AsyncWriter(host_buffer_bytes=64 << 10)
-    write = pipeline._pwrite
+    write = pipeline.pwrite_all
 
-    def full(fd: int, piece: np.ndarray, offset: int) -> None:
+    def full(fd: int, piece: memoryview, offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pipeline, "_pwrite", full)
+    monkeypatch.setattr(pipeline, "pwrite_all", full)
     (tmp_path / "a").mkdir()
     handle = writer.submit(tmp_path / "a" / "rank_00000.h5", items, {}, {"rank": 0}, snapshot="background")
     assert handle.wait_snapshot(30)
     with pytest.raises(TransientIOError, match="No space left"):
         handle.result(timeout=30)
     assert not (tmp_path / "a" / "rank_00000.h5").exists()
-    monkeypatch.setattr(pipeline, "_pwrite", write)
+    monkeypatch.setattr(pipeline, "pwrite_all", write)
     (tmp_path / "b").mkdir()
     (tmp_path / "sync").mkdir()
     ack = writer.submit(tmp_path / "b" / "rank_00000.h5", items, {}, {"rank": 0}, snapshot="background").result(30)
