@@ -64,7 +64,9 @@ class RLStep:
         self.checkpoints = saves.checkpoints
         self.reward = rewards.load(cfg.rl.reward, "rl.reward")
         self.tokenizer: Any = None  # task file: its tokenizer (response_text, stop tokens)
-        self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file)
+        self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file, count_to)
+        if cfg.rl.task == "count_to":
+            self.stop = (tasks.count_to_eot(cfg.model.vocab_size),)
         self.prompts: list[Any] = []
         if cfg.rl.task == "file":
             from core.data import prompts, tokenizer  # a tokenizer: only file tasks need one
@@ -156,7 +158,7 @@ class RLStep:
         if kl_now is not None:
             self.kl.update(kl_now, len(rows))
         extra = dict(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
-                     response_length=statistics.fmean(len(d[0]) for d in done), policy_version=step,
+                     **_lengths([d[0] for d in done], self.stop), policy_version=step,
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
@@ -197,6 +199,9 @@ class RLStep:
         cfg, rl = self.cfg, self.cfg.rl
         if self.prompts:
             return tasks.from_file(self.prompts, cfg.seed, step - rl.warmup_steps, rl.prompts_per_step)
+        if rl.task == "count_to":
+            return tasks.count_to(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, rl.max_response_length,
+                                  cfg.model.vocab_size)
         return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
 
     def _meta(self, meta: dict[str, Any], response: tuple[int, ...]) -> dict[str, Any]:
@@ -253,6 +258,15 @@ def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], stop: tuple[int
     tokens, logps = generated
     end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
     return tokens[:end], logps[:end]
+
+
+def _lengths(responses: Sequence[tuple[int, ...]], stop: tuple[int, ...]) -> dict[str, float]:
+    """The step's response lengths (mean, min, max) and the fraction that ended at a stop token
+    (the rest ran to rl.max_response_length)."""
+    lengths = [len(r) for r in responses]
+    return dict(response_length=statistics.fmean(lengths), response_length_min=min(lengths),
+                response_length_max=max(lengths),
+                stopped_frac=statistics.fmean(1.0 if r and r[-1] in stop else 0.0 for r in responses))
 
 
 @contextmanager
