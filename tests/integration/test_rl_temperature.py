@@ -11,6 +11,8 @@ each response token and the entropy of softmax(logits / 0.7), untruncated.
 - SCORE_ROWS (the old policy) gives the same log-probs and the same entropy.
 - POLICY_STEP with those as the old log-probs: the first epoch's ratio is exactly 1 and
   nothing is clipped (the update's log-probs are score_rows' arithmetic).
+- ``policy.logprobs_at`` (their one computation, in place on this rank's vocabulary part)
+  has plain torch's values and gradient.
 
 Layouts: tp1 (generator tp1), and an actor in tp2 (its vocabulary split: the entropy and
 log-probs are vocab-parallel) with a generator in tp1 on two replicas.
@@ -126,3 +128,32 @@ def test_the_first_epochs_ratio_is_exactly_one(group: RankGroup) -> None:
     # A second epoch on the same old log-probs moves off 1: the ratio is measured, not assumed.
     later = group.loss_owner_results(group.call("policy_step", **req))
     assert all(o["ratio_max"] > 1.0 for o in later), later
+
+
+def _logprobs_at_against_autograd(task: Any, temperature: float) -> tuple[float, float]:
+    """This rank's part of random logits through ``policy.logprobs_at`` (in place, as the
+    update runs it) and a weighted sum's gradient; (the largest value gap, the largest
+    gradient gap) to plain torch autograd of log_softmax(logits / T) over the whole vocabulary."""
+    import torch
+    from megatron.core import parallel_state
+
+    from core.model.gpt.policy import logprobs_at
+
+    gen = torch.Generator().manual_seed(3)
+    full = 3 * torch.randn(2, 5, 128, generator=gen)
+    labels, weights = torch.randint(0, 128, (2, 5), generator=gen), torch.randn(2, 5, generator=gen)
+    rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    part = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    logp, _ = logprobs_at(part.clone(), labels, temperature)  # a copy: like a model's output, no leaf
+    (logp * weights).sum().backward()
+    plain = full.double().requires_grad_()
+    ref = torch.log_softmax(plain / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (ref * weights).sum().backward()
+    return (float((logp - ref).abs().max()),
+            float((part.grad - plain.grad.chunk(tp, dim=-1)[rank]).abs().max()))
+
+
+@pytest.mark.parametrize("temperature", [T, 1.0])
+def test_logprobs_at_has_plain_torchs_values_and_gradient(group: RankGroup, temperature: float) -> None:
+    for value_gap, grad_gap in group.apply(_logprobs_at_against_autograd, temperature=temperature):
+        assert value_gap <= 1e-5 and grad_gap <= 1e-6, (value_gap, grad_gap)
