@@ -161,6 +161,10 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
     if rl.prompts is None:
         raise ConfigError("rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts")
     check_file("rl.prompts", rl.prompts, "give a .jsonl or .parquet file of prompts")
+    if rl.val_every and rl.val_prompts is None:
+        raise ConfigError(f"rl.val_every: {rl.val_every} with rl.task: file needs rl.val_prompts: a .jsonl or "
+                          ".parquet file of held-out prompts (never the training prompts); give one or drop "
+                          "rl.val_every")
     if rl.val_prompts is not None:
         check_file("rl.val_prompts", rl.val_prompts, "give a .jsonl or .parquet file of held-out prompts")
     check_template_variables("rl.chat_template_kwargs", rl.chat_template_kwargs)

@@ -273,6 +273,8 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_prompts=/nonexistent.jsonl"],
      r"^rl.val_prompts: '/nonexistent.jsonl' does not exist; give a .jsonl or .parquet file of held-out prompts$"),
     (["rl.val_every=-1"], r"^rl.val_every: -1"),
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_every=2"],
+     r"^rl.val_every: 2 with rl.task: file needs rl.val_prompts: a .jsonl or .parquet file of held-out prompts "),
     (["rl.prompts=p.jsonl"], r"^rl.prompts: 'p.jsonl' is read only with rl.task: file"),
     (["rl.task=file", "rl.prompts=/nonexistent.jsonl"], r"^rl.prompts: '/nonexistent.jsonl' does not exist; give "),
     (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.tokenizer=qwen3"],
