@@ -7,10 +7,13 @@ reward of the first 10 RL steps is at most 0.45 and of the last 10 at least 0.85
 continuations of the held-out prompts count on exactly afterwards. The reference's
 checkpoint outlives retention.
 
+Every 50 RL steps and after the last the policy answers 4 held-out prompts (validation): the
+greedy responses of the last count on exactly (val_reward_mean 1).
+
 The preempted run gets SIGUSR2 at its controller after RL step 50: it checkpoints at the
 step boundary, requeues, resumes, re-syncs the generator from the restored actor, and
-writes the same losses, rewards, KL, entropy and policy versions bit for bit, and ends with
-the same actor weights (prompts and sampling are keyed by seed and step, so no prompt
+writes the same losses, rewards, KL, entropy, policy versions and validation rewards bit for
+bit, and ends with the same actor weights (prompts and sampling are keyed by seed and step, so no prompt
 repeats or is skipped; the reference is reloaded from its checkpoint). With the rollout on a worker
 of its own (generator.placement=split) every number equals the colocated demo's too.
 """
@@ -54,10 +57,11 @@ def test_the_grpo_demo_learns_to_count(demo: Path) -> None:
     drawn = {Path(line).name for line in res.stdout.split()}
     assert {"reward.png", "kl.png", "response_length.png", "phases.png", "loss.png"} <= drawn, drawn
     assert all((demo / "report" / n).stat().st_size > 1000 for n in drawn)
+    assert [r["step"] for r in rl if "val_reward_mean" in r] == [79, 129] and rl[-1]["val_reward_mean"] == 1.0
     greedy = [json.loads(line) for line in (demo / "samples.jsonl").read_text().splitlines()]
     final = [s for s in greedy if s["version"] == 130 and s["kind"] == "greedy"]
-    assert len(final) == 2
-    for s in final:
+    assert len(final) == 4 and {s["split"] for s in greedy} == {"val"}
+    for s in final:  # the held-out prompts' greedy responses count on exactly
         assert s["tokens"] == [(s["prompt"][-1] + k) % 32 for k in range(1, 9)], s
 
 
