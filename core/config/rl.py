@@ -24,6 +24,15 @@ group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimi
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
 actor's own log-probs before the update as the old policy's; then the generator is synced.
 
+``val_every``: every that many RL steps (0 or None: never), and after the last step, the
+policy answers held-out prompts greedily and sampled (``temperature`` / ``top_k`` /
+``top_p``), scored by ``reward``: ``val_reward_mean`` and ``val_reward_mean_sampled`` in the
+step's record, the responses in samples.jsonl (core.controller.validation). The prompts:
+``val_prompts`` (a file task: the same format, tokenizer and checks as ``prompts``; required
+with ``val_every``), else the counting task's held-out set (``prompts_per_step`` prompts from
+a seed no training step draws). ``prompt_length + max_response_length`` is at most the
+model's ``seq_length`` (the generator holds the prompt and every new token).
+
 ``program: ppo`` is the same iteration with a critic instead of group baselines: a value
 model (the actor's transformer with a one-output value head, not split over tensor
 parallelism; its own optimizer; copied from the actor when the RL phase begins) scores
