@@ -53,8 +53,9 @@ def counting_held_out(seed: int, count: int, length: int, vocab: int) -> list[As
 
 
 def held_out(prompts: Sequence[Any]) -> list[Asked]:
-    """A validation file's prompts, each once, in the file's order."""
-    return [Asked(tuple(p.tokens), {**p.meta, "index": i}, p.pad) for i, p in enumerate(prompts)]
+    """A validation file's prompts, each once, in the file's order; their metadata has the
+    training prompts' keys (``index`` in the file, ``epoch`` 0), so one reward reads both."""
+    return [Asked(tuple(p.tokens), {**p.meta, "index": i, "epoch": 0}, p.pad) for i, p in enumerate(prompts)]
 
 
 def from_file(prompts: Sequence[Any], seed: int, step: int, count: int) -> list[Asked]:

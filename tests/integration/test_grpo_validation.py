@@ -1,13 +1,13 @@
 """Held-out validation of a GRPO run (rl.val_every), at the longest response the submit check
 accepts.
 
-experiments/grpo_tiny.yaml cut short: 30 warm-start steps, then 6 GRPO steps with
-responses of ``rl.max_response_length = 12``: with 4 prompt tokens exactly
-``model.seq_length`` (16), the largest the generator holds (the submit check's bound; one
-more is refused at submit, tests/unit/test_config.py). Validated every 2 RL steps: after
-steps 32, 34 and 36 (the last). The same run without validation gives the same training
-numbers bit for bit: validation draws from no training stream. A preempted run's validation
-numbers are compared with the uninterrupted demo's in test_grpo_local.py (GRPO_NUMBERS).
+experiments/grpo_tiny.yaml with 30 warm-start steps, then 40 GRPO steps with responses of
+``rl.max_response_length = 12``: with 4 prompt tokens exactly ``model.seq_length`` (16), the
+largest the generator holds (the submit check's bound; one more is refused at submit,
+tests/unit/test_config.py). Validated every 10 RL steps: after steps 40, 50, 60 and 70 (the
+last). The same run without validation gives the same training numbers bit for bit
+(validation draws from no training stream), and a run preempted after step 40 resumes to
+the same training and validation numbers and the same validation responses.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import pytest
 
 from core.rl import rewards
 from core.rl.tasks import counting_held_out
-from tests.helpers import GRPO_TRAINING, baton, json_lines, metrics, numbers
+from tests.helpers import GRPO_NUMBERS, GRPO_TRAINING, Submitted, baton, json_lines, metrics, numbers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 EXPERIMENT = "experiments/grpo_tiny.yaml"
-SHORT = ("trainer.steps=36", "rl.max_response_length=12", "checkpoint.interval_steps=0")
+SHORT = ("trainer.steps=70", "rl.max_response_length=12", "checkpoint.interval_steps=0")
+VALIDATED = ("rl.val_every=10",)
 
 
 def _run(root: Path, *overrides: str) -> Path:
@@ -33,7 +34,7 @@ def _run(root: Path, *overrides: str) -> Path:
 
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _run(tmp_path_factory.mktemp("val"), "rl.val_every=2")
+    return _run(tmp_path_factory.mktemp("val"), *VALIDATED)
 
 
 def test_validation_records_the_held_out_rewards_of_the_greedy_and_sampled_responses(validated: Path) -> None:
@@ -41,9 +42,9 @@ def test_validation_records_the_held_out_rewards_of_the_greedy_and_sampled_respo
     the counting reward of that validation's responses in samples.jsonl, rescored here; the
     greedy responses are the held-out prompts' argmax continuations (the same for a rerun)."""
     rows = metrics(validated)
-    assert [r["step"] for r in rows] == list(range(36))
-    assert [r["step"] for r in rows if "val_reward_mean" in r] == [31, 33, 35]  # policies 32, 34 and 36
-    assert [r["step"] for r in rows if "val_reward_mean_sampled" in r] == [31, 33, 35]
+    assert [r["step"] for r in rows] == list(range(70))
+    assert [r["step"] for r in rows if "val_reward_mean" in r] == [39, 49, 59, 69]  # policies 40, 50, 60, 70
+    assert [r["step"] for r in rows if "val_reward_mean_sampled" in r] == [39, 49, 59, 69]
     assert all(r["response_length"] <= 12 for r in rows if "reward_mean" in r)
     samples = json_lines(validated / "samples.jsonl")
     assert {s["split"] for s in samples} == {"val"}  # an RL run's samples are its validation responses
@@ -71,3 +72,12 @@ def test_validation_changes_no_training_number(validated: Path, tmp_path: Path) 
     assert numbers(plain, GRPO_TRAINING) == numbers(validated, GRPO_TRAINING)
     assert any(r["reward_mean"] for r in metrics(plain) if "reward_mean" in r)  # numbers that could differ
     assert not (plain / "samples.jsonl").exists() or not (plain / "samples.jsonl").read_text()
+
+
+def test_a_preempted_run_resumes_to_the_same_validation_numbers_and_responses(validated: Path,
+                                                                                tmp_path: Path) -> None:
+    r = Submitted(tmp_path, [*SHORT, *VALIDATED], experiment=EXPERIMENT)
+    pre = r.preempt_at(40)
+    assert pre["step"] < 70
+    assert numbers(r.run_dir, GRPO_NUMBERS) == numbers(validated, GRPO_NUMBERS)
+    assert json_lines(r.run_dir / "samples.jsonl") == json_lines(validated / "samples.jsonl")
