@@ -14,7 +14,10 @@
             updates (POLICY_STEP: each data replica its share of the responses)
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
-rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``).
+rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``). With
+``rl.val_every`` the program then validates the new policy on held-out prompts
+(``RLStep.validation``, core.controller.validation), scored by ``RLStep.rewards`` as the
+step's own responses are.
 
 Everything a step draws is keyed by (seed, step): prompts, and the sampling of each
 response (seed, step, response index). A run resumed at step k asks and samples exactly
