@@ -5,7 +5,8 @@ memory) and after every ``generator.sync_interval_steps`` steps, the controller 
 trainer's weights into the generator (its own plan, core.flows.reshard, made once from
 every rank's slices), checks the sync by both models' log-probs of a probe batch, and at
 the interval also continues the run's prompts: one greedy continuation and
-``samples_per_prompt`` sampled ones per prompt, appended to samples.jsonl. The policy
+``samples_per_prompt`` sampled ones per prompt, appended to samples.jsonl (not under an RL
+program: there samples.jsonl holds the validation responses, core.controller.validation). The policy
 version is the trainer's step count at the sync. Sampling is keyed by (seed, step,
 replica), so a resumed run writes the same samples as an uninterrupted one; rows past the
 step a run resumes from are cut first.
