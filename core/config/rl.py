@@ -23,6 +23,9 @@ core.rl.rewards); advantages are group-normalised (``norm_adv_by_std``: divide b
 group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
 actor's own log-probs before the update as the old policy's; then the generator is synced.
+Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
+entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
+``temperature``, before top-k / top-p truncation (as verl computes them).
 
 ``val_every``: every that many RL steps (0 or None: never), and after the last step, the
 policy answers held-out prompts greedily and sampled (``temperature`` / ``top_k`` /

@@ -12,9 +12,11 @@ replica), so a resumed run writes the same samples as an uninterrupted one; rows
 step a run resumes from are cut first.
 
 The probe: the trainer answers a held-out batch with its log-probs, the generator scores
-the same tokens, the controller compares. Prompts come from the trainer, continuations from
-the generator. With ``init_from: hf:PATH`` the folder's tokenizer names the continuations'
-stop tokens (generation_config.json's ``eos_token_id``; ``generator.eos`` overrides) and
+the same tokens, the controller compares (both at temperature 1: it checks the synced
+weights; the samples' log-probs are at the sampling temperature, core.model.gpt.generate).
+Prompts come from the trainer, continuations from the generator. With ``init_from: hf:PATH``
+the folder's tokenizer names the continuations' stop tokens (generation_config.json's
+``eos_token_id``; ``generator.eos`` overrides) and
 each row adds ``text``: the continuation decoded up to, not including, its stop token. Colocated, every call goes to the trainer's ranks, which hold both models.
 Split, the generator's ranks follow the trainer's, and a weight sync runs over both (on a
 bridge group joined at the start).

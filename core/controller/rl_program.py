@@ -6,6 +6,8 @@
     reward  every response scored on the controller (core.rl.rewards)
     old     the actor's log-probs of the responses before its update, and its entropy
     ref     the reference policy's log-probs (with a KL term, rl.kl)
+            (every log-prob, the rollout's and the update's too, and the entropy at
+            rl.temperature: log-softmax of logits / T, before top-k / top-p)
     values  ppo: the critic's value of every response token (and, at the first RL step, the
             critic's transformer copied from the actor first)
     critic  ppo: GAE advantages and returns (core.rl.advantages), then ``ppo_epochs`` critic
@@ -14,7 +16,8 @@
             updates (POLICY_STEP: each data replica its share of the responses)
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
-rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``). With
+rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``: both at
+rl.temperature, the old policy's from SCORE_ROWS against GENERATE's own). With
 ``rl.val_every`` the program then validates the new policy on held-out prompts
 (``RLStep.validation``, core.controller.validation), scored by ``RLStep.rewards`` as the
 step's own responses are.

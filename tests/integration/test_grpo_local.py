@@ -83,20 +83,22 @@ def test_grpo_with_the_rollout_on_workers_of_its_own_gives_the_same_numbers(demo
 
 
 def test_an_actor_in_tp2_and_a_rollout_in_tp1_dp2_agree_on_every_log_prob(tmp_path: Path) -> None:
-    """The actor's vocabulary split over two ranks, the rollout unsplit on two replicas: the
-    actor's log-probs of each step's responses stay within 1e-5 of the rollout's. With a KL
-    target the coefficient adapts every step. One epoch per step: the old log-probs are the
-    update's own arithmetic, so every ratio is exactly 1 and nothing is clipped."""
+    """The actor's vocabulary split over two ranks, the rollout unsplit on two replicas,
+    sampling at temperature 0.7 with top-k and top-p: the actor's log-probs of each step's
+    responses stay within 1e-5 of the rollout's (both of softmax(logits / 0.7), untruncated).
+    With a KL target the coefficient adapts every step. One epoch per step: the old log-probs
+    are the update's own arithmetic, so every ratio is exactly 1 and nothing is clipped. (The
+    entropy at the temperature against plain torch: tests/integration/test_rl_temperature.py.)"""
     res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "parallel.tp=2", "generator.tp=1",
                 "trainer.steps=40", "generator.sync_interval_steps=40", "rl.kl.target=0.01", "rl.ppo_epochs=1",
-                "--backend", "local", timeout=800)
+                "rl.temperature=0.7", "rl.top_k=8", "rl.top_p=0.9", "--backend", "local", timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     rl = [r for r in metrics(next((tmp_path / "grpo-tiny").glob("*"))) if "reward_mean" in r]
     assert [r["step"] for r in rl] == list(range(30, 40))
     assert all(0 < r["sync_logprob_maxdiff"] <= 1e-5 for r in rl), [r["sync_logprob_maxdiff"] for r in rl]
     coefs = [r["kl_coef"] for r in rl]
     assert coefs[0] == 0.001 and coefs[1] < coefs[0] and len(set(coefs)) == len(coefs)  # KL below target: down
-    assert all(r["entropy"] > 0 and r["ratio_max"] == 1.0 and r["clip_frac"] == 0.0 for r in rl)
+    assert all(r["ratio_max"] == 1.0 and r["clip_frac"] == 0.0 for r in rl), [r["ratio_max"] for r in rl]
 
 
 def test_a_reward_that_raises_fails_the_run_at_once_as_a_user_error_naming_the_prompt(tmp_path: Path) -> None:
