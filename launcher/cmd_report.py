@@ -239,15 +239,18 @@ def _superseded(run: RunFolder) -> list[tuple[str, list[int], list[float]]]:
 
 
 def _rl_plots(figure: Any, out: Path, name: str, records: Sequence[StepRecord]) -> list[Path]:
-    """The RL steps' plots: nothing when no step carries a reward."""
+    """The RL steps' plots: nothing when no step carries a reward. reward.png adds the
+    validations' mean rewards (rl.val_every) at the steps after which they ran."""
     xs, mean = _series(records, "reward_mean")
     if not xs:
         return []
     _, std = _series(records, "reward_std")
     band = std if len(std) == len(mean) else [0.0] * len(mean)
+    held_out = [(label, *_series(records, key)) for label, key in (("validation, greedy", "val_reward_mean"),
+                                                                   ("validation, sampled", "val_reward_mean_sampled"))]
     written = [_plot(figure, out / "reward.png", f"reward: {name}", "reward", [
         ("mean", xs, mean), ("mean + std", xs, [m + d for m, d in zip(mean, band, strict=True)]),
-        ("mean - std", xs, [m - d for m, d in zip(mean, band, strict=True)])])]
+        ("mean - std", xs, [m - d for m, d in zip(mean, band, strict=True)])] + [v for v in held_out if v[1]])]
     kl = [(k, *_series(records, k)) for k in ("kl", "entropy")]
     if any(line[1] for line in kl):
         written.append(_plot(figure, out / "kl.png", f"KL to the reference and entropy: {name}", "nats",

@@ -61,6 +61,8 @@ def checked(cfg: RunConfig) -> tuple[RunConfig, tuple[str, bytes] | None]:
     cfg = resolve_init(cfg)
     if cfg.rl.prompts and not Path(cfg.rl.prompts).is_absolute():
         cfg = replace(cfg, rl=replace(cfg.rl, prompts=str(Path(cfg.rl.prompts).resolve())))
+    if cfg.rl.val_prompts and not Path(cfg.rl.val_prompts).is_absolute():
+        cfg = replace(cfg, rl=replace(cfg.rl, val_prompts=str(Path(cfg.rl.val_prompts).resolve())))
     tok = cfg.rl.tokenizer
     if tok is not None and tok not in rl_spec.TOKENIZER_VOCAB and tok != "hf":
         folder = tok.removeprefix("hf:")
@@ -97,16 +99,18 @@ def prepare_run(cfg: RunConfig, *, backend: str, run_id: str | None = None) -> R
 
 
 def check_prompts(cfg: RunConfig) -> None:
-    """An RL file task: every prompt of ``rl.prompts`` read, rendered and tokenized as the
-    controller will, so a bad record or a prompt longer than ``rl.prompt_length`` is refused
-    here, naming it (core.data.prompts), not when the job starts."""
+    """An RL file task: every prompt of ``rl.prompts`` (and ``rl.val_prompts``) read, rendered
+    and tokenized as the controller will, so a bad record or a prompt longer than
+    ``rl.prompt_length`` is refused here, naming it (core.data.prompts), not when the job starts."""
     if cfg.program not in rl_spec.RL_PROGRAMS or cfg.rl.task != "file":
         return
     from core.data import prompts, tokenizer  # the tokenizer's libraries: only a file task's submit reads prompts
 
     tok = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
-    prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key, tokenizer=tok, length=cfg.rl.prompt_length,
-                         template_variables=cfg.rl.chat_template_kwargs)
+    for what, path in (("rl.prompts", cfg.rl.prompts), ("rl.val_prompts", cfg.rl.val_prompts)):
+        if path is not None or what == "rl.prompts":
+            prompts.read_prompts(path or "", key=cfg.rl.prompt_key, tokenizer=tok, length=cfg.rl.prompt_length,
+                                 template_variables=cfg.rl.chat_template_kwargs, what=what)
 
 
 def resolve_sft(cfg: RunConfig) -> RunConfig:

@@ -301,9 +301,11 @@ def sweep_ledger(sweep_dir: Path) -> dict[str, Any]:
 GENERATOR_RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkpoint.interval_steps=10",
                  "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3",
                  "timeouts.controller_lost_s=6")
-# The numbers of a GRPO step that a resumed or re-placed run must reproduce bit for bit.
-GRPO_NUMBERS = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl",
-                "kl_coef", "entropy", "ratio_max", "sync_logprob_maxdiff")
+# The numbers of a GRPO step that a resumed or re-placed run must reproduce bit for bit: the
+# training's, and the held-out validation's (rl.val_every), which must not change the training's.
+GRPO_TRAINING = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl",
+                 "kl_coef", "entropy", "ratio_max", "sync_logprob_maxdiff")
+GRPO_NUMBERS = (*GRPO_TRAINING, "val_reward_mean", "val_reward_mean_sampled")
 
 
 def numbers(run_dir: Path, keys: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -4,12 +4,15 @@
 ``sync_interval_steps`` steps (policy version = the trainer's step count) and continues
 ``num_prompts`` prompts of ``prompt_length`` tokens from the held-out data: one greedy
 continuation and ``samples_per_prompt`` sampled ones (``temperature``, ``top_k``,
-``top_p``, ``max_new_tokens``, ``eos``), written to ``samples.jsonl`` in the run folder.
+``top_p``, ``max_new_tokens``, ``eos``), written to ``samples.jsonl`` in the run folder
+with each token's log-prob at ``temperature`` (log-softmax of logits / temperature, before
+top-k / top-p; the greedy ones at 1).
 ``tp``: the generator's tensor-parallel size (pp is 1; dp = its workers / tp).
 ``placement``: ``colocated``, the generator's model lives in the trainer's worker
 processes with its own process groups; ``split``, it runs on ``workers`` processes of its
 own (0: ``tp``, one replica), on Slurm a component of the job of its own (``slurm.generator``).
-After every sync the run compares both models' log-probs of a probe batch; a gap above
+After every sync the run compares both models' log-probs of a probe batch (at temperature
+1 on both ends: the probe checks the weights, not the sampling); a gap above
 ``logprob_tolerance`` stops the run.
 ``bucket_mb``: the most a weight sync holds in flight per rank.
 The generator's layout and lengths against the model and the trainer's workers are checked

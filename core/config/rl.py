@@ -27,6 +27,18 @@ core.rl.rewards); advantages are group-normalised (``norm_adv_by_std``: divide b
 group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
 actor's own log-probs before the update as the old policy's; then the generator is synced.
+Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
+entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
+``temperature``, before top-k / top-p truncation (as verl computes them).
+
+``val_every``: every that many RL steps (0 or None: never), and after the last step, the
+policy answers held-out prompts greedily and sampled (``temperature`` / ``top_k`` /
+``top_p``), scored by ``reward``: ``val_reward_mean`` and ``val_reward_mean_sampled`` in the
+step's record, the responses in samples.jsonl (core.controller.validation). The prompts:
+``val_prompts`` (a file task: the same format, tokenizer and checks as ``prompts``; required
+with ``val_every``), else the counting task's held-out set (``prompts_per_step`` prompts from
+a seed no training step draws). ``prompt_length + max_response_length`` is at most the
+model's ``seq_length`` (the generator holds the prompt and every new token).
 
 ``program: ppo`` is the same iteration with a critic instead of group baselines: a value
 model (the actor's transformer with a one-output value head, not split over tensor
@@ -103,6 +115,8 @@ class RLConfig:
     warmup_steps: int = bounded(0, ge=0, le=10**12)
     task: Literal["counting", "count_to", "file"] = "counting"
     prompts: str | None = None  # task file: a .jsonl or .parquet of prompts (core.data.prompts)
+    val_prompts: str | None = None  # task file: held-out prompts for validation, as ``prompts``
+    val_every: int | None = bounded(None, ge=0, le=2**40)  # RL steps between validations; 0/None: none
     prompt_key: str = "prompt"
     tokenizer: str | None = None  # task file: byte, qwen3, hf or a local folder; None: hf with init_from hf:, else byte
     stop: tuple[int | str, ...] | None = None  # task file: stop tokens (strings or ids); None: the tokenizer's
@@ -130,6 +144,14 @@ class RLConfig:
     def __post_init__(self) -> None:
         check_bounds(self, "rl")
 
+    def validates(self, done: int, steps: int) -> bool:
+        """Whether the policy after ``done`` steps (of ``steps``) is validated: every
+        ``val_every`` RL steps, and after the last step once the RL phase has begun."""
+        rl_done = done - self.warmup_steps
+        if not self.val_every or rl_done <= 0:
+            return False
+        return rl_done % self.val_every == 0 or done == steps
+
 
 def init_from(value: str) -> tuple[str, int | None]:
     """``init_from: RUN_DIR[:STEP]``: (RUN_DIR, STEP or None: its newest checkpoint)."""
@@ -146,7 +168,7 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
     """``rl.task`` and what it reads: the prompts file, a tokenizer the model's vocabulary
     holds, stop tokens of that tokenizer."""
     if rl.task != "file":
-        for key, value in (("rl.prompts", rl.prompts), ("rl.stop", rl.stop),
+        for key, value in (("rl.prompts", rl.prompts), ("rl.val_prompts", rl.val_prompts), ("rl.stop", rl.stop),
                            ("rl.chat_template_kwargs", rl.chat_template_kwargs or None)):
             if value is not None:
                 extra = " (count_to's end of text is model.vocab_size - 1)" if key == "rl.stop" else ""
@@ -161,6 +183,12 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
     if rl.prompts is None:
         raise ConfigError("rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts")
     check_file("rl.prompts", rl.prompts, "give a .jsonl or .parquet file of prompts")
+    if rl.val_every and rl.val_prompts is None:
+        raise ConfigError(f"rl.val_every: {rl.val_every} with rl.task: file needs rl.val_prompts: a .jsonl or "
+                          ".parquet file of held-out prompts (never the training prompts); give one or drop "
+                          "rl.val_every")
+    if rl.val_prompts is not None:
+        check_file("rl.val_prompts", rl.val_prompts, "give a .jsonl or .parquet file of held-out prompts")
     check_template_variables("rl.chat_template_kwargs", rl.chat_template_kwargs)
     tokvocab.check(rl.tokenizer, init_from, rl.stop, vocab_size=vocab_size)
 

@@ -171,6 +171,9 @@ def _check_generator(cfg: RunConfig) -> None:
     if heads % gen.tp or world_size % gen.tp:
         raise ConfigError(f"generator.tp: {gen.tp} must divide model.num_attention_heads = {heads} and {where}; "
                           "pick a tp that divides both")
+    if cfg.model.query_groups % gen.tp:
+        raise ConfigError(f"generator.tp: {gen.tp} does not divide model.num_query_groups = {cfg.model.query_groups} "
+                          "(each tensor-parallel rank holds whole key/value groups); pick a tp that divides it")
     if gen.prompt_length + gen.max_new_tokens > seq_length:
         raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
                           f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")
@@ -198,10 +201,14 @@ def _check_rl(cfg: RunConfig) -> None:
     if cfg.model.kind != "gpt" or not cfg.generator.enabled:
         raise ConfigError(f"program: {cfg.program} needs model.kind: gpt and generator.enabled: true "
                           "(the generator group is the rollout)")
-    if rl.prompt_length + rl.max_response_length - 1 > cfg.model.seq_length:
-        raise ConfigError(f"rl.max_response_length: prompt_length + max_response_length - 1 = "
-                          f"{rl.prompt_length + rl.max_response_length - 1} > model.seq_length = "
-                          f"{cfg.model.seq_length}; shorten them or raise model.seq_length")
+    # The generator holds the prompt and every new token in its KV cache of model.seq_length
+    # positions (core.model.gpt.generate); the trainer reads a row less its last token: the
+    # generator's bound is the exact one.
+    if rl.prompt_length + rl.max_response_length > cfg.model.seq_length:
+        raise ConfigError(f"rl.max_response_length: prompt_length + max_response_length = {rl.prompt_length} + "
+                          f"{rl.max_response_length} = {rl.prompt_length + rl.max_response_length} > model.seq_length "
+                          f"= {cfg.model.seq_length} (the generator holds the prompt and every response token); "
+                          f"use at most {cfg.model.seq_length - rl.prompt_length} or raise model.seq_length")
     rows, dp, micro = rl.prompts_per_step * rl.n, cfg.dims.dp, cfg.training.micro_batch_size
     if rows % dp or (micro != "auto" and (rows // dp) % micro):
         raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "

@@ -5,15 +5,18 @@ memory) and after every ``generator.sync_interval_steps`` steps, the controller 
 trainer's weights into the generator (its own plan, core.flows.reshard, made once from
 every rank's slices), checks the sync by both models' log-probs of a probe batch, and at
 the interval also continues the run's prompts: one greedy continuation and
-``samples_per_prompt`` sampled ones per prompt, appended to samples.jsonl. The policy
+``samples_per_prompt`` sampled ones per prompt, appended to samples.jsonl (not under an RL
+program: there samples.jsonl holds the validation responses, core.controller.validation). The policy
 version is the trainer's step count at the sync. Sampling is keyed by (seed, step,
 replica), so a resumed run writes the same samples as an uninterrupted one; rows past the
 step a run resumes from are cut first.
 
 The probe: the trainer answers a held-out batch with its log-probs, the generator scores
-the same tokens, the controller compares. Prompts come from the trainer, continuations from
-the generator. With ``init_from: hf:PATH`` the folder's tokenizer names the continuations'
-stop tokens (generation_config.json's ``eos_token_id``; ``generator.eos`` overrides) and
+the same tokens, the controller compares (both at temperature 1: it checks the synced
+weights; the samples' log-probs are at the sampling temperature, core.model.gpt.generate).
+Prompts come from the trainer, continuations from the generator. With ``init_from: hf:PATH``
+the folder's tokenizer names the continuations' stop tokens (generation_config.json's
+``eos_token_id``; ``generator.eos`` overrides) and
 each row adds ``text``: the continuation decoded up to, not including, its stop token. Colocated, every call goes to the trainer's ranks, which hold both models.
 Split, the generator's ranks follow the trainer's, and a weight sync runs over both (on a
 bridge group joined at the start).

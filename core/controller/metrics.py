@@ -85,6 +85,8 @@ RL_GAUGES = (("reward_mean", "Mean reward"), ("reward_std", "Reward standard dev
              ("clip_frac", "Fraction of clipped tokens"),
              ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"),
              ("value_loss", "The critic's value loss (ppo)"), ("values_mean", "Mean value of the response tokens (ppo)"))
+VAL_GAUGES = (("val_reward_mean", "Mean reward of greedy responses to the held-out prompts"),
+              ("val_reward_mean_sampled", "Mean reward of sampled responses to the held-out prompts"))
 
 class _Labelled:
     """``registry``'s series with ``labels`` added to every sample (prometheus_client has no
@@ -150,6 +152,8 @@ class Metrics:
                                registry=reg)
         # program: grpo or ppo, on RL steps (core.controller.rl_program)
         self.rl = {key: Gauge(f"baton_rl_{key}", f"{what} of the last RL step", registry=reg) for key, what in RL_GAUGES}
+        self.rl.update({key: Gauge(f"baton_rl_{key}", f"{what} at the last validation (rl.val_every)", registry=reg)
+                        for key, what in VAL_GAUGES})
         self.rl_phase = Gauge("baton_rl_phase_seconds", "Wall time of one phase of the last RL step", ["phase"],
                               registry=reg)
         self._server: Any = None
@@ -233,7 +237,7 @@ class Metrics:
         self._observe_rl(record)
 
     def _observe_rl(self, record: StepRecord) -> None:
-        for key, _ in RL_GAUGES:
+        for key in self.rl:
             num = _num(getattr(record, key))
             if num is not None:
                 self.rl[key].set(num)

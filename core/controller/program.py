@@ -196,7 +196,10 @@ class Program:
             if self.flow is not None and self.flow.due(done):
                 gap = max(self.flow.sync(done), record.sync_logprob_maxdiff or 0.0)
                 record = dataclasses.replace(record, sync_logprob_maxdiff=gap)
-                self.flow.generate(done)
+                if self.rl is None:  # an RL program's samples.jsonl holds its validation responses
+                    self.flow.generate(done)
+            if self.rl is not None and self.rl.validation.due(done):
+                record = dataclasses.replace(record, **self.rl.validation.run(done))
             step_records.append(self.run.metrics, record)
             if self.sync is not None:
                 self.record.append(*self.sync.observe(done, request, record))

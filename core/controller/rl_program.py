@@ -6,6 +6,8 @@
     reward  every response scored on the controller (core.rl.rewards)
     old     the actor's log-probs of the responses before its update, and its entropy
     ref     the reference policy's log-probs (with a KL term, rl.kl)
+            (every log-prob, the rollout's and the update's too, and the entropy at
+            rl.temperature: log-softmax of logits / T, before top-k / top-p)
     values  ppo: the critic's value of every response token (and, at the first RL step, the
             critic's transformer copied from the actor first)
     critic  ppo: GAE advantages and returns (core.rl.advantages), then ``ppo_epochs`` critic
@@ -14,7 +16,11 @@
             updates (POLICY_STEP: each data replica its share of the responses)
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
-rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``).
+rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``: both at
+rl.temperature, the old policy's from SCORE_ROWS against GENERATE's own). With
+``rl.val_every`` the program then validates the new policy on held-out prompts
+(``RLStep.validation``, core.controller.validation), scored by ``RLStep.rewards`` as the
+step's own responses are.
 
 Everything a step draws is keyed by (seed, step): prompts, and the sampling of each
 response (seed, step, response index). A run resumed at step k asks and samples exactly
@@ -47,6 +53,7 @@ from core.config.run import RunConfig
 from core.controller.generation import GeneratorFlow
 from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
+from core.controller.validation import Validation
 from core.data.tokenizer import text_before_stop
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
@@ -80,6 +87,8 @@ class RLStep:
             self.prompts = prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
                                                 tokenizer=self.tokenizer, length=cfg.rl.prompt_length,
                                                 template_variables=cfg.rl.chat_template_kwargs)
+        self.validation = Validation(cfg, generator, self._held_out(), score=self.rewards,
+                                     until=lambda r: _until(r, self.stop), text=self._text, stop=self.stop)
         kl = cfg.rl.kl
         coef = advantages.auto_kl_coef(count_params(cfg).total) if kl.coef == "auto" else float(kl.coef)
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
@@ -135,8 +144,7 @@ class RLStep:
                 top_k=rl.top_k, top_p=rl.top_p, eos=self.stop, seed=(cfg.seed * 7919 + step) * 1009 + 7,
                 pads=tuple(pads)))]
         with _timed(phases, "reward"):
-            scores = [rewards.score(self.reward, prompts[i], done[i][0], self._meta(asked[i // rl.n].meta, done[i][0]),
-                                    index=i // rl.n) for i in range(len(prompts))]
+            scores = self.rewards(asked, [d[0] for d in done], per=rl.n)
         sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
         with _timed(phases, "old"):
             old, entropy = self._score("actor", sequences, pads)
@@ -203,6 +211,34 @@ class RLStep:
             return tasks.count_to(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, rl.max_response_length,
                                   cfg.model.vocab_size)
         return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
+
+    def _held_out(self) -> list[tasks.Asked]:
+        """The validation prompts (core.controller.validation): ``rl.val_prompts``' records (a
+        file task: refused at submit without), else the counting task's held-out set; none
+        without ``rl.val_every``."""
+        cfg, rl = self.cfg, self.cfg.rl
+        if not rl.val_every:
+            return []
+        if rl.val_prompts is not None:
+            from core.data import prompts  # as the training prompts: only file tasks read a file
+
+            return tasks.held_out(prompts.read_prompts(rl.val_prompts, key=rl.prompt_key, tokenizer=self.tokenizer,
+                                                       length=rl.prompt_length, what="rl.val_prompts",
+                                                       template_variables=rl.chat_template_kwargs))
+        return tasks.counting_held_out(cfg.seed, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
+
+    def rewards(self, asked: Sequence[tasks.Asked], responses: Sequence[tuple[int, ...]], *, per: int = 1
+                ) -> list[float]:
+        """Every response's reward; response ``i`` answers ``asked[i // per]``. The one place
+        the controller scores responses (the training step's and validation's)."""
+        return [rewards.score(self.reward, asked[i // per].tokens, r, self._meta(asked[i // per].meta, r),
+                              index=i // per) for i, r in enumerate(responses)]
+
+    def _text(self, response: tuple[int, ...]) -> dict[str, str]:
+        """A response's text for samples.jsonl (a file task's: before its stop token)."""
+        if self.tokenizer is None:
+            return {}
+        return {"text": text_before_stop(self.tokenizer, self.stop, response)}
 
     def _meta(self, meta: dict[str, Any], response: tuple[int, ...]) -> dict[str, Any]:
         """A prompt's metadata for the reward; a file task's with ``response_text``."""

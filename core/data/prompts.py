@@ -85,18 +85,18 @@ def _messages(value: Any) -> list[dict[str, Any]] | None:
     return [dict(m) for m in value]
 
 
-def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer,
-         variables: Mapping[str, Any]) -> tuple[Sequence[int], str, dict[str, Any]]:
+def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer, variables: Mapping[str, Any],
+         what: str = "rl.prompts") -> tuple[Sequence[int], str, dict[str, Any]]:
     """A record's prompt: its ids, its text, what it adds to the metadata."""
     if isinstance(value, str):
         return tokenizer.encode(value), value, {}
     messages = _messages(value)
     if messages is None:
-        raise PromptFileError(f"rl.prompts: {where}: field {key!r} is {type(value).__name__}, neither text nor chat "
+        raise PromptFileError(f"{what}: {where}: field {key!r} is {type(value).__name__}, neither text nor chat "
                               "messages (a list of {role, content}); fix the record or set rl.prompt_key")
     render = getattr(tokenizer, "render", None)
     if render is None:
-        raise PromptFileError(f"rl.prompts: {where}: chat messages need a tokenizer with a chat template; "
+        raise PromptFileError(f"{what}: {where}: chat messages need a tokenizer with a chat template; "
                               f"{tokenizer.name} has none: set rl.tokenizer to hf (init_from: hf:PATH) or a "
                               "Hugging Face folder")
     text = render(messages, add_generation_prompt=True, **variables)
@@ -104,27 +104,28 @@ def _ids(where: str, key: str, value: Any, tokenizer: Tokenizer,
 
 
 def read_prompts(path: str | Path, *, key: str, tokenizer: Tokenizer, length: int,
-                 template_variables: Mapping[str, Any] | None = None) -> list[Prompt]:
+                 template_variables: Mapping[str, Any] | None = None, what: str = "rl.prompts") -> list[Prompt]:
     """Every prompt of the file, tokenized and left-padded to ``length``; chat prompts are
-    rendered with ``template_variables`` (``rl.chat_template_kwargs``)."""
+    rendered with ``template_variables`` (``rl.chat_template_kwargs``). ``what``: the key
+    that named the file (``rl.prompts``, ``rl.val_prompts``), first in every refusal."""
     path = Path(path)
     out = []
     try:
-        for where, record in records(path):
+        for where, record in records(path, what):
             if key not in record:
                 fields = ", ".join(sorted(map(str, record))[:8]) or "none"
-                raise PromptFileError(f"rl.prompts: {where}: no field {key!r} (fields: {fields}); set "
+                raise PromptFileError(f"{what}: {where}: no field {key!r} (fields: {fields}); set "
                                       "rl.prompt_key to the field that holds the prompt")
-            ids, text, extra = _ids(where, key, record[key], tokenizer, template_variables or {})
+            ids, text, extra = _ids(where, key, record[key], tokenizer, template_variables or {}, what)
             if len(ids) > length:
-                raise PromptFileError(f"rl.prompts: {where}: the prompt is {len(ids)} tokens > rl.prompt_length = "
+                raise PromptFileError(f"{what}: {where}: the prompt is {len(ids)} tokens > rl.prompt_length = "
                                       f"{length}; raise rl.prompt_length (and model.seq_length) or shorten it")
             meta = {k: v for k, v in record.items() if k != key}
             meta.update(extra, prompt_text=text)
             pad = length - len(ids)
             out.append(Prompt(tokens=(tokenizer.eos_id,) * pad + tuple(ids), meta=meta, pad=pad))
     except OSError as exc:
-        raise PromptFileError(f"rl.prompts: {path}: cannot read ({exc.strerror or exc})") from None
+        raise PromptFileError(f"{what}: {path}: cannot read ({exc.strerror or exc})") from None
     if not out:
-        raise PromptFileError(f"rl.prompts: {path}: holds no prompt; give a file with at least one record")
+        raise PromptFileError(f"{what}: {path}: holds no prompt; give a file with at least one record")
     return out

@@ -68,7 +68,7 @@ class Generated:
     replica: int = -1
     version: int = -1  # the policy version that generated
     tokens: tuple[tuple[int, ...], ...] = ()
-    logprobs: tuple[tuple[float, ...], ...] = ()
+    logprobs: tuple[tuple[float, ...], ...] = ()  # at the sampling temperature, untruncated (greedy: 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -64,6 +64,9 @@ class StepRecord:
     ratio_max: float | None = None  # the largest new/old probability ratio of the last update epoch
     phase_s: dict[str, float] | None = None  # wall seconds per phase: sync, generate, reward, old, ref, values,
     # critic, update
+    # program: grpo or ppo with rl.val_every, on the steps after which the policy is validated
+    val_reward_mean: float | None = None  # mean reward of greedy responses to the held-out prompts
+    val_reward_mean_sampled: float | None = None  # ... of responses sampled at rl.temperature
     # program: ppo, on its RL steps
     value_loss: float | None = None  # the critic's clipped value loss in its first epoch (token mean)
     values_mean: float | None = None  # the critic's values of the step's response tokens before its update
@@ -74,7 +77,7 @@ _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
                      "reward_mean", "reward_std", "response_length", "response_length_min",
                      "response_length_max", "stopped_frac", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
-                     "phase_s", "value_loss", "values_mean")
+                     "phase_s", "value_loss", "values_mean", "val_reward_mean", "val_reward_mean_sampled")
 
 
 MARKER = "superseded_from"  # a line {"superseded_from": STEP, "epoch": N, "time": T}: a resume redoes STEP on

@@ -13,6 +13,10 @@ response counts on up to the target and stops: ``a+L-1 .. T <eot>``, 1 to
 is. Its reward is core.rl.rewards.count_to; ``data.task: count_to`` (core.model.gpt.data) is
 the supervised warm start in the same format.
 
+``counting_held_out``: the validation set of the counting task (no ``rl.val_prompts`` file):
+``count`` prompts keyed by (seed, a tag of their own, prompt), a stream of four words where
+training's are three, so no training step draws from it.
+
 ``from_file``: the prompts of a file (core.data.prompts) in epochs: prompt ``i`` of step
 ``s`` is number ``g = s × count + i`` of the run; epoch ``g // n`` visits the ``n`` prompts
 in its own order (a permutation keyed by (seed, epoch)), so every prompt is asked once per
@@ -63,6 +67,24 @@ def count_to(seed: int, step: int, count: int, length: int, max_response: int, v
         tokens = (target, *range(start, start + length - 1))
         out.append(Asked(tokens, {"target": target, "eot": eot, "index": i}))
     return out
+
+
+HELD_OUT = 0x76616C  # "val": the held-out prompts' key, never a training key (those have three words)
+
+
+def counting_held_out(seed: int, count: int, length: int, vocab: int) -> list[Asked]:
+    """The counting task's ``count`` validation prompts: the same for every step of a run."""
+    out = []
+    for i in range(count):
+        start = int(np.random.default_rng([seed, HELD_OUT, i, 1]).integers(0, vocab))
+        out.append(Asked(tuple((start + k) % vocab for k in range(length)), {"vocab_size": vocab, "index": i}))
+    return out
+
+
+def held_out(prompts: Sequence[Any]) -> list[Asked]:
+    """A validation file's prompts, each once, in the file's order; their metadata has the
+    training prompts' keys (``index`` in the file, ``epoch`` 0), so one reward reads both."""
+    return [Asked(tuple(p.tokens), {**p.meta, "index": i, "epoch": 0}, p.pad) for i, p in enumerate(prompts)]
 
 
 def from_file(prompts: Sequence[Any], seed: int, step: int, count: int) -> list[Asked]:

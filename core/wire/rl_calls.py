@@ -40,8 +40,8 @@ class PolicyBatch:
 @dataclass(frozen=True, kw_only=True)
 class ScoreRows:
     """Teacher-forced log-probs of the response tokens of rows (prompt + response, prompts
-    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``; the
-    ``critic``'s values (the value before each response token is drawn)."""
+    of ``prompt_length``) under the ``actor`` (with the entropy) or the ``reference``, both
+    at ``rl.temperature``; the ``critic``'s values (the value before each response token is drawn)."""
 
     model: Literal["actor", "reference", "critic"]
     prompt_length: int

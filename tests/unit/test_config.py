@@ -228,6 +228,8 @@ def test_generator_placements_and_their_workers() -> None:
     (["generator.placement=split", "generator.workers=3", "generator.tp=2"],
      r"^generator.tp: 2 must divide model.num_attention_heads = 4 and generator.workers = 3; "),
     (["generator.placement=elsewhere"], r"generator.placement"),
+    (["model.num_query_groups=2", "parallel.tp=1", "generator.tp=4"],
+     r"^generator.tp: 4 does not divide model.num_query_groups = 2 \(each tensor-parallel rank holds whole "),
 ])
 def test_impossible_generator_layouts_are_refused_in_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
@@ -251,8 +253,8 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     (["program=ppo2"], r"^program: 'ppo2' is not one of pretrain, sft, grpo, ppo$"),
     (["generator.enabled=false"], r"^program: grpo needs model.kind: gpt and generator.enabled: true"),
-    (["rl.max_response_length=14"], r"^rl.max_response_length: prompt_length \+ max_response_length - 1 = 17 > "
-                                    r"model.seq_length = 16; "),
+    (["rl.max_response_length=13"], r"^rl.max_response_length: prompt_length \+ max_response_length = 4 \+ 13 = 17 > "
+                                    r"model.seq_length = 16 \(the generator holds .* use at most 12 or raise "),
     (["rl.n=3"], r"^rl.prompts_per_step: prompts_per_step × n = 12 responses do not split into 2 data-parallel "),
     (["rl.warmup_steps=500"], r"^rl.warmup_steps: 500 > trainer.steps = 130"),
     (["rl.clip_low=2"], r"^rl.clip_low: "),
@@ -267,6 +269,12 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.kl.target=0"], r"^rl.kl.target: 0"),
     (["rl.kl.coef=0", "rl.kl.target=0.01"], r"^rl.kl.coef: 0 with rl.kl.target: 0.01 stays 0 "),
     (["rl.task=file"], r"^rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts$"),
+    (["rl.val_prompts=v.jsonl"], r"^rl.val_prompts: 'v.jsonl' is read only with rl.task: file"),
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_prompts=/nonexistent.jsonl"],
+     r"^rl.val_prompts: '/nonexistent.jsonl' does not exist; give a .jsonl or .parquet file of held-out prompts$"),
+    (["rl.val_every=-1"], r"^rl.val_every: -1"),
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_every=2"],
+     r"^rl.val_every: 2 with rl.task: file needs rl.val_prompts: a .jsonl or .parquet file of held-out prompts "),
     (["rl.prompts=p.jsonl"], r"^rl.prompts: 'p.jsonl' is read only with rl.task: file"),
     (["rl.task=file", "rl.prompts=/nonexistent.jsonl"], r"^rl.prompts: '/nonexistent.jsonl' does not exist; give "),
     (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.tokenizer=qwen3"],
@@ -279,6 +287,23 @@ def test_impossible_rl_settings_are_refused_in_one_line(overrides: list[str], me
         _grpo(*overrides)
     assert "\n" not in str(err.value)
     assert _grpo("rl.reward=my_pkg.scores:exact").rl.reward == "my_pkg.scores:exact"  # imported on the controller
+
+
+def test_the_response_length_is_accepted_up_to_exactly_what_the_generator_holds() -> None:
+    """prompt + response tokens = model.seq_length is the largest the generator's KV cache
+    takes (core.model.gpt.generate refuses one more); the run at that bound:
+    tests/integration/test_grpo_validation.py."""
+    assert _grpo("rl.max_response_length=12").rl.max_response_length == 12  # 4 + 12 = seq_length 16
+    with pytest.raises(ConfigError, match=r"^rl.max_response_length: .* = 17 > model.seq_length = 16 "):
+        _grpo("rl.max_response_length=13")
+
+
+def test_validation_is_due_every_val_every_rl_steps_and_after_the_last() -> None:
+    rl = _grpo("rl.val_every=40").rl  # warm start 30, 130 steps: RL steps done 40, 80 and the last (100)
+    assert [done for done in range(131) if rl.validates(done, 130)] == [70, 110, 130]
+    assert not any(_grpo().rl.validates(done, 130) for done in range(131))  # no val_every: no validation
+    assert not any(_grpo("rl.val_every=0").rl.validates(done, 130) for done in range(131))
+    assert [done for done in range(31) if _grpo("rl.val_every=5").rl.validates(done, 30)] == []  # warm start only
 
 
 def test_model_shape_options_keep_the_hash_of_a_model_saved_before_they_existed() -> None:

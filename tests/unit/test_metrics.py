@@ -60,6 +60,20 @@ def test_an_rl_step_record_becomes_rl_gauges_and_phase_times(served) -> None:
     assert {s.labels["phase"]: s.value for s in got["baton_rl_phase_seconds"]} == {"generate": 0.5, "update": 0.25}
 
 
+def test_a_validated_step_exports_its_validation_rewards_and_a_later_step_keeps_them(served) -> None:
+    """val_reward_mean(_sampled) are set by the steps after which the policy was validated;
+    the steps between leave the last validation's values (the gauge is not reset to 0)."""
+    m, _, address = served
+    m.observe_step(replace(_record(0), reward_mean=0.5))
+    assert "baton_rl_val_reward_mean" not in {k for k, v in scrape(address).items() if v and v[0].value != 0}
+    m.observe_step(replace(_record(1), reward_mean=0.5, val_reward_mean=0.625, val_reward_mean_sampled=0.375))
+    m.observe_step(replace(_record(2), reward_mean=0.25))
+    got = scrape(address)
+    assert got["baton_rl_val_reward_mean"][0].value == 0.625
+    assert got["baton_rl_val_reward_mean_sampled"][0].value == 0.375
+    assert got["baton_rl_reward_mean"][0].value == 0.25
+
+
 def test_step_record_becomes_gauges_with_the_values_fed(served) -> None:
     m, _, address = served
     for step in range(3):

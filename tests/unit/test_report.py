@@ -154,3 +154,29 @@ def test_superseded_shows_the_records_of_the_steps_a_resume_redid_faded(tmp_path
     assert (tmp_path / "plain" / "loss.png").read_bytes() != (tmp_path / "both" / "loss.png").read_bytes()
     assert cmd_report.superseded_line(RunFolder(_run_folder(tmp_path / "q"))).endswith("no superseded records "
                                                                                        "(no resume redid a step)")
+
+
+@needs_matplotlib
+def test_the_reward_plot_draws_the_validation_rewards_at_the_validated_steps(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """reward.png: the training reward's mean and band, and each validation's greedy and
+    sampled mean reward at the steps whose records carry them (the others have none)."""
+    run = _run_folder(tmp_path / "r", n=6)
+    (run / "metrics.jsonl").write_text("")
+    for step in range(6):
+        val = {"val_reward_mean": step / 10, "val_reward_mean_sampled": step / 20} if step % 2 else {}
+        steps.append(run / "metrics.jsonl", StepRecord(step=step, loss=1.0, reward_mean=0.5, reward_std=0.25, **val))
+    drawn: dict[str, list[tuple[str, list[int], list[float]]]] = {}
+    real = cmd_report._plot
+
+    def spy(figure, path, title, ylabel, lines, **kw):  # type: ignore[no-untyped-def]
+        drawn[Path(path).name] = lines
+        return real(figure, path, title, ylabel, lines, **kw)
+
+    monkeypatch.setattr(cmd_report, "_plot", spy)
+    assert _report(str(run)) == 0
+    lines = {label: (xs, ys) for label, xs, ys in drawn["reward.png"]}
+    assert lines["validation, greedy"] == ([1, 3, 5], [0.1, 0.3, 0.5])
+    assert lines["validation, sampled"] == ([1, 3, 5], [0.05, 0.15, 0.25])
+    assert lines["mean"] == (list(range(6)), [0.5] * 6) and lines["mean + std"][1] == [0.75] * 6
+    _assert_pngs([run / "report" / "reward.png"])

@@ -134,7 +134,7 @@ def test_value_loss_and_entropy() -> None:
 
 def test_the_vocab_parallel_entropy_of_a_single_rank_is_the_entropy(tmp_path) -> None:
     """One rank holds the whole vocabulary: three all-reduces over a group of one give
-    softmax's entropy (on two ranks it runs in the GRPO test with an actor in tp 2)."""
+    softmax's entropy (on two ranks: tests/integration/test_rl_temperature.py, an actor in tp 2)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

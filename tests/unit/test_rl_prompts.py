@@ -69,3 +69,31 @@ def test_submit_reads_the_prompts_and_refuses_a_bad_one_before_writing(tmp_path:
     assert res.returncode == 2 and "\n" not in line, res.stderr
     assert f"{bad}:2" in line and "rl.prompt_length = 8" in line, line
     assert not (tmp_path / "runs").exists()
+
+
+def test_submit_refuses_a_bad_validation_prompt_naming_rl_val_prompts_before_writing(tmp_path: Path) -> None:
+    from tests.helpers import baton  # the real CLI in a subprocess
+
+    exp = Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml"
+    good, bad = _jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}]), tmp_path / "v.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"question": "no prompt field"}\n')
+    res = baton("submit", str(exp), "--backend", "local", f"runs_root={tmp_path / 'runs'}", "rl.task=file",
+                f"rl.prompts={good}", f"rl.val_prompts={bad}", "rl.val_every=2", "model.vocab_size=257",
+                "rl.prompt_length=8", cwd=tmp_path, timeout=120)
+    line = res.stderr.strip()
+    assert res.returncode == 2 and "\n" not in line, res.stderr
+    assert line == f"baton: error: rl.val_prompts: {bad}:2: no field 'prompt' (fields: question); set rl.prompt_key " \
+        "to the field that holds the prompt", line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_counting_task_s_held_out_prompts_come_from_a_key_no_training_step_draws() -> None:
+    """With a vocabulary of 2**31 a shared key would repeat a training prompt exactly; none of
+    the first 2000 training steps' prompts is a held-out one, and the set is fixed per seed."""
+    vocab = 2**31
+    held = tasks.counting_held_out(1234, 8, 4, vocab)
+    assert held == tasks.counting_held_out(1234, 8, 4, vocab) and held != tasks.counting_held_out(1235, 8, 4, vocab)
+    assert all(a.tokens == tuple((a.tokens[0] + k) % vocab for k in range(4)) for a in held)
+    assert [a.meta for a in held] == [{"vocab_size": vocab, "index": i} for i in range(8)]
+    trained = {a.tokens for step in range(2000) for a in tasks.counting(1234, step, 8, 4, vocab)}
+    assert len(trained) == 2000 * 8 and not trained & {a.tokens for a in held}

@@ -88,7 +88,7 @@ def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
         return loss, {"vf": loss.detach().clone(), "clip": clip_frac.detach()}
 
     rl = ctx.cfg.rl
-    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.critic.lr or rl.lr, loss_of, labels=False,
+    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.critic.lr or rl.lr, loss_of,
                                  before_update=before_update)
     if out_mb is not None:
         out.update(value_loss=float(torch.stack([d["vf"] for d in out_mb]).mean()),

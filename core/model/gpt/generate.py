@@ -8,11 +8,13 @@ forward; the logits are gathered across the tensor-parallel group, so every TP r
 replica samples the same token from the same generators (one per prompt). Sampling is temperature, then
 top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A sequence that
 produced any of the stop ids ``eos`` stops (its later positions hold ``eos[0]`` with log-prob 0). The log-prob of
-each new token is taken from the distribution it was drawn from before any truncation
-(temperature 1), which is what a trainer's teacher-forced forward computes.
+each new token is log_softmax(logits / T) at the sampling temperature T, before any top-k /
+top-p truncation (greedy: T = 1), which is what the RL trainer's teacher-forced scoring
+computes (core.model.gpt.policy.logprobs_at, at ``rl.temperature``).
 
-``token_logprobs`` is that teacher-forced forward: the log-prob of each token given the
-tokens before it, one full forward per batch.
+``token_logprobs`` and ``label_logprobs`` are teacher-forced forwards at T = 1: the log-prob
+of each token given the tokens before it, one full forward per batch (``label_logprobs`` is
+the generator's side of the weight sync's probe, whose trainer side is at T = 1 too).
 """
 from __future__ import annotations
 
@@ -84,6 +86,12 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, group: A
     return picked - total.log()
 
 
+def _at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits of the distribution a new token's log-prob is taken from: those over the
+    sampling temperature, untruncated; greedy (temperature 0): the logits as they are (T = 1)."""
+    return logits / temperature if temperature > 0 else logits
+
+
 def _choose(logits: torch.Tensor, how: Sampling, gens: Sequence[torch.Generator]) -> torch.Tensor:
     if how.temperature <= 0:
         return logits.argmax(dim=-1)
@@ -133,7 +141,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
             logits = _logits(model, step_in, positions, mask, context)[:, -1]
             context.increment_sequence_len_offset(step_in.shape[1])
             nxt = _choose(logits.cpu(), how, gens).to(device)
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+            logp = torch.log_softmax(_at(logits, how.temperature), dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
             if stop is not None:
                 nxt = torch.where(done, torch.full_like(nxt, how.eos[0]), nxt)
                 logp = torch.where(done, torch.zeros_like(logp), logp)

@@ -2,6 +2,12 @@
 same Megatron schedule as a training step (1F1B when pp > 1, the DDP reduction, the
 optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
 
+Every log-prob and entropy here is at the sampling temperature T = ``rl.temperature``: of
+softmax(logits / T), the distribution the rollout drew from before top-k / top-p truncation
+(as verl scores them). ``logprobs_at`` is the one computation: the update and ``score_rows``
+both take the model's logits and call it, so the old policy's log-probs and the update's
+first-epoch ones are the same arithmetic (the first epoch's ratio is exactly 1).
+
 A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
 and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
 left-padded by ``pads[i]`` tokens is read with those keys masked out and positions counted
@@ -12,7 +18,7 @@ the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_l
 
 ``score_rows`` is the forward-only pass that gives the old policy's log-probs (the actor
 before its update, with the entropy of its distribution) and the reference's: the same
-vocab-parallel cross entropy the update computes, on the logits of the same forward.
+``logprobs_at`` the update computes, on the logits of the same forward.
 """
 from __future__ import annotations
 
@@ -22,12 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from core.job import process
 from core.model.gpt import activations, padding, rl_loss
-from core.model.gpt.model import unwrap
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
 from core.wire import rl_calls
@@ -71,6 +76,23 @@ def micro_size(micro_batch_size: int, rows: int) -> int:
     return next(m for m in range(min(micro_batch_size, rows), 0, -1) if rows % m == 0)
 
 
+def logprobs_at(logits: torch.Tensor, labels: torch.Tensor, temperature: float, *,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[b, s]`` log-probs of ``labels`` under softmax(``logits`` / ``temperature``) (and,
+    with ``entropy``, that distribution's entropy per position), from this rank's
+    vocab-parallel ``[b, s, vocab / tp]`` logits by Megatron's vocab-parallel cross entropy.
+
+    Works in place: the scaled logits are the fp32 logits themselves where they are already
+    fp32 (the division needs none of its input for its gradient), and the cross entropy
+    overwrites them with the softmax (its own saved state); the entropy is taken before.
+    So the caller's ``logits`` are spent."""
+    scaled = logits.float()  # bf16: the one fp32 copy the cross entropy would make anyway
+    if temperature != 1.0:
+        scaled = scaled.div_(temperature)
+    ent = rl_loss.vocab_parallel_entropy(scaled, parallel_state.get_tensor_model_parallel_group()) if entropy else None
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels), ent
+
+
 def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     rows, seq = arrays["tokens"].shape
     for start in range(0, rows, micro):
@@ -91,7 +113,7 @@ def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
     arrays = _arrays(batch, ctx.cfg.model.seq_length)
 
     def loss_of(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp = -output.float()  # the model's per-token loss of the labels
+        logp, _ = logprobs_at(output, mb["labels"], rl.temperature)  # the output: the logits
         loss, clip_frac = rl_loss.policy_loss(logp, mb["old"], mb["adv"], mb["mask"], clip_low=rl.clip_low,
                                               clip_high=rl.clip_high, clip_c=rl.clip_c)
         ratio = (torch.exp(logp - mb["old"]) * mb["mask"]).max()
@@ -100,7 +122,7 @@ def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
         return total, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach(),
                        "kl": kl.detach()}
 
-    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, labels=True, before_update=before_update)
+    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, before_update=before_update)
     if out_mb is not None:
         out.update(loss=float(torch.stack([d["pg"] for d in out_mb]).mean()),
                    clip_frac=float(torch.stack([d["clip_frac"] for d in out_mb]).mean()),
@@ -113,12 +135,11 @@ LossOf = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 
 
 def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, lr: float | None, loss_of: LossOf, *,
-                   labels: bool, before_update: Callable[[], None] | None) -> tuple[dict[str, Any], list[Any] | None]:
+                   before_update: Callable[[], None] | None) -> tuple[dict[str, Any], list[Any] | None]:
     """One optimizer step of ``ctx``'s model on ``arrays`` (rows x seq_length) through the
     pipeline schedule: ``loss_of(output, micro-batch)`` gives a micro-batch's loss (the
-    output: per-token loss of the labels with ``labels``, else the model's output). At
-    ``lr`` (None: the schedule's); (this rank's metrics, the micro-batches' numbers on loss
-    owners, else None)."""
+    output: the model's, its logits or values, no labels passed in). At ``lr`` (None: the
+    schedule's); (this rank's metrics, the micro-batches' numbers on loss owners, else None)."""
     t0 = time.perf_counter()
     begin_measures(ctx)
     cfg = ctx.cfg
@@ -139,8 +160,7 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
         if "attention_mask" in mb:
             padding.require_mask_support(model)
         with activations.storing(cfg.training.activation_storage):
-            output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"),
-                           labels=mb["labels"] if labels else None)
+            output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"))
         return output, lambda out: loss_of(out, mb)
 
     t_data = time.perf_counter()
@@ -163,7 +183,8 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
 
 def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> rl_calls.RowScores:
     """Log-probs of the response tokens of ``req``'s rows under ``chunks`` (the actor's or the
-    reference's, this rank's pipeline stage), dropout off; on loss owners."""
+    reference's, this rank's pipeline stage) at ``rl.temperature``, dropout off (the actor:
+    with the entropy at that temperature; the critic: its values); on loss owners."""
     cfg = ctx.cfg
     rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
@@ -171,7 +192,6 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
     arrays["pads"] = pad_counts(req.pads, rows)
     ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
     micro = micro_size(int(cfg.training.micro_batch_size), rows)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
     entropy = req.model == "actor"
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
@@ -183,14 +203,12 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             if req.model == "critic":  # the value head's one output: [b, s, 1]
                 return logits.sum() * 0, {"logp": logits[..., 0].float()}
-            out = {}
-            if entropy:  # first: the cross entropy below works in place on a one-row batch's logits
-                out["entropy"] = (rl_loss.vocab_parallel_entropy(logits.float(), tp_group) * mb["mask"]).sum()
-            # The model's own loss on its own logits ([b, s, v/tp] back to [s, b, v/tp]; for one
-            # row that is a view, which Megatron's vocab-parallel cross entropy overwrites).
-            per_token = unwrap(model).compute_language_model_loss(mb["labels"], logits.transpose(0, 1).contiguous())
-            out["logp"] = -per_token.float()
-            return logits.sum() * 0, out
+            zero = logits.sum() * 0  # before logprobs_at spends the logits
+            logp, ent = logprobs_at(logits, mb["labels"], cfg.rl.temperature, entropy=entropy)
+            out = {"logp": logp}
+            if ent is not None:
+                out["entropy"] = (ent * mb["mask"]).sum()
+            return zero, out
 
         return output, loss_func
 
