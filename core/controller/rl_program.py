@@ -214,7 +214,7 @@ class RLStep:
 
     def _held_out(self) -> list[tasks.Asked]:
         """The validation prompts (core.controller.validation): ``rl.val_prompts``' records (a
-        file task: refused at submit without), else the counting task's held-out set; none
+        file task: refused at submit without), else the built-in task's held-out set; none
         without ``rl.val_every``."""
         cfg, rl = self.cfg, self.cfg.rl
         if not rl.val_every:
@@ -225,6 +225,9 @@ class RLStep:
             return tasks.held_out(prompts.read_prompts(rl.val_prompts, key=rl.prompt_key, tokenizer=self.tokenizer,
                                                        length=rl.prompt_length, what="rl.val_prompts",
                                                        template_variables=rl.chat_template_kwargs))
+        if rl.task == "count_to":
+            return tasks.count_to_held_out(cfg.seed, rl.prompts_per_step, rl.prompt_length, rl.max_response_length,
+                                           cfg.model.vocab_size)
         return tasks.counting_held_out(cfg.seed, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
 
     def rewards(self, asked: Sequence[tasks.Asked], responses: Sequence[tuple[int, ...]], *, per: int = 1

@@ -15,7 +15,8 @@ the supervised warm start in the same format.
 
 ``counting_held_out``: the validation set of the counting task (no ``rl.val_prompts`` file):
 ``count`` prompts keyed by (seed, a tag of their own, prompt), a stream of four words where
-training's are three, so no training step draws from it.
+training's are three, so no training step draws from it. ``count_to_held_out``: count_to's,
+keyed by (seed, that tag, prompt, 13) where its training prompts' are (seed, 13, step, prompt).
 
 ``from_file``: the prompts of a file (core.data.prompts) in epochs: prompt ``i`` of step
 ``s`` is number ``g = s × count + i`` of the run; epoch ``g // n`` visits the ``n`` prompts
@@ -57,19 +58,25 @@ def count_to(seed: int, step: int, count: int, length: int, max_response: int, v
     """``count`` prompts of step ``step``: ``T a a+1 ..`` (``length`` tokens), whose right
     answer is ``1 .. max_response - 1`` more numbers up to ``T`` and the end-of-text token
     (core.config.rl.check_task: ``length ≥ 2``, ``max_response ≥ 2``, ``vocab ≥ length + 1``)."""
-    eot, out = count_to_eot(vocab), []
+    return [_count_to(np.random.default_rng([seed, 13, step, i]), i, length, max_response, vocab) for i in range(count)]
+
+
+def count_to_held_out(seed: int, count: int, length: int, max_response: int, vocab: int) -> list[Asked]:
+    """The ``count_to`` task's ``count`` validation prompts, from a key no training step draws."""
+    return [_count_to(np.random.default_rng([seed, HELD_OUT, i, 13]), i, length, max_response, vocab)
+            for i in range(count)]
+
+
+def _count_to(rng: np.random.Generator, index: int, length: int, max_response: int, vocab: int) -> Asked:
+    eot = count_to_eot(vocab)
     most = min(max_response - 1, eot - length + 1)  # the target stays below the end-of-text id
-    for i in range(count):
-        rng = np.random.default_rng([seed, 13, step, i])
-        more = int(rng.integers(1, most + 1))  # numbers the answer adds before its end-of-text
-        start = int(rng.integers(0, eot - length - more + 2))
-        target = start + length - 2 + more
-        tokens = (target, *range(start, start + length - 1))
-        out.append(Asked(tokens, {"target": target, "eot": eot, "index": i}))
-    return out
+    more = int(rng.integers(1, most + 1))  # numbers the answer adds before its end-of-text
+    start = int(rng.integers(0, eot - length - more + 2))
+    target = start + length - 2 + more
+    return Asked((target, *range(start, start + length - 1)), {"target": target, "eot": eot, "index": index})
 
 
-HELD_OUT = 0x76616C  # "val": the held-out prompts' key, never a training key (those have three words)
+HELD_OUT = 0x76616C  # "val": the held-out prompts' key, never a training key (three words, or count_to's (seed, 13, ..))
 
 
 def counting_held_out(seed: int, count: int, length: int, vocab: int) -> list[Asked]:

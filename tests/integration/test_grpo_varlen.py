@@ -16,6 +16,7 @@ the loss is aggregated over the whole RL batch, not per micro-batch or replica.
 """
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -27,7 +28,13 @@ from tests.helpers import GRPO_NUMBERS, Submitted, baton, checkpoint_weights, me
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = "experiments/grpo_varlen_tiny.yaml"
 WARMUP, STEPS, MOST = 50, 170, 8  # the YAML's rl.warmup_steps, trainer.steps, rl.max_response_length
+EOT = 31  # model.vocab_size - 1
 VARLEN_NUMBERS = (*GRPO_NUMBERS, "response_length", "response_length_min", "response_length_max", "stopped_frac")
+
+
+def _answer(prompt: list[int]) -> list[int]:
+    """The right response to ``T a a+1 ..``: the numbers after the prompt's last up to ``T``, then <eot>."""
+    return [*range(prompt[-1] + 1, prompt[0] + 1), EOT]
 
 
 def _rl(run: Path) -> list[dict]:
@@ -46,6 +53,20 @@ def test_the_variable_length_demo_learns_to_count_to_the_target_and_stop(grpo_va
     assert len({r["response_length"] for r in rl}) > len(rl) // 2
     assert statistics.fmean(r["stopped_frac"] for r in rl[-10:]) >= 0.9
     assert all(r["stopped_frac"] >= r["reward_mean"] for r in rl)  # every right answer ends at <eot>
+    # The held-out prompts' responses (rl.val_every: 40) scored by the rule written out here.
+    val = [json.loads(line) for line in (grpo_varlen_demo / "samples.jsonl").read_text().splitlines()]
+    assert {(v["step"], v["kind"]) for v in val} == {(s, k) for s in (90, 130, 170) for k in ("greedy", "sampled")}
+    for v in val:
+        assert len(v["tokens"]) <= MOST and EOT not in v["tokens"][:-1]  # cut at the first <eot>
+        assert v["reward"] == float(v["tokens"] == _answer(v["prompt"])), v
+    final = [v for v in val if v["step"] == STEPS and v["kind"] == "greedy"]
+    assert len({len(_answer(v["prompt"])) for v in final}) > 1  # answers of different lengths ...
+    assert statistics.fmean(v["reward"] for v in final) >= 0.75  # ... mostly right, each ending at <eot>
+    assert all(v["tokens"][-1] == EOT for v in final if v["reward"] == 1.0)
+    records = {r["step"]: r for r in rl}
+    assert all(records[s - 1]["val_reward_mean"] == statistics.fmean(v["reward"] for v in val
+                                                                       if v["step"] == s and v["kind"] == "greedy")
+               for s in (90, 130, 170))  # the record of the step after which it validated
 
 
 def test_the_variable_length_demo_preempted_mid_rl_resumes_to_the_same_numbers(grpo_varlen_demo: Path,
@@ -54,6 +75,7 @@ def test_the_variable_length_demo_preempted_mid_rl_resumes_to_the_same_numbers(g
     pre = r.preempt_at(WARMUP + 40, timeout=800)
     assert WARMUP < pre["step"] < STEPS
     assert numbers(r.run_dir, VARLEN_NUMBERS) == numbers(grpo_varlen_demo, VARLEN_NUMBERS)
+    assert (r.run_dir / "samples.jsonl").read_text() == (grpo_varlen_demo / "samples.jsonl").read_text()
     mine, theirs = checkpoint_weights(r.run_dir, STEPS), checkpoint_weights(grpo_varlen_demo, STEPS)
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 

@@ -21,7 +21,8 @@ def _answer(prompt: tuple[int, ...], vocab: int) -> list[int]:
 
 def test_count_to_prompts_are_a_target_and_a_count_whose_answers_differ_in_length() -> None:
     vocab, length, most = 32, 4, 8
-    asked = [a for step in range(50) for a in tasks.count_to(7, step, 8, length, most, vocab)]
+    held_out = tasks.count_to_held_out(7, 64, length, most, vocab)
+    asked = [a for step in range(50) for a in tasks.count_to(7, step, 8, length, most, vocab)] + held_out
     lengths = set()
     for a in asked:
         target, count = a.tokens[0], a.tokens[1:]
@@ -33,6 +34,7 @@ def test_count_to_prompts_are_a_target_and_a_count_whose_answers_differ_in_lengt
         lengths.add(len(answer))
     assert lengths == set(range(2, most + 1))  # every answer length from 1 number + <eot> to max_response_length
     assert tasks.count_to(7, 3, 8, length, most, vocab) == tasks.count_to(7, 3, 8, length, most, vocab)
+    assert held_out[:8] == tasks.count_to_held_out(7, 8, length, most, vocab)  # the same set at every validation
     assert tasks.count_to(7, 3, 8, length, most, vocab) != tasks.count_to(7, 4, 8, length, most, vocab)
 
 
