@@ -64,6 +64,8 @@ def test_the_variable_length_demo_learns_to_count_to_the_target_and_stop(grpo_va
     assert statistics.fmean(v["reward"] for v in final) >= 0.75  # ... mostly right, each ending at <eot>
     assert all(v["tokens"][-1] == EOT for v in final if v["reward"] == 1.0)
     records = {r["step"]: r for r in rl}
+    res = baton("report", str(grpo_varlen_demo))  # response_length.png: mean, min and max
+    assert res.returncode == 0 and (grpo_varlen_demo / "report" / "response_length.png").stat().st_size > 1000, res
     assert all(records[s - 1]["val_reward_mean"] == statistics.fmean(v["reward"] for v in val
                                                                        if v["step"] == s and v["kind"] == "greedy")
                for s in (90, 130, 170))  # the record of the step after which it validated
