@@ -83,7 +83,7 @@ def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> 
     with pytest.raises(UserError, match=r"raised KeyError: 'answer' on prompt 7 \(\[1, 2\]\)"):
         rewards.score(fn, (1, 2), (3,), {"boom": True}, index=7)
     for bad in (float("nan"), "1.0", True):
-        with pytest.raises(UserError, match="on prompt 3: a reward must be a finite number"):
+        with pytest.raises(UserError, match=r"on prompt 3 \(\[1\]\): a reward must be a finite number"):
             rewards.score(fn, (1,), (2,), {"value": bad}, index=3)
     assert rewards.load("counting") is rewards.counting
     from core.config.rl import BUILTIN_REWARDS
