@@ -3,7 +3,8 @@
     sync    the generator holds the policy of this step (synced if not; no probe: the
             step's own responses measure the gap)
     generate  prompts of the step (core.rl.tasks) × n, continued on the generator group
-    reward  every response scored on the controller (core.rl.rewards)
+    reward  every response scored in the controller's reward processes (core.rl.reward_pool:
+            ``rl.reward_workers``, ``rl.reward_timeout_s`` per call)
     old     the actor's log-probs of the responses before its update, and its entropy
     ref     the reference policy's log-probs (with a KL term, rl.kl)
     values  ppo: the critic's value of every response token (and, at the first RL step, the
@@ -50,7 +51,9 @@ from core.controller.saving import SavePolicy
 from core.data.tokenizer import text_before_stop
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
-from core.rl import advantages, rewards, tasks
+from core.rl import advantages, tasks
+from core.rl.reward_pool import Scorer
+from core.rl.rewards import Sample
 from core.wire import rl_calls
 from core.wire.contract import NO_ARGS
 
@@ -59,10 +62,11 @@ Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advant
 
 
 class RLStep:
-    def __init__(self, cfg: RunConfig, trainer: RoleGroup, generator: GeneratorFlow, saves: SavePolicy) -> None:
+    def __init__(self, cfg: RunConfig, trainer: RoleGroup, generator: GeneratorFlow, saves: SavePolicy,
+                 scorer: Scorer) -> None:
         self.cfg, self.trainer, self.generator, self.saves = cfg, trainer, generator, saves
         self.checkpoints = saves.checkpoints
-        self.reward = rewards.load(cfg.rl.reward, "rl.reward")
+        self.scorer = scorer  # the controller's reward processes (Program owns them)
         self.tokenizer: Any = None  # task file: its tokenizer (response_text, stop tokens)
         self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file)
         self.prompts: list[Any] = []
@@ -133,8 +137,9 @@ class RLStep:
                 top_k=rl.top_k, top_p=rl.top_p, eos=self.stop, seed=(cfg.seed * 7919 + step) * 1009 + 7,
                 pads=tuple(pads)))]
         with _timed(phases, "reward"):
-            scores = [rewards.score(self.reward, prompts[i], done[i][0], self._meta(asked[i // rl.n].meta, done[i][0]),
-                                    index=i // rl.n) for i in range(len(prompts))]
+            scores = self.scorer.score_all([Sample(tuple(prompts[i]), done[i][0], self._meta(asked[i // rl.n].meta,
+                                                                                            done[i][0]), i // rl.n)
+                                            for i in range(len(prompts))])
         sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
         with _timed(phases, "old"):
             old, entropy = self._score("actor", sequences, pads)

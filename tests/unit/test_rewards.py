@@ -188,3 +188,37 @@ def _alive(pid: int) -> bool:
     return True
 
 
+
+
+# --- the submit's check: refused on the login node before anything is written ------------------
+GRPO = Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("not_a_module_xyz:reward", "rl.reward: cannot find module 'not_a_module_xyz'; "),
+    ("user_rewards:missing", "has no function 'missing'"),
+    ("user_rewards:NOT_A_FUNCTION", "user_rewards:NOT_A_FUNCTION is a int, not a function"),
+    ("broken_syntax:reward", "broken_syntax.py, line 2"),
+    ("raises_on_import:reward", "rl.reward: importing 'raises_on_import' raised JSONDecodeError: Expecting property"),
+])
+def test_submit_refuses_a_reward_that_cannot_be_loaded_before_writing(users: Path, spec: str, message: str) -> None:
+    """The module is looked up as the controller will: in the folder submitted from, then PYTHONPATH."""
+    from tests.helpers import baton  # the real CLI in a subprocess
+
+    res = baton("submit", str(GRPO), "--backend", "local", f"runs_root={users / 'runs'}", f"rl.reward={spec}",
+                cwd=users, timeout=120)
+    line = res.stderr.strip()
+    assert res.returncode == 2 and "\n" not in line, res.stderr
+    assert line.startswith("baton: error: rl.reward: ") and message in line, line
+    assert not (users / "runs").exists()
+
+
+def test_the_submit_check_loads_a_good_reward_and_math(users: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from core.config import run as config_mod
+    from launcher import runprep
+
+    monkeypatch.chdir(users)  # the folder submitted from
+    runprep.check_reward(config_mod.load(GRPO, ["rl.reward=user_rewards:mixed"]))
+    runprep.check_reward(config_mod.load(GRPO, ["rl.reward=math", "rl.task=file", f"rl.prompts={GRPO}", "model.vocab_size=257"]))
+    with pytest.raises(ConfigError, match="has no function 'mixed2'"):
+        runprep.check_reward(config_mod.load(GRPO, ["rl.reward=user_rewards:mixed2"]))

@@ -88,7 +88,7 @@ def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> 
     assert rewards.load("counting") is rewards.counting
     from core.config.rl import BUILTIN_REWARDS
     assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN)  # what submit accepts is what the controller has
-    for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot import"),
+    for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot find module"),
                       (f"{__name__}:missing", "has no function 'missing'")):
         with pytest.raises(ConfigError, match=f"reward: .*{msg}"):
             rewards.load(spec)
