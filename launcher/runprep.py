@@ -106,7 +106,10 @@ def check_prompts(cfg: RunConfig) -> None:
         return
     from core.data import prompts, tokenizer  # the tokenizer's libraries: only a file task's submit reads prompts
 
-    tok = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
+    try:
+        tok = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
+    except UserError as exc:  # the tokenizer library's words: the key that named the files first
+        raise ConfigError(str(exc) if str(exc).startswith("rl.") else f"rl.tokenizer: {exc}") from None
     prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key, tokenizer=tok, length=cfg.rl.prompt_length,
                          template_variables=cfg.rl.chat_template_kwargs)
 
