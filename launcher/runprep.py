@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -120,17 +121,18 @@ REWARD_CHECK_S = 120.0  # importing a reward module on the login node takes at m
 
 def check_reward(cfg: RunConfig) -> None:
     """An RL run's ``rl.reward`` loaded as the controller's reward processes will load it (its
-    module found, compiled and imported, its function there), in a subprocess: the CLI never
-    imports the user's module (nor torch, which it may import). A failure is a one-line
-    ConfigError naming ``rl.reward`` and the cause (core.rl.reward_check)."""
+    module found on PYTHONPATH, compiled and imported, its function there), in a subprocess: the
+    CLI never imports the user's module (nor torch, which it may import). A failure is a
+    one-line ConfigError naming ``rl.reward`` and the cause (core.rl.reward_check)."""
     spec = cfg.rl.reward
     if cfg.program not in rl_spec.RL_PROGRAMS or spec in rl_spec.PLAIN_REWARDS:
         return
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "core.rl.reward_check", spec], capture_output=True, text=True,
-                              env=env, timeout=REWARD_CHECK_S, stdin=subprocess.DEVNULL)
+    try:  # from an empty folder: on Slurm the controller runs in the run folder, so only PYTHONPATH finds it
+        with tempfile.TemporaryDirectory(prefix="baton-reward-check-") as nowhere:
+            proc = subprocess.run([sys.executable, "-m", "core.rl.reward_check", spec], capture_output=True,
+                                  text=True, env=env, cwd=nowhere, timeout=REWARD_CHECK_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"rl.reward: importing {spec.partition(':')[0]!r} took more than {REWARD_CHECK_S:.0f} s "
                           "on the login node; make the module's import quick (no work at import time)") from None

@@ -111,8 +111,8 @@ def _import(module_name: str, key: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigError(f"{key}: cannot find module {module_name!r}; put it on PYTHONPATH or in the folder "
-                              "you submit from") from None
+            raise ConfigError(f"{key}: cannot find module {module_name!r}; put the folder that holds it on "
+                              "PYTHONPATH (on Slurm the controller runs in the run folder, not where you submit)") from None
         raise ConfigError(f"{key}: importing {module_name!r} failed: {one_line(exc)}; install what it "
                           "imports or fix the module") from None
     except SyntaxError as exc:

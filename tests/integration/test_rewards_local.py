@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import baton, wait_for
+from tests.helpers import REPO, baton, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = str(Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml")
@@ -38,7 +38,7 @@ def zero(prompt, response, meta):
 def _submit(tmp_path: Path, reward: str, *extra: str, env: dict[str, str]) -> tuple[int, str, str]:
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     res = baton("submit", EXPERIMENT, f"runs_root={tmp_path / 'runs'}", f"rl.reward=my_rewards:{reward}", *FAST,
-                *extra, cwd=tmp_path, timeout=800, env=env)
+                *extra, cwd=tmp_path, timeout=800, env={**env, "PYTHONPATH": os.pathsep.join((str(REPO), str(tmp_path)))})
     runs = list((tmp_path / "runs" / "grpo-tiny").glob("*"))
     assert len(runs) == 1, res.stdout + res.stderr
     run = runs[0]

@@ -108,8 +108,8 @@ def test_a_reward_that_ends_its_process_or_returns_no_number_fails_naming_the_pr
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("not_a_module_xyz:reward", r"^rl.reward: cannot find module 'not_a_module_xyz'; put it on PYTHONPATH or in the "
-                                r"folder you submit from$"),
+    ("not_a_module_xyz:reward", r"^rl.reward: cannot find module 'not_a_module_xyz'; put the folder that holds it on "
+                                r"PYTHONPATH \(on Slurm the controller runs in the run folder, not where you submit\)$"),
     ("user_rewards:missing", r"^rl.reward: user_rewards \(.*user_rewards.py\) has no function 'missing'; "),
     ("user_rewards:NOT_A_FUNCTION", r"^rl.reward: user_rewards:NOT_A_FUNCTION is a int, not a function; "),
     ("broken_syntax:reward", r"^rl.reward: 'broken_syntax' does not compile: .* \(.*broken_syntax.py, line 2\); "),
@@ -202,11 +202,11 @@ GRPO = Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml"
     ("raises_on_import:reward", "rl.reward: importing 'raises_on_import' raised JSONDecodeError: Expecting property"),
 ])
 def test_submit_refuses_a_reward_that_cannot_be_loaded_before_writing(users: Path, spec: str, message: str) -> None:
-    """The module is looked up as the controller will: in the folder submitted from, then PYTHONPATH."""
-    from tests.helpers import baton  # the real CLI in a subprocess
+    """The module is looked up as the controller will: on PYTHONPATH."""
+    from tests.helpers import REPO, baton  # the real CLI in a subprocess
 
     res = baton("submit", str(GRPO), "--backend", "local", f"runs_root={users / 'runs'}", f"rl.reward={spec}",
-                cwd=users, timeout=120)
+                cwd=users, timeout=120, env={"PYTHONPATH": os.pathsep.join((str(REPO), str(users)))})
     line = res.stderr.strip()
     assert res.returncode == 2 and "\n" not in line, res.stderr
     assert line.startswith("baton: error: rl.reward: ") and message in line, line
@@ -217,7 +217,10 @@ def test_the_submit_check_loads_a_good_reward_and_math(users: Path, monkeypatch:
     from core.config import run as config_mod
     from launcher import runprep
 
-    monkeypatch.chdir(users)  # the folder submitted from
+    monkeypatch.chdir(users)  # the folder submitted from: not where the controller looks on Slurm
+    with pytest.raises(ConfigError, match="cannot find module 'user_rewards'; put the folder that holds it on PYTHONPATH"):
+        runprep.check_reward(config_mod.load(GRPO, ["rl.reward=user_rewards:mixed"]))
+    monkeypatch.setenv("PYTHONPATH", str(users))
     runprep.check_reward(config_mod.load(GRPO, ["rl.reward=user_rewards:mixed"]))
     runprep.check_reward(config_mod.load(GRPO, ["rl.reward=math", "rl.task=file", f"rl.prompts={GRPO}", "model.vocab_size=257"]))
     with pytest.raises(ConfigError, match="has no function 'mixed2'"):
