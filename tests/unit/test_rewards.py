@@ -8,6 +8,7 @@ processes are spawned with the controller's ``sys.path``, as the controller's ar
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def hang_on_two(prompt, response, metadata):
     if metadata["i"] == 2:
         time.sleep(3600)
     return 1.0
+
+def hang_marked(prompt, response, metadata):
+    open(os.environ["HANG_MARK"] + str(os.getpid()), "w").close()
+    time.sleep(3600)
 
 def quarter_second(prompt, response, metadata):
     time.sleep(0.25)
@@ -180,12 +185,37 @@ def test_math_scores_the_same_in_the_reward_processes_and_outside_the_main_threa
     assert got == want
 
 
+def test_reward_processes_end_when_their_controller_dies(users: Path) -> None:
+    """A controller killed outright (SIGKILL: nothing of it runs again) while both its reward
+    processes hang in a reward leaves neither behind: each watches its parent."""
+    import subprocess
+
+    code = ("import glob, os, signal, sys, threading\n"
+            "from core.rl.reward_pool import Scorer\n"
+            "from core.rl.rewards import Sample\n"
+            "from tests.helpers import wait_for\n"
+            "s = Scorer('user_rewards:hang_marked', workers=2, timeout_s=600)\n"
+            "s.start()\n"
+            "print(' '.join(map(str, s.pids)), flush=True)\n"
+            "threading.Thread(target=s.score_all, args=([Sample((1,), (2,))] * 2,), daemon=True).start()\n"
+            "wait_for(lambda: len(glob.glob(os.environ['HANG_MARK'] + '*')) == 2, 60, 'both rewards to hang')\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(users), *sys.path))),
+           "HANG_MARK": str(users / "hanging.")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    pids = [int(p) for p in res.stdout.split()]
+    assert res.returncode == -9 and len(pids) == 2, res.stdout + res.stderr
+    for pid in pids:
+        wait_for(lambda pid=pid: not _alive(pid), 15, f"reward process {pid} to end after its controller")
+
+
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 
