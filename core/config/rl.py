@@ -26,7 +26,10 @@ CPUs when rewards are slow, math-verify's take milliseconds each), each call bou
 ``reward_timeout_s`` (default 60): a reward that raises, returns no finite number, crashes its
 process or outlives its bound fails the step as a user error naming the reward and the
 prompt (exit 2, not retried; core.rl.reward_pool), and the same rewards come out whatever the
-pool's size; advantages are group-normalised (``norm_adv_by_std``: divide by the
+pool's size (``exact_match`` and ``math`` read a file task's text and answers: ``task: file``;
+submit imports a ``module:function`` from PYTHONPATH in a subprocess and refuses one that cannot
+be loaded, naming why); ``n`` is at least 2 under ``grpo`` (a group of one has no baseline);
+advantages are group-normalised (``norm_adv_by_std``: divide by the
 group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
 actor's own log-probs before the update as the old policy's; then the generator is synced.
