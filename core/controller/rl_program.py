@@ -137,8 +137,7 @@ class RLStep:
                 top_k=rl.top_k, top_p=rl.top_p, eos=self.stop, seed=(cfg.seed * 7919 + step) * 1009 + 7,
                 pads=tuple(pads)))]
         with _timed(phases, "reward"):
-            scores = self.scorer.score_all([Sample(tuple(prompts[i]), done[i][0], self._meta(asked[i // rl.n].meta,
-                                                                                            done[i][0]), i // rl.n)
+            scores = self.scorer.score_all([self._sample(prompts[i], done[i][0], asked[i // rl.n], i // rl.n)
                                             for i in range(len(prompts))])
         sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
         with _timed(phases, "old"):
@@ -203,6 +202,10 @@ class RLStep:
         if self.prompts:
             return tasks.from_file(self.prompts, cfg.seed, step - rl.warmup_steps, rl.prompts_per_step)
         return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
+
+    def _sample(self, prompt: Sequence[int], response: tuple[int, ...], asked: tasks.Asked, index: int) -> Sample:
+        """One response as the reward sees it (``index``: its prompt's in the step)."""
+        return Sample(tuple(prompt), response, self._meta(asked.meta, response), index)
 
     def _meta(self, meta: dict[str, Any], response: tuple[int, ...]) -> dict[str, Any]:
         """A prompt's metadata for the reward; a file task's with ``response_text``."""
