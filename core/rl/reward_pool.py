@@ -3,10 +3,13 @@
 
 ``Scorer.score_all(samples)`` is the one entry point (an RL step's responses, a validation's):
 the rewards in the samples' order, the same whatever the pool's size (each is the reward
-function of one sample; which process ran it changes nothing). The processes are started
-with ``spawn`` (the controller has threads and ZeroMQ sockets: a fork would copy them), once,
-and each imports the reward when it starts, so a module that cannot be imported fails the
-start as a ConfigError with its cause; ``close`` ends them.
+function of one sample; which process ran it changes nothing). The processes are fresh
+interpreters (``python -m core.rl.reward_pool``, never a fork: the controller has threads and
+ZeroMQ sockets; nor multiprocessing's spawn, which would import the controller's main module
+again), started once with the controller's ``sys.path`` and talking over a socket pair
+(multiprocessing's ``Connection``: pickled messages). Each imports the reward when it starts,
+so a module that cannot be imported fails the start as a ConfigError with its cause;
+``close`` ends them. Their output goes where the controller's goes (its log).
 
 The controller hands each process one call at a time, so a call's deadline runs from the
 moment its process takes it: a call that outlives ``timeout_s`` fails the step with a
@@ -21,16 +24,20 @@ by itself when the controller is gone (a thread watches its parent).
 """
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from core.errors import BatonRuntimeError, RewardError
@@ -42,6 +49,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a reward process starts and imports the reward (a module may import torch) within this
 CLOSE_TIMEOUT_S = 5.0  # an idle reward process exits within this when asked; else it is killed
 _PARENT_POLL_S = 1.0  # how often a reward process looks whether the controller is still there
+_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds core
+_SYS_PATH = "BATON_REWARD_SYS_PATH"  # the controller's sys.path, as JSON, for its reward processes
 
 
 def _watch_parent(parent: int) -> None:
@@ -86,8 +95,32 @@ def _send(conn: Connection, message: tuple[str, Any]) -> None:
 
 @dataclass
 class _Process:
-    proc: Any  # multiprocessing's SpawnProcess
+    proc: subprocess.Popen[bytes]
     conn: Connection
+
+    def ended(self) -> str:
+        """How it ended (waited for up to CLOSE_TIMEOUT_S): its exit code or signal."""
+        try:
+            code = self.proc.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _launch(spec: str, key: str) -> _Process:
+    """One reward process, its end of a socket pair passed by descriptor number."""
+    mine, theirs = socket.socketpair()
+    try:
+        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # this very core package
+        env = {**os.environ, "PYTHONPATH": path, _SYS_PATH: json.dumps(sys.path)}
+        proc = subprocess.Popen([sys.executable, "-m", "core.rl.reward_pool", str(theirs.fileno()), spec, key],
+                                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()  # only the child holds its end now: its death reads as EOF here
+    return _Process(proc, Connection(mine.detach()))
 
 
 class Scorer:
@@ -118,15 +151,9 @@ class Scorer:
         """Start the reward processes (once) and wait until each has imported the reward."""
         if self._procs:
             return
-        ctx = multiprocessing.get_context("spawn")
         try:
-            for i in range(self.workers):
-                mine, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_serve, args=(theirs, self.spec, self.key, os.getpid()),
-                                   name=f"baton-reward-{i}", daemon=True)
-                proc.start()
-                theirs.close()  # only the child holds its end: its death reads as EOF here
-                self._procs.append(_Process(proc, mine))
+            for _ in range(self.workers):
+                self._procs.append(_launch(self.spec, self.key))
             for p in self._procs:
                 self._await_ready(p)
         except BaseException:
@@ -140,9 +167,8 @@ class Scorer:
         try:
             kind, value = p.conn.recv()
         except (EOFError, OSError):
-            p.proc.join(CLOSE_TIMEOUT_S)
-            raise RewardError(f"{self.key}: the reward process ended (exit code {p.proc.exitcode}) while it "
-                              f"imported {self.spec!r}; fix the module") from None
+            raise RewardError(f"{self.key}: the reward process ended ({p.ended()}) while it imported "
+                              f"{self.spec!r}; fix the module (its output is in the controller's log)") from None
         if kind == "error":
             raise value
         if kind != "ready":
@@ -185,8 +211,7 @@ class Scorer:
         try:
             kind, value = p.conn.recv()
         except (EOFError, OSError):
-            p.proc.join(CLOSE_TIMEOUT_S)
-            raise RewardError(f"{self.key}: {self.spec} ended its reward process (exit code {p.proc.exitcode}) on "
+            raise RewardError(f"{self.key}: {self.spec} ended its reward process ({p.ended()}) on "
                               f"{rewards.describe(sample)}; fix the reward function") from None
         if kind == "error":
             raise value
@@ -194,8 +219,7 @@ class Scorer:
 
     def _kill(self, p: _Process) -> None:
         p.proc.kill()
-        p.proc.join(CLOSE_TIMEOUT_S)
-        if p.proc.is_alive():
+        if p.ended() == "still running":
             log.warning("reward process %s did not end after SIGKILL within %.0f s", p.proc.pid, CLOSE_TIMEOUT_S)
 
     def close(self) -> None:
@@ -208,7 +232,19 @@ class Scorer:
                 pass  # it is gone already, or busy forever: killed below
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for p in procs:
-            p.proc.join(max(0.0, deadline - time.monotonic()))
-            if p.proc.is_alive():
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 self._kill(p)
             p.conn.close()
+
+
+def main(argv: list[str]) -> None:
+    """A reward process: ``FD SPEC KEY``, with the controller's ``sys.path`` (``_SYS_PATH``)."""
+    fd, spec, key = argv
+    sys.path[:] = json.loads(os.environ.pop(_SYS_PATH, "null")) or sys.path
+    _serve(Connection(int(fd)), spec, key, os.getppid())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,5 +1,5 @@
 """Rewards on the real local Slurm cluster: the controller (submitit's task, in component 0,
-working in the run folder) scores a user's reward in its spawned reward processes, found on
+working in the run folder) scores a user's reward in its reward processes, found on
 the PYTHONPATH the job inherits, and ends them with the run."""
 from __future__ import annotations
 

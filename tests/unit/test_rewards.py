@@ -3,7 +3,7 @@ reward (core.rl.math_reward), and a reward module's failures to load (core.rl.re
 each against a reference: the reward function called directly, a table of answers.
 
 The users' reward modules are written into a temporary folder on ``sys.path`` (the reward
-processes are spawned with the controller's ``sys.path``, as the controller's are).
+processes start with the controller's ``sys.path``, as the controller's are).
 """
 from __future__ import annotations
 
