@@ -113,7 +113,8 @@ def _launch(spec: str, key: str) -> _Process:
     try:
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # this very core package
         env = {**os.environ, "PYTHONPATH": path, _SYS_PATH: json.dumps(sys.path)}
-        proc = subprocess.Popen([sys.executable, "-m", "core.rl.reward_pool", str(theirs.fileno()), spec, key],
+        argv = [str(theirs.fileno()), str(os.getpid()), spec, key]
+        proc = subprocess.Popen([sys.executable, "-m", "core.rl.reward_pool", *argv],
                                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
     except BaseException:
         mine.close()
@@ -240,10 +241,10 @@ class Scorer:
 
 
 def main(argv: list[str]) -> None:
-    """A reward process: ``FD SPEC KEY``, with the controller's ``sys.path`` (``_SYS_PATH``)."""
-    fd, spec, key = argv
+    """A reward process: ``FD PARENT_PID SPEC KEY``, with the controller's ``sys.path`` (``_SYS_PATH``)."""
+    fd, parent, spec, key = argv
     sys.path[:] = json.loads(os.environ.pop(_SYS_PATH, "null")) or sys.path
-    _serve(Connection(int(fd)), spec, key, os.getppid())
+    _serve(Connection(int(fd)), spec, key, int(parent))
 
 
 if __name__ == "__main__":
