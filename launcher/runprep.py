@@ -5,8 +5,10 @@ Pure preparation, no submission: both backends call ``prepare_run`` (new run) or
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,7 +20,7 @@ from core.config import sft as sft_spec
 from core.config import tokvocab
 from core.config.run import RunConfig
 from core.config.runplan import plan_run
-from core.errors import UserError
+from core.errors import ConfigError, UserError
 from core.hf import families as hf_families
 from core.hf import files as hf_files
 from core.hf import layout as hf_layout
@@ -72,6 +74,7 @@ def checked(cfg: RunConfig) -> tuple[RunConfig, tuple[str, bytes] | None]:
         cfg = replace(cfg, data=replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
     cfg = resolve_sft(cfg)
     check_prompts(cfg)
+    check_reward(cfg)
     return pin_sd_dir(cfg), check_sft(cfg)
 
 
@@ -106,11 +109,43 @@ def check_prompts(cfg: RunConfig) -> None:
         return
     from core.data import prompts, tokenizer  # the tokenizer's libraries: only a file task's submit reads prompts
 
-    tok = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
+    try:
+        tok = tokenizer.load_tokenizer(tokvocab.source(cfg.rl.tokenizer, cfg.init_from))
+    except UserError as exc:  # the tokenizer library's words: the key that named the files first
+        raise ConfigError(str(exc) if str(exc).startswith("rl.") else f"rl.tokenizer: {exc}") from None
     for what, path in (("rl.prompts", cfg.rl.prompts), ("rl.val_prompts", cfg.rl.val_prompts)):
         if path is not None or what == "rl.prompts":
             prompts.read_prompts(path or "", key=cfg.rl.prompt_key, tokenizer=tok, length=cfg.rl.prompt_length,
                                  template_variables=cfg.rl.chat_template_kwargs, what=what)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # what the controller's PYTHONPATH starts with (launcher.local)
+REWARD_CHECK_S = 120.0  # importing a reward module on the login node takes at most this
+
+
+def check_reward(cfg: RunConfig) -> None:
+    """An RL run's ``rl.reward`` loaded as the controller's reward processes will load it (its
+    module found on PYTHONPATH, compiled and imported, its function there), in a subprocess: the
+    CLI never imports the user's module (nor torch, which it may import). A failure is a
+    one-line ConfigError naming ``rl.reward`` and the cause (core.rl.reward_check)."""
+    spec = cfg.rl.reward
+    if cfg.program not in rl_spec.RL_PROGRAMS or spec in rl_spec.PLAIN_REWARDS:
+        return
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    try:  # from an empty folder: on Slurm the controller runs in the run folder, so only PYTHONPATH finds it
+        with tempfile.TemporaryDirectory(prefix="baton-reward-check-") as nowhere:
+            proc = subprocess.run([sys.executable, "-m", "core.rl.reward_check", spec], capture_output=True,
+                                  text=True, env=env, cwd=nowhere, timeout=REWARD_CHECK_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"rl.reward: importing {spec.partition(':')[0]!r} took more than {REWARD_CHECK_S:.0f} s "
+                          "on the login node; make the module's import quick (no work at import time)") from None
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise ConfigError(last if last.startswith("rl.reward: ") else
+                          f"rl.reward: loading {spec!r} ended the check with exit code {proc.returncode} ({last}); "
+                          "fix the module")
 
 
 def resolve_sft(cfg: RunConfig) -> RunConfig:

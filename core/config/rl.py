@@ -22,8 +22,18 @@ start: a policy that never succeeds gets no signal), then every step is one GRPO
 ``prompts_per_step`` prompts of ``prompt_length`` tokens from ``rl.task``, each answered
 ``n`` times (the group, verl's ``rollout.n``) by the generator group with ``temperature`` /
 ``top_k`` / ``top_p`` and ``max_response_length`` new tokens; ``reward`` scores every
-response on the controller (a built-in name, or the user's ``module:function``, see
-core.rl.rewards); advantages are group-normalised (``norm_adv_by_std``: divide by the
+response (a built-in name: ``counting``, ``exact_match``, ``math``; or the user's
+``module:function``, see core.rl.rewards) in ``reward_workers`` processes of the controller
+(default 1: a process of its own, so that a reward can be bounded and killed, on the one CPU a
+Slurm task gets unless ``slurm`` gives the controller more; raise it with the controller's
+CPUs when rewards are slow, math-verify's take milliseconds each), each call bounded by
+``reward_timeout_s`` (default 60): a reward that raises, returns no finite number, crashes its
+process or outlives its bound fails the step as a user error naming the reward and the
+prompt (exit 2, not retried; core.rl.reward_pool), and the same rewards come out whatever the
+pool's size (``exact_match`` and ``math`` read a file task's text and answers: ``task: file``;
+submit imports a ``module:function`` from PYTHONPATH in a subprocess and refuses one that cannot
+be loaded, naming why); ``n`` is at least 2 under ``grpo`` (a group of one has no baseline);
+advantages are group-normalised (``norm_adv_by_std``: divide by the
 group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
 on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
 actor's own log-probs before the update as the old policy's; then the generator is synced.
@@ -78,7 +88,9 @@ from core.errors import ConfigError
 
 PROGRAMS = ("pretrain", "sft", "grpo", "ppo")  # sft: core.config.sft
 RL_PROGRAMS = ("grpo", "ppo")
-BUILTIN_REWARDS = ("counting", "count_to", "exact_match")  # core.rl.rewards.BUILTIN
+BUILTIN_REWARDS = ("counting", "count_to", "exact_match", "math")  # core.rl.rewards.BUILTIN
+PLAIN_REWARDS = ("counting", "count_to", "exact_match")  # built-ins of the standard library alone: nothing to check at submit
+TEXT_REWARDS = ("exact_match", "math")  # read the response's text and the record's answer: rl.task: file
 # apply_chat_template's own parameters: never template variables (core.data.hf_tokenizer.RESERVED_VARIABLES)
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
@@ -123,6 +135,8 @@ class RLConfig:
     # task file: extra chat template variables for every render (Qwen3: {enable_thinking: false})
     chat_template_kwargs: dict[str, bool | int | str | float | None] = field(default_factory=dict)
     reward: str = "counting"
+    reward_workers: int = bounded(1, gt=0, le=1024)  # reward processes on the controller's node
+    reward_timeout_s: float = bounded(60.0, gt=0, le=86400)  # one reward call's bound
     prompts_per_step: int = bounded(4, gt=0, le=2**20)
     n: int = bounded(8, gt=0, le=2**16)
     prompt_length: int = bounded(4, gt=0, le=2**20)

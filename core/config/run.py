@@ -209,6 +209,9 @@ def _check_rl(cfg: RunConfig) -> None:
                           f"{rl.max_response_length} = {rl.prompt_length + rl.max_response_length} > model.seq_length "
                           f"= {cfg.model.seq_length} (the generator holds the prompt and every response token); "
                           f"use at most {cfg.model.seq_length - rl.prompt_length} or raise model.seq_length")
+    if cfg.program == "grpo" and rl.n < 2:
+        raise ConfigError(f"rl.n: {rl.n} under program: grpo leaves each prompt a group of one response, whose "
+                          "advantage is always 0 (nothing to normalise by); set rl.n >= 2, or use program: ppo")
     rows, dp, micro = rl.prompts_per_step * rl.n, cfg.dims.dp, cfg.training.micro_batch_size
     if rows % dp or (micro != "auto" and (rows // dp) % micro):
         raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "
@@ -217,6 +220,9 @@ def _check_rl(cfg: RunConfig) -> None:
     if rl.reward not in rl_spec.BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(rl_spec.BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")
+    if rl.reward in rl_spec.TEXT_REWARDS and rl.task != "file":
+        raise ConfigError(f"rl.reward: {rl.reward} compares the response's text with each record's answer, but "
+                          f"rl.task is {rl.task!r}; set rl.task=file with rl.prompts, or another reward")
     rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size, init_from=cfg.init_from)
     ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
                                         ("rl.critic", rl.critic, rl_spec.CriticConfig())) if v != default]

@@ -126,6 +126,7 @@ def _run_program(env: JobEnv, run: RunFolder, signals: PreemptionFlag, cfg: conf
     except BatonRuntimeError as exc:  # a failure recovery does not handle (e.g. a failed commit)
         return _failed(program, str(exc).splitlines()[0], ExitCode.FAILED)
     finally:
+        program.close()
         group.close()
         time.sleep(0.05)  # let the last broadcast leave the socket before it closes (linger is 0)
         sock.close()

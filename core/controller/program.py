@@ -43,6 +43,7 @@ from core.record.memory import MemoryReport
 from core.record.runfolder import RunFolder
 from core.record.state import Goodput, RankInfo, RunRecord
 from core.record.steps import StepRecord
+from core.rl.reward_pool import Scorer
 from core.wire import calls
 from core.wire.contract import NO_ARGS
 from core.wire.rl_calls import PolicyResult
@@ -69,6 +70,7 @@ class Program:
     generator: RoleGroup | None = field(default=None, init=False)  # with a generator group in the plan
     flow: GeneratorFlow | None = field(default=None, init=False)  # the generator's flow, once set up
     rl: RLStep | None = field(default=None, init=False)  # program: grpo or ppo, once set up
+    rewards: Scorer | None = field(default=None, init=False)  # grpo, ppo: the reward processes, once per controller
     sync: SyncPolicy | None = field(default=None, init=False)  # parallel.sync: periodic averaging of replicas
     saves: SavePolicy = field(init=False)  # when to checkpoint
     step: int = field(default=0, init=False)  # steps done
@@ -99,7 +101,11 @@ class Program:
             self.flow = GeneratorFlow(self.cfg, self.run, self.workers, self.trainer, self.generator)
             self.flow.start(self.step)
             if self.cfg.program in rl_spec.RL_PROGRAMS:
-                self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves)
+                if self.rewards is None:  # started once: a recovery's next run_all keeps them
+                    rl = self.cfg.rl
+                    self.rewards = Scorer(rl.reward, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s)
+                self.rewards.start()  # a reward that cannot be loaded fails here, before the first RL step
+                self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards)
                 self.rl.restore(loop)
         stop = self.train()
         if stop is None:
@@ -231,6 +237,11 @@ class Program:
             state = self.record.read()
             MemoryReport.from_results(step, state.micro_batch_size, state.ranks[0].device if state.ranks else "cpu",
                                       measured).write(self.run.memory)
+
+    def close(self) -> None:
+        """End what the program holds besides the workers: the reward processes."""
+        if self.rewards is not None:
+            self.rewards.close()
 
     def save_progress(self) -> None:
         """Write the step, the last loss and goodput into state.json."""

