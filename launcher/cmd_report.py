@@ -5,7 +5,7 @@ A run folder gets ``report/loss.png``, ``report/tokens_per_s.png`` and
 records carry memory. The loss and throughput plots mark the run's checkpoints, preemptions,
 requeues, lost workers and resumes with vertical lines at their steps. An RL run adds
 ``reward.png`` (mean and ± std), ``kl.png`` (KL to the reference and the entropy),
-``response_length.png`` and ``phases.png`` (seconds per phase of each RL step); PPO's
+``response_length.png`` (mean, min and max) and ``phases.png`` (seconds per phase of each RL step); PPO's
 ``value.png`` (the critic's value loss and mean value). A sweep folder (one with a ledger,
 ``sweep.json``, or any folder holding several run folders) gets ``report/sweep_loss.png``:
 every point's loss curve. ``--superseded`` adds to a run's loss.png, faded, the records of
@@ -255,8 +255,11 @@ def _rl_plots(figure: Any, out: Path, name: str, records: Sequence[StepRecord]) 
     if any(line[1] for line in kl):
         written.append(_plot(figure, out / "kl.png", f"KL to the reference and entropy: {name}", "nats",
                              [line for line in kl if line[1]]))
+    lengths = [(label, *_series(records, k)) for label, k in (("mean", "response_length"),
+                                                              ("min", "response_length_min"),
+                                                              ("max", "response_length_max"))]
     written.append(_plot(figure, out / "response_length.png", f"response length: {name}", "tokens",
-                         [("mean", *_series(records, "response_length"))]))
+                         lengths[:1] + [line for line in lengths[1:] if line[1]]))
     value = [(k, *_series(records, k)) for k in ("value_loss", "values_mean")]
     if value[0][1]:
         written.append(_plot(figure, out / "value.png", f"critic: {name}", "value", value))

@@ -2,6 +2,10 @@
 
 ``program``: ``pretrain`` (the default: next-token training on ``data``), ``sft`` (chat data:
 core.config.sft), ``grpo`` or ``ppo``.
+``task: counting`` asks counts to continue (``5 6 7 8`` → ``9 10 ..``, every response
+``max_response_length`` long); ``task: count_to`` asks a count up to a target given first
+(``12 7 8 9`` → ``10 11 12 <eot>``): answers of different lengths that end at the
+end-of-text token, the vocabulary's last id (``reward: count_to``; core.rl.tasks).
 ``task: file`` asks the prompts of the ``prompts`` file (JSONL or Parquet; in ``prompt_key``
 text, or chat messages rendered with the tokenizer's chat template and its generation
 prompt), tokenized with ``tokenizer`` and left-padded to ``prompt_length``. ``tokenizer``:
@@ -84,8 +88,8 @@ from core.errors import ConfigError
 
 PROGRAMS = ("pretrain", "sft", "grpo", "ppo")  # sft: core.config.sft
 RL_PROGRAMS = ("grpo", "ppo")
-BUILTIN_REWARDS = ("counting", "exact_match", "math")  # core.rl.rewards.BUILTIN
-PLAIN_REWARDS = ("counting", "exact_match")  # built-ins of the standard library alone: nothing to check at submit
+BUILTIN_REWARDS = ("counting", "count_to", "exact_match", "math")  # core.rl.rewards.BUILTIN
+PLAIN_REWARDS = ("counting", "count_to", "exact_match")  # built-ins of the standard library alone: nothing to check at submit
 TEXT_REWARDS = ("exact_match", "math")  # read the response's text and the record's answer: rl.task: file
 # apply_chat_template's own parameters: never template variables (core.data.hf_tokenizer.RESERVED_VARIABLES)
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
@@ -121,7 +125,7 @@ class CriticConfig:
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
     warmup_steps: int = bounded(0, ge=0, le=10**12)
-    task: Literal["counting", "file"] = "counting"
+    task: Literal["counting", "count_to", "file"] = "counting"
     prompts: str | None = None  # task file: a .jsonl or .parquet of prompts (core.data.prompts)
     val_prompts: str | None = None  # task file: held-out prompts for validation, as ``prompts``
     val_every: int | None = bounded(None, ge=0, le=2**40)  # RL steps between validations; 0/None: none
@@ -181,8 +185,14 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
         for key, value in (("rl.prompts", rl.prompts), ("rl.val_prompts", rl.val_prompts), ("rl.stop", rl.stop),
                            ("rl.chat_template_kwargs", rl.chat_template_kwargs or None)):
             if value is not None:
-                raise ConfigError(f"{key}: {value!r} is read only with rl.task: file (now {rl.task!r}); "
+                extra = " (count_to's end of text is model.vocab_size - 1)" if key == "rl.stop" else ""
+                raise ConfigError(f"{key}: {value!r} is read only with rl.task: file (now {rl.task!r}){extra}; "
                                   f"set rl.task=file or drop {key}")
+        if rl.reward == "count_to" and rl.task != "count_to":
+            raise ConfigError(f"rl.reward: count_to scores rl.task: count_to's prompts (now {rl.task!r}); "
+                              "set rl.task=count_to or another reward")
+        if rl.task == "count_to":
+            check_count_to(rl, vocab_size=vocab_size)
         return
     if rl.prompts is None:
         raise ConfigError("rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts")
@@ -195,6 +205,19 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
         check_file("rl.val_prompts", rl.val_prompts, "give a .jsonl or .parquet file of held-out prompts")
     check_template_variables("rl.chat_template_kwargs", rl.chat_template_kwargs)
     tokvocab.check(rl.tokenizer, init_from, rl.stop, vocab_size=vocab_size)
+
+
+def check_count_to(rl: RLConfig, *, vocab_size: int) -> None:
+    """``rl.task: count_to`` (core.rl.tasks.count_to): a prompt holds the target and at least one
+    number, an answer at least one number and its end-of-text token, and the vocabulary holds
+    the prompt's numbers, one more and the end-of-text id."""
+    for key, value, least in (("rl.prompt_length", rl.prompt_length, 2),
+                              ("rl.max_response_length", rl.max_response_length, 2),
+                              ("model.vocab_size", vocab_size, rl.prompt_length + 1)):
+        if value < least:
+            raise ConfigError(f"{key}: {value} < {least}: rl.task: count_to asks a target and the start of a count "
+                              "(prompt_length ≥ 2) for at least one more number and the end-of-text token "
+                              "(max_response_length ≥ 2) below model.vocab_size; raise it")
 
 
 def check_template_variables(key: str, variables: dict[str, object]) -> None:

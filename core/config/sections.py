@@ -184,7 +184,7 @@ class DataConfig:
     """
 
     kind: Literal["synthetic", "hdf5"] = "synthetic"
-    task: Literal["increment", "copy", "random"] = "increment"
+    task: Literal["increment", "copy", "random", "count_to"] = "increment"
     path: str | None = None
 
     def __post_init__(self) -> None:

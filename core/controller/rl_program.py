@@ -75,7 +75,9 @@ class RLStep:
         self.checkpoints = saves.checkpoints
         self.scorer = scorer  # the controller's reward processes (Program owns them)
         self.tokenizer: Any = None  # task file: its tokenizer (response_text, stop tokens)
-        self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file)
+        self.stop: tuple[int, ...] = ()  # a response ends at the first of these (task file, count_to)
+        if cfg.rl.task == "count_to":
+            self.stop = (tasks.count_to_eot(cfg.model.vocab_size),)
         self.prompts: list[Any] = []
         if cfg.rl.task == "file":
             from core.data import prompts, tokenizer  # a tokenizer: only file tasks need one
@@ -168,7 +170,7 @@ class RLStep:
         if kl_now is not None:
             self.kl.update(kl_now, len(rows))
         extra = dict(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
-                     response_length=statistics.fmean(len(d[0]) for d in done), policy_version=step,
+                     **_lengths([d[0] for d in done], self.stop), policy_version=step,
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
@@ -209,11 +211,14 @@ class RLStep:
         cfg, rl = self.cfg, self.cfg.rl
         if self.prompts:
             return tasks.from_file(self.prompts, cfg.seed, step - rl.warmup_steps, rl.prompts_per_step)
+        if rl.task == "count_to":
+            return tasks.count_to(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, rl.max_response_length,
+                                  cfg.model.vocab_size)
         return tasks.counting(cfg.seed, step, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
 
     def _held_out(self) -> list[tasks.Asked]:
         """The validation prompts (core.controller.validation): ``rl.val_prompts``' records (a
-        file task: refused at submit without), else the counting task's held-out set; none
+        file task: refused at submit without), else the built-in task's held-out set; none
         without ``rl.val_every``."""
         cfg, rl = self.cfg, self.cfg.rl
         if not rl.val_every:
@@ -224,6 +229,9 @@ class RLStep:
             return tasks.held_out(prompts.read_prompts(rl.val_prompts, key=rl.prompt_key, tokenizer=self.tokenizer,
                                                        length=rl.prompt_length, what="rl.val_prompts",
                                                        template_variables=rl.chat_template_kwargs))
+        if rl.task == "count_to":
+            return tasks.count_to_held_out(cfg.seed, rl.prompts_per_step, rl.prompt_length, rl.max_response_length,
+                                           cfg.model.vocab_size)
         return tasks.counting_held_out(cfg.seed, rl.prompts_per_step, rl.prompt_length, cfg.model.vocab_size)
 
     def rewards(self, asked: Sequence[tasks.Asked], responses: Sequence[tuple[int, ...]], *, per: int = 1
@@ -293,6 +301,15 @@ def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], stop: tuple[int
     tokens, logps = generated
     end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
     return tokens[:end], logps[:end]
+
+
+def _lengths(responses: Sequence[tuple[int, ...]], stop: tuple[int, ...]) -> dict[str, float]:
+    """The step's response lengths (mean, min, max) and the fraction that ended at a stop token
+    (the rest ran to rl.max_response_length)."""
+    lengths = [len(r) for r in responses]
+    return dict(response_length=statistics.fmean(lengths), response_length_min=min(lengths),
+                response_length_max=max(lengths),
+                stopped_frac=statistics.fmean(1.0 if r and r[-1] in stop else 0.0 for r in responses))
 
 
 @contextmanager

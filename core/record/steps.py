@@ -52,7 +52,10 @@ class StepRecord:
     # program: grpo or ppo (core.controller.rl_program), on its RL steps
     reward_mean: float | None = None
     reward_std: float | None = None
-    response_length: float | None = None
+    response_length: float | None = None  # the mean; with its min and max over the step's responses
+    response_length_min: int | None = None
+    response_length_max: int | None = None
+    stopped_frac: float | None = None  # of the responses that ended at a stop token (rl.stop, count_to's eot)
     clip_frac: float | None = None
     policy_version: int | None = None  # the policy that generated this step's responses
     kl: float | None = None  # the actor's KL estimate to the reference (rl.kl.estimator), token mean
@@ -72,7 +75,8 @@ class StepRecord:
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
-                     "reward_mean", "reward_std", "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
+                     "reward_mean", "reward_std", "response_length", "response_length_min",
+                     "response_length_max", "stopped_frac", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
                      "phase_s", "value_loss", "values_mean", "val_reward_mean", "val_reward_mean_sampled")
 
 

@@ -15,6 +15,10 @@ Built in:
   the whole response counts on (``9 10 11 ...``), else 0.0. Exact match: partial credit
   would also reward the wrong tokens after a response's first miss, and teach them. A
   supervised warm start on ``data.task: increment`` learns the same rule.
+- ``count_to``: for ``rl.task: count_to`` (prompt ``T a a+1 ..``): 1.0 when the response
+  counts on from the prompt's last number up to the target ``T`` and then ends with the
+  end-of-text token (the whole response, its end included), else 0.0. Exact for the same
+  reason as ``counting``; a response that stops early, overshoots or never stops scores 0.
 - ``exact_match``: for a file task whose records carry an ``answer``: 1.0 when the
   response's text (before its stop token), stripped of surrounding whitespace, is the
   answer's text, else 0.0.
@@ -64,6 +68,17 @@ def counting(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[s
     return 1.0 if [int(t) for t in response] == want else 0.0
 
 
+def count_to(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any]) -> float:
+    """1.0 when the response is the count from the prompt's last number up to ``target``, then
+    ``eot`` (core.rl.tasks.count_to's metadata), else 0.0."""
+    if "target" not in metadata or "eot" not in metadata:
+        raise KeyError("count_to needs rl.task: count_to (its prompts carry the target and the end-of-text id)")
+    if not prompt:
+        return 0.0
+    want = [*range(int(prompt[-1]) + 1, int(metadata["target"]) + 1), int(metadata["eot"])]
+    return 1.0 if [int(t) for t in response] == want else 0.0
+
+
 def exact_match(prompt: Sequence[int], response: Sequence[int], metadata: Mapping[str, Any]) -> float:
     """1.0 when the response's text, stripped, is the record's ``answer``, else 0.0."""
     if "answer" not in metadata or "response_text" not in metadata:
@@ -78,7 +93,8 @@ def math_answer(prompt: Sequence[int], response: Sequence[int], metadata: Mappin
     return math_reward.score(metadata)
 
 
-BUILTIN: dict[str, RewardFn] = {"counting": counting, "exact_match": exact_match, "math": math_answer}
+BUILTIN: dict[str, RewardFn] = {"counting": counting, "count_to": count_to, "exact_match": exact_match,
+                                "math": math_answer}
 
 
 def load(spec: str, key: str = "reward") -> RewardFn:

@@ -91,6 +91,16 @@ def grpo_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def grpo_varlen_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """experiments/grpo_varlen_tiny.yaml as a newcomer runs it, on the local backend (once per
+    session: tests/integration/test_grpo_varlen.py's tests compare against it)."""
+    root = tmp_path_factory.mktemp("grpo-varlen")
+    res = baton("submit", "experiments/grpo_varlen_tiny.yaml", f"runs_root={root}", "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next((root / "grpo-varlen-tiny").glob("*"))
+
+
+@pytest.fixture(scope="session")
 def generator_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """experiments/tiny_gpt_generate.yaml with GENERATOR_RUN, uninterrupted, its generator colocated:
     the run folder the split and the Slurm generator tests compare with (once per session)."""

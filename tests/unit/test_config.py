@@ -258,8 +258,8 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.n=3"], r"^rl.prompts_per_step: prompts_per_step × n = 12 responses do not split into 2 data-parallel "),
     (["rl.warmup_steps=500"], r"^rl.warmup_steps: 500 > trainer.steps = 130"),
     (["rl.clip_low=2"], r"^rl.clip_low: "),
-    (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting, exact_match, "
-                                  r"math\) nor "),
+    (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting, count_to, "
+                                  r"exact_match, math\) nor "),
     (["rl.reward=math"], r"^rl.reward: math compares the response's text with each record's answer, but rl.task is "
                          r"'counting'; set rl.task=file"),
     (["rl.n=1"], r"^rl.n: 1 under program: grpo leaves each prompt a group of one response, whose advantage is "

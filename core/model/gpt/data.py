@@ -12,7 +12,10 @@ contiguous block ``[r * G/dp, (r+1) * G/dp)`` of the ``G`` global samples. So
 Sources: synthetic tasks (``increment``: label[t] = (token[t] + 1) % vocab; ``copy``: the
 second half of the sequence repeats the first, labels are the next token, so the second
 half is learnable by attending back; ``random``: uniform tokens, next-token labels, a
-throughput task that cannot be learned) or an HDF5 token file (``data.kind: hdf5``): a
+throughput task that cannot be learned; ``count_to``: rl.task count_to's format as supervised
+rows, ``T a a+1 .. T <eot>`` (core.rl.tasks.count_to: the end of text is the vocabulary's
+last id), the loss on the labels from ``a+1`` to ``<eot>`` only, over the global batch's
+count of them, so the warm start learns to count on and to stop at the target) or an HDF5 token file (``data.kind: hdf5``): a
 1-D ``tokens`` dataset and a ``vocab_size`` attribute, read as windows of seq_length + 1
 tokens at deterministic positions. The last 5 % of the file (at least one window) is
 held out for ``eval`` when the file is large enough for both.
@@ -133,7 +136,7 @@ class BatchSource:
     ) -> None:
         self.kind, self.task = kind, task
         self.seed, self.vocab, self.seq = seed, vocab_size, seq_length
-        self.micro_batch = micro_batch
+        self.micro_batch, self.global_batch = micro_batch, global_batch
         self.samples = dp_sample_range(global_batch=global_batch, dp=dp, dp_rank=dp_rank)
         self.n_micro = num_micro_batches(global_batch=global_batch, micro_batch=micro_batch, dp=dp)
         self._tokens: np.ndarray | None = None
@@ -180,15 +183,40 @@ class BatchSource:
         if self.task == "random":
             w = rng.integers(0, v, size=s + 1, dtype=np.int64)
             return w[:-1], w[1:]
-        raise ConfigError(f"data.task: {self.task!r} is not one of increment, copy, random")
+        if self.task == "count_to":
+            w, _ = self._count_to(rng)
+            return w[:-1], w[1:]
+        raise ConfigError(f"data.task: {self.task!r} is not one of increment, copy, random, count_to")
+
+    def _count_to(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """A ``count_to`` row of seq_length + 1 tokens, ``T a .. T <eot> <eot> ..``, and the
+        mask of its labels the loss counts (``a+1`` .. the first ``<eot>``)."""
+        eot = self.vocab - 1
+        numbers = int(rng.integers(2, min(self.seq - 1, eot) + 1))  # a .. T, with T and <eot> in the row
+        target = int(rng.integers(numbers - 1, eot))
+        w = np.full(self.seq + 1, eot, dtype=np.int64)
+        w[0], w[1:numbers + 1] = target, np.arange(target - numbers + 1, target + 1)
+        mask = np.zeros(self.seq, dtype=bool)
+        mask[1:numbers + 1] = True
+        return w, mask
+
+    def _mask(self, step: int, index: int, split: Split) -> np.ndarray:
+        return self._count_to(np.random.default_rng([self.seed, _SPLIT_ID[split], step, index]))[1]
 
     def micro_batches(self, step: int, split: Split = "train") -> list[MicroBatch]:
-        """This rank's micro-batches of step ``step``, in order."""
+        """This rank's micro-batches of step ``step``, in order (``count_to``'s with their loss
+        mask and the whole global batch's count of counted labels)."""
         pairs = [self.sample(step, i, split) for i in self.samples]
+        total = None
+        if self.task == "count_to" and self.kind == "synthetic":
+            total = int(sum(self._mask(step, i, split).sum() for i in range(self.global_batch)))
         out = []
         for m in range(self.n_micro):
-            chunk = pairs[m * self.micro_batch:(m + 1) * self.micro_batch]
-            out.append(MicroBatch(tokens=np.stack([t for t, _ in chunk]), labels=np.stack([lab for _, lab in chunk])))
+            lo, hi = m * self.micro_batch, (m + 1) * self.micro_batch
+            chunk = pairs[lo:hi]
+            masks = None if total is None else np.stack([self._mask(step, i, split) for i in self.samples[lo:hi]])
+            out.append(MicroBatch(tokens=np.stack([t for t, _ in chunk]), labels=np.stack([lab for _, lab in chunk]),
+                                  loss_mask=masks, loss_tokens=total))
         return out
 
     def position(self, step: int) -> dict[str, Any]:
