@@ -59,6 +59,7 @@ class StepRecord:
     kl_coef: float | None = None  # the KL coefficient this step's update used
     entropy: float | None = None  # of the actor's distribution over response tokens, token mean
     ratio_max: float | None = None  # the largest new/old probability ratio of the last update epoch
+    optimizer_steps: int | None = None  # the actor's optimizer steps: ppo_epochs × mini-batches
     phase_s: dict[str, float] | None = None  # wall seconds per phase: sync, generate, reward, old, ref, values,
     # critic, update
     # program: ppo, on its RL steps
@@ -70,7 +71,7 @@ class StepRecord:
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
                      "reward_mean", "reward_std", "response_length", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
-                     "phase_s", "value_loss", "values_mean")
+                     "optimizer_steps", "phase_s", "value_loss", "values_mean")
 
 
 MARKER = "superseded_from"  # a line {"superseded_from": STEP, "epoch": N, "time": T}: a resume redoes STEP on
