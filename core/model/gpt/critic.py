@@ -53,14 +53,11 @@ class ValueHead(torch.nn.Linear):
 
 
 def attach_head(gpt: torch.nn.Module, *, seed: int) -> None:
-    """Replace the last stage's vocabulary output layer of ``gpt`` by a value head, its own
-    parameter on every stage: never tied to the word embeddings (``model.tie_embeddings``),
-    so neither its checkpoint name, its copy from the actor nor Megatron's gradient
-    all-reduce between the first and last pipeline stages takes it for the embedding."""
-    model = unwrap(gpt)
-    model.share_embeddings_and_output_weights = False
+    """Replace the last stage's vocabulary output layer of ``gpt`` by a value head (``gpt``
+    built untied: the critic role's model never ties its embeddings)."""
     if not parallel_state.is_pipeline_last_stage():
         return
+    model = unwrap(gpt)
     old = model.output_layer
     head = ValueHead(model.config.hidden_size, std=model.config.init_method_std, dtype=old.weight.dtype, seed=seed)
     model.output_layer = head.to(old.weight.device)
