@@ -16,7 +16,8 @@ noise, so some ratios leave the clip range (and the check covers the clipped bra
 
 A mini-batch test: the first of two optimizer steps on halves of a batch scored by the
 policy itself sees every ratio exactly 1 (dropout off, the old log-probs the update's own
-arithmetic), the second, after the first changed the weights, sees clipped tokens.
+arithmetic), the second, after the first changed the weights, sees clipped tokens. With
+dropout in the model the update still sees the scored policy (dropout off): every ratio 1.
 """
 from __future__ import annotations
 
@@ -273,3 +274,27 @@ def _set_lr(task: Any, lr: float | None) -> None:
     rl = dataclasses.replace(rank.cfg.rl, lr=lr if lr is not None else 1e-3)
     rank.cfg = dataclasses.replace(rank.cfg, rl=rl)
     rank.step = dataclasses.replace(rank.step, cfg=rank.cfg)
+
+
+def _weights_changed(task: Any) -> bool:
+    saved = task.__dict__["_saved"]["actor"]
+    return any(not np.array_equal(p.detach().numpy(), s.numpy())
+               for p, s in zip((p for c in _chunks(task, "actor") for p in c.parameters()), saved, strict=True))
+
+
+def test_with_dropout_the_first_epoch_sees_every_ratio_exactly_1(tmp_path: Any) -> None:
+    """model.hidden_dropout and attention_dropout 0.3: the update's forward runs with dropout
+    off, so the policy scored before the update (the old log-probs) is the policy the update
+    sees: every ratio is exactly 1 and nothing is clipped, and the update still changes the
+    weights (the gradient flows in eval mode)."""
+    cfg = _config(1)
+    cfg["model"] = {**cfg["model"], "hidden_dropout": 0.3, "attention_dropout": 0.3}
+    with RankGroup(cfg, world_size=1, run_dir=tmp_path) as g:
+        g.setup()
+        old = tuple(_scores(g, "actor"))
+        g.apply(_snapshot)
+        agg = rl_calls.LossAgg(tokens=sum(LENGTHS), rows=ROWS, horizon=HORIZON)
+        (result,) = g.call("policy_step", **rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
+            step=0, agg=agg, prompt_length=P, sequences=SEQUENCES, advantages=ADV, old_logprobs=old)))
+        assert result["ratio_max"] == 1.0 and result["clip_frac"] == 0.0, result
+        assert g.apply(_weights_changed) == [True]
