@@ -26,17 +26,13 @@ class LossAgg:
     core.model.gpt.rl_loss.aggregate), with the counts of the whole mini-batch the optimizer
     step is taken on (every data replica's share together): its response ``tokens``, its
     ``rows`` (responses) and ``horizon``, ``seq-mean-token-sum-norm``'s per-row divisor
-    (``rl.max_response_length``). The controller counts them; no worker sees the whole."""
+    (``rl.max_response_length``), each at least 1. The controller counts them; no worker
+    sees the whole."""
 
     mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     tokens: int
     rows: int
     horizon: int
-
-    def __post_init__(self) -> None:
-        if min(self.tokens, self.rows, self.horizon) < 1:
-            raise ValueError(f"a loss aggregation over {self.tokens} tokens, {self.rows} rows, horizon "
-                             f"{self.horizon}: each must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,7 +101,7 @@ def test_an_actor_in_tp2_and_a_rollout_in_tp1_dp2_agree_on_every_log_prob(tmp_pa
     assert coefs[0] == 0.001 and coefs[1] < coefs[0] and len(set(coefs)) == len(coefs)  # KL below target: down
     # the recorded KL is the one the coefficient followed: the adaptive controller's recursion
     # (target 0.01, 32 responses a step, horizon 10000) from each step's KL gives the next coefficient
-    for now, after in zip(rl, rl[1:]):
+    for now, after in zip(rl, rl[1:], strict=False):
         error = min(max(now["kl"] / 0.01 - 1.0, -0.2), 0.2)
         assert after["kl_coef"] == pytest.approx(now["kl_coef"] * (1.0 + error * 32 / 10000), rel=1e-12)
     assert rl[0]["kl"] == 0.0 and all(r["kl"] > 0 for r in rl[1:])  # the first step's actor is the reference

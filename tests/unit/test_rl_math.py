@@ -108,7 +108,6 @@ def test_kl_estimators_match_their_formulas() -> None:
 
 
 def test_the_policy_loss_clips_low_and_high_and_dual_clips_negative_advantages() -> None:
-    mask = torch.ones(4)
     a = torch.tensor([1.0, 1.0, -1.0, -1.0])
     ratio = torch.tensor([1.0, 1.5, 0.5, 5.0])
     old = torch.zeros(4)
@@ -138,7 +137,7 @@ def test_each_aggregation_is_its_formula_over_the_whole_mini_batch() -> None:
         parts = rl_loss.aggregate(values[:1], mask[:1], agg) + rl_loss.aggregate(values[1:], mask[1:], agg)
         assert parts.item() == pytest.approx(value), mode
     with pytest.raises(ValueError, match="at least 1"):
-        rl_calls.LossAgg(tokens=0, rows=3, horizon=5)
+        rl_loss.aggregate(values, mask, rl_calls.LossAgg(tokens=0, rows=3, horizon=5))
 
 
 def test_value_loss_and_entropy() -> None:

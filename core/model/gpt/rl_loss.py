@@ -35,6 +35,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: rl_calls.LossAgg) -> torch.Tensor:
     """This micro-batch's share (``values``, ``mask``: rows x positions) of the per-token
     terms aggregated over the whole mini-batch ``agg`` counts (see the module's docstring)."""
+    if min(agg.tokens, agg.rows, agg.horizon) < 1:
+        raise ValueError(f"a loss aggregation over {agg.tokens} tokens, {agg.rows} rows, horizon {agg.horizon}: "
+                         "each must be at least 1")
     masked = values * mask
     if agg.mode == "token-mean":
         return masked.sum() / agg.tokens
