@@ -96,11 +96,10 @@ def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> I
 
 def token_logprobs(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(label) per position, fp32 ``[b, s]``, from ``model``'s logits ``[b, s, v/tp]``
-    (this rank's vocabulary part) by the model's own vocab-parallel cross entropy, on a copy:
-    Megatron's cross entropy works in place on its input (a one-row batch's transpose is a
-    view of the logits, which the entropy may still need)."""
-    seq_first = logits.transpose(0, 1).clone(memory_format=torch.contiguous_format)
-    return -unwrap(model).compute_language_model_loss(labels, seq_first).float()
+    (this rank's vocabulary part) by the model's own vocab-parallel cross entropy. It works
+    in place on its input, which for one row is a view of ``logits`` (no copy of the
+    vocabulary-wide tensor): read anything else from the logits first."""
+    return -unwrap(model).compute_language_model_loss(labels, logits.transpose(0, 1).contiguous()).float()
 
 
 def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
@@ -114,7 +113,10 @@ def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
 
     def loss_of(model: torch.nn.Module, logits: torch.Tensor,
                 mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp, mask = token_logprobs(model, logits, mb["labels"]), mb["mask"]
+        mask = mb["mask"]
+        # the entropy first: token_logprobs may overwrite the logits (its gradient needs none of them)
+        entropy = rl_loss.vocab_parallel_entropy(logits.float(), tp_group) if rl.entropy_coef else None
+        logp = token_logprobs(model, logits, mb["labels"])
         terms, clipped = rl_loss.policy_loss(logp, mb["old"], mb["adv"], clip_low=rl.clip_low,
                                              clip_high=rl.clip_high, clip_c=rl.clip_c)
         pg = rl_loss.aggregate(terms, mask, agg)
@@ -122,10 +124,10 @@ def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
         total = pg + batch.kl_coef * kl if batch.kl_coef else pg
         numbers = {"pg": pg.detach(), "kl": kl.detach(), "clipped": (clipped * mask).sum().detach(),
                    "max_ratio": (torch.exp(rl_loss.log_ratio(logp, mb["old"])) * mask).max().detach()}
-        if rl.entropy_coef:
-            entropy = rl_loss.aggregate(rl_loss.vocab_parallel_entropy(logits.float(), tp_group), mask, agg)
-            total = total - rl.entropy_coef * entropy
-            numbers["entropy"] = entropy.detach()
+        if entropy is not None:
+            bonus = rl_loss.aggregate(entropy, mask, agg)
+            total = total - rl.entropy_coef * bonus
+            numbers["entropy"] = bonus.detach()
         return total, numbers
 
     out, numbers = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, before_update=before_update)
@@ -234,7 +236,7 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
             if req.model == "critic":  # the value head's one output: [b, s, 1]
                 return logits.sum() * 0, {"logp": logits[..., 0].float()}
             out = {}
-            if entropy:
+            if entropy:  # first: token_logprobs may overwrite the logits
                 out["entropy"] = (rl_loss.vocab_parallel_entropy(logits.float(), tp_group) * mb["mask"]).sum()
             out["logp"] = token_logprobs(model, logits, mb["labels"])
             return logits.sum() * 0, out
