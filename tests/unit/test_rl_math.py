@@ -3,6 +3,7 @@ formulas written out by hand."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -177,3 +178,41 @@ def test_an_rl_update_splits_its_rows_into_whole_micro_batches() -> None:
 
     assert [micro_size(m, 16) for m in (6, 8, 32, 1)] == [4, 8, 16, 1]
     assert micro_size(5, 7) == 1 and micro_size(3, 3) == 3
+
+
+def _entropy_rank(rank: int, store: str, logits: torch.Tensor, weights: torch.Tensor, out: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        half = logits.shape[-1] // 2
+        mine = logits[..., rank * half:(rank + 1) * half].clone().requires_grad_()
+        got = rl_loss.vocab_parallel_entropy(mine, dist.group.WORLD)
+        (got * weights).sum().backward()
+        out.put((rank, got.detach(), mine.grad))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_vocab_parallel_entropy_and_its_gradient_over_two_ranks_are_the_whole_vocabularys(tmp_path) -> None:
+    """Two processes, each half the vocabulary: every rank's entropy is softmax's over the
+    whole, and its gradient (the entropy bonus's, in the RL update) is that half of the
+    whole vocabulary's gradient, not twice it (the sums' backward is the identity)."""
+    import torch.multiprocessing as mp
+
+    logits = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(3, 5, generator=torch.Generator().manual_seed(3))
+    whole = logits.clone().requires_grad_()
+    (rl_loss.entropy(whole) * weights).sum().backward()
+    ctx = mp.get_context("spawn")  # not fork: a forked child of a process that ran torch ops can hang in OpenMP
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_entropy_rank, args=(r, str(tmp_path / "store"), logits, weights, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict((r, (e, g)) for r, e, g in (out.get(timeout=60) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, (got, grad) in results.items():
+        assert torch.allclose(got, rl_loss.entropy(logits), atol=1e-6)
+        assert torch.allclose(grad, whole.grad[..., rank * 6:(rank + 1) * 6], atol=1e-6), rank
