@@ -59,7 +59,9 @@ def rl_step(task: GPTTask, step: int, reward: rewards.RewardFn) -> dict[str, flo
                      task.role("reference").scored()).logprobs
     t["ref"], t0 = time.perf_counter() - t0, time.perf_counter()
     adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
-    batch = rl_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=rows,
+    agg = rl_calls.LossAgg(mode=rl.loss_agg_mode, tokens=sum(map(len, tokens)), rows=len(rows),
+                           horizon=rl.max_response_length)
+    batch = rl_calls.PolicyBatch(step=step, agg=agg, prompt_length=rl.prompt_length, sequences=rows,
                                   advantages=tuple((float(adv[i]),) * len(tokens[i]) for i in range(len(rows))),
                                   old_logprobs=old, ref_logprobs=ref, kl_coef=float(rl.kl.coef))
     for _ in range(rl.ppo_epochs):

@@ -34,9 +34,22 @@ pool's size (``exact_match`` and ``math`` read a file task's text and answers: `
 submit imports a ``module:function`` from PYTHONPATH in a subprocess and refuses one that cannot
 be loaded, naming why); ``n`` is at least 2 under ``grpo`` (a group of one has no baseline);
 advantages are group-normalised (``norm_adv_by_std``: divide by the
-group's std, else only subtract its mean); the actor takes ``ppo_epochs`` optimizer steps
-on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``) with the
-actor's own log-probs before the update as the old policy's; then the generator is synced.
+group's std, else only subtract its mean); the actor takes ``ppo_epochs`` epochs over the
+step's responses on the clipped objective (``clip_low``, ``clip_high``, dual clip ``clip_c``;
+the log-ratio clamped to ±20 before exp) with the actor's own log-probs before the update
+as the old policy's; then the generator is synced.
+An epoch is one optimizer step per
+``mini_batch_size`` responses (verl's ``ppo_mini_batch_size``, global over the data-parallel
+replicas; it divides prompts_per_step × n and splits evenly over dp), in order; None: one
+step on all of them. ``loss_agg_mode`` (verl's names and meanings) aggregates every loss
+term (policy, KL, entropy, the critic's value loss) over the whole mini-batch, every
+micro-batch and replica together: ``token-mean`` (every response token weighs the same),
+``seq-mean-token-mean`` (every response the same: the mean over responses of each one's
+token mean), ``seq-mean-token-sum-norm`` (Dr. GRPO: the token sums over responses ×
+``max_response_length``); the gradient does not depend on ``training.micro_batch_size``, dp
+or the order of the rows. ``entropy_coef``: an entropy bonus, the loss less coef × the
+aggregated entropy of the actor's distribution (0: not computed in the update). The
+updates run with dropout off (the first epoch's ratio is exactly 1).
 Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
 entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
 ``temperature``, before top-k / top-p truncation (as verl computes them).
@@ -55,8 +68,8 @@ model (the actor's transformer with a one-output value head, not split over tens
 parallelism; its own optimizer; copied from the actor when the RL phase begins) scores
 every response token, the reward (the response's score on its last token) and the values
 give GAE advantages (``gamma``, ``lam``; whitened over the step's response tokens) and
-returns, and the critic takes ``ppo_epochs`` steps on the clipped value loss
-(``critic.value_clip``) at ``critic.lr`` before the actor's update.
+returns, and the critic takes ``ppo_epochs`` epochs of mini-batch steps on the clipped
+value loss (``critic.value_clip``) at ``critic.lr`` before the actor's update.
 
 ``kl``: a KL penalty to the reference policy (the actor when RL began: the end of the warm
 start, or ``init_from``) in the actor's loss, ``coef`` × the token mean of the
@@ -145,6 +158,9 @@ class RLConfig:
     top_k: int = bounded(0, ge=0, le=2**26)
     top_p: float = bounded(1.0, gt=0, le=1)
     ppo_epochs: int = bounded(1, gt=0, le=2**10)
+    mini_batch_size: int | None = bounded(None, gt=0, le=2**30)  # rows per optimizer step; None: the step's all
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coef: float = bounded(0.0, ge=0, le=1e3)  # the loss less coef × the entropy; 0: none computed
     clip_low: float = bounded(0.2, ge=0, le=1)
     clip_high: float = bounded(0.28, ge=0, le=1e3)
     clip_c: float = bounded(3.0, gt=1, le=1e3)

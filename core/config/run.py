@@ -217,6 +217,17 @@ def _check_rl(cfg: RunConfig) -> None:
         raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "
                           f"{dp} data-parallel replica(s) of whole micro-batches of {micro} "
                           "(training.micro_batch_size); pick sizes that divide")
+    mini = rl.mini_batch_size
+    if mini is not None and (rows % mini or mini % dp or (micro != "auto" and (mini // dp) % micro)):
+        why = (f"does not divide prompts_per_step × n = {rows} responses" if rows % mini else
+               f"does not split evenly over {dp} data-parallel replica(s)" if mini % dp else
+               f"/ dp = {mini // dp} is not whole micro-batches of {micro} (training.micro_batch_size)")
+        raise ConfigError(f"rl.mini_batch_size: {mini} {why}; pick a divisor of {rows} that is a multiple of "
+                          f"dp × micro_batch_size")
+    if cfg.training.recompute != "none" and (cfg.model.hidden_dropout or cfg.model.attention_dropout):
+        raise ConfigError(f"training.recompute: {cfg.training.recompute!r} does not act in RL updates with dropout "
+                          "(they run in eval mode so that dropout is off; Megatron recomputes in train mode only); "
+                          "set model.hidden_dropout=0 and model.attention_dropout=0, or training.recompute=none")
     if rl.reward not in rl_spec.BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", rl.reward):
         raise ConfigError(f"rl.reward: {rl.reward!r} is neither a built-in reward ({', '.join(rl_spec.BUILTIN_REWARDS)}) "
                           "nor 'module:function' (imported on the controller)")

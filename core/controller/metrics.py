@@ -82,7 +82,7 @@ def _per_rank(value: Any) -> list[float | None]:
 RL_GAUGES = (("reward_mean", "Mean reward"), ("reward_std", "Reward standard deviation"),
              ("response_length", "Mean response length in tokens"), ("kl", "KL estimate to the reference policy"),
              ("kl_coef", "KL coefficient"), ("entropy", "Token-mean entropy of the actor"),
-             ("clip_frac", "Fraction of clipped tokens"),
+             ("clip_frac", "Fraction of clipped tokens"), ("optimizer_steps", "The actor's optimizer steps in the RL step"),
              ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"),
              ("value_loss", "The critic's value loss (ppo)"), ("values_mean", "Mean value of the response tokens (ppo)"))
 VAL_GAUGES = (("val_reward_mean", "Mean reward of greedy responses to the held-out prompts"),

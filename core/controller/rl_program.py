@@ -12,9 +12,17 @@
     values  ppo: the critic's value of every response token (and, at the first RL step, the
             critic's transformer copied from the actor first)
     critic  ppo: GAE advantages and returns (core.rl.advantages), then ``ppo_epochs`` critic
-            updates (CRITIC_STEP)
+            epochs (CRITIC_STEP per mini-batch)
     update  grpo: group-normalised advantages (core.rl.advantages); then ``ppo_epochs`` actor
-            updates (POLICY_STEP: each data replica its share of the responses)
+            epochs (POLICY_STEP per mini-batch: each data replica its share of it)
+
+An epoch is one optimizer step per mini-batch (``rl.mini_batch_size`` responses in the
+order they were generated; all of them without it), the same for the critic. Each step's
+request carries the whole mini-batch's counts (``rl_calls.LossAgg``: response tokens, rows,
+the horizon), so the workers aggregate the loss over all of it (``rl.loss_agg_mode``) and
+the gradient does not depend on the micro-batching or dp. The step's record takes the last
+epoch's numbers as the mean over its mini-batches (``ratio_max``: the largest; ``kl`` and
+``value_loss``: the first epoch's), and ``optimizer_steps``, the actor's steps it took.
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
 rollout log-prob gap of the step's responses (``sync_logprob_maxdiff``: both at
@@ -36,6 +44,7 @@ travels in each checkpoint's loop state.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -163,7 +172,7 @@ class RLStep:
             adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
             rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
         with _timed(phases, "update"):
-            first, results = self._update(step, rows, pads, old, ref)
+            first, results, steps = self._update(step, rows, pads, old, ref)
         owners = self.trainer.owners(results)
         kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
         coef = self.kl.value
@@ -174,6 +183,7 @@ class RLStep:
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
+                     optimizer_steps=steps,
                      sync_logprob_maxdiff=max(abs(a - b) for o, d in zip(old, done, strict=True)
                                               for a, b in zip(o, d[1], strict=True)))
         return results, extra
@@ -193,19 +203,24 @@ class RLStep:
             mask[i, :n], reward[i, n - 1], old[i, :n] = 1.0, scores[i], values[i]
         adv, returns = advantages.gae(reward, old, mask, gamma=rl.gamma, lam=rl.lam)
         targets = [tuple(float(x) for x in returns[i, :n]) for i, n in enumerate(lengths)]
-        shares = [rl_calls.CriticBatch(step=step, prompt_length=rl.prompt_length, sequences=tuple(seqs),
-                                       returns=tuple(rets), old_values=tuple(vals), pads=tuple(pad))
-                  for seqs, rets, vals, pad in zip(self._split(sequences), self._split(targets), self._split(values),
-                                                   self._split(pads), strict=True)]
-        first: list[rl_calls.CriticResult] = []
+        batches = []
+        for part in self._mini_batches(len(sequences)):
+            agg = self._agg(targets[part])
+            batches.append([rl_calls.CriticBatch(step=step, agg=agg, prompt_length=rl.prompt_length,
+                                                 sequences=tuple(seqs), returns=tuple(rets), old_values=tuple(vals),
+                                                 pads=tuple(pad))
+                            for seqs, rets, vals, pad in zip(*(self._split(x[part]) for x in (sequences, targets,
+                                                                                                values, pads)),
+                                                             strict=True)])
+        first: list[float] = []
         with _timed(phases, "critic"):
             for epoch in range(rl.ppo_epochs):
-                answers = self.trainer.call_each(rl_calls.CRITIC_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
-                if epoch == 0:
-                    first = self.trainer.owners(answers)
+                for shares in batches:
+                    answers = self.trainer.call_each(rl_calls.CRITIC_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
+                    if epoch == 0:
+                        first.append(self.trainer.owners(answers)[0].value_loss or 0.0)
         rows = [(sequences[i], tuple(float(x) for x in adv[i, :n])) for i, n in enumerate(lengths)]
-        return rows, dict(value_loss=statistics.fmean(o.value_loss or 0.0 for o in first),
-                          values_mean=float(old[mask > 0].mean()))
+        return rows, dict(value_loss=statistics.fmean(first), values_mean=float(old[mask > 0].mean()))
 
     def _ask(self, step: int) -> list[tasks.Asked]:
         cfg, rl = self.cfg, self.cfg.rl
@@ -254,23 +269,35 @@ class RLStep:
         return {**meta, "response_text": text_before_stop(self.tokenizer, self.stop, response)}
 
     def _update(self, step: int, rows: list[Row], pads: list[int], old: list[tuple[float, ...]],
-                ref: list[tuple[float, ...]]) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult]]:
-        """``ppo_epochs`` actor updates; (the first epoch's loss owners' results, the last
-        epoch's results by rank)."""
+                ref: list[tuple[float, ...]]) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult], int]:
+        """``ppo_epochs`` actor epochs of one optimizer step per mini-batch; (the first epoch's
+        loss owners' results, the last epoch's results by rank merged over its mini-batches,
+        the optimizer steps taken)."""
         rl = self.cfg.rl
         coef = self.kl.value if ref else 0.0
-        shares = [rl_calls.PolicyBatch(step=step, prompt_length=rl.prompt_length, sequences=tuple(r[0] for r in part),
-                                       advantages=tuple(r[1] for r in part), old_logprobs=tuple(olds),
-                                       ref_logprobs=tuple(refs), kl_coef=coef, pads=tuple(pad))
-                  for part, olds, refs, pad in zip(self._split(rows), self._split(old), self._split(ref),
-                                                   self._split(pads), strict=True)]
-        first: list[rl_calls.PolicyResult] = []
-        results: list[rl_calls.PolicyResult] = []
-        for epoch in range(rl.ppo_epochs):
-            results = self.trainer.call_each(rl_calls.POLICY_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
-            if epoch == 0:
-                first = self.trainer.owners(results)
-        return first, results
+        batches = []
+        for part in self._mini_batches(len(rows)):
+            agg = self._agg([r[1] for r in rows[part]])
+            batches.append([rl_calls.PolicyBatch(step=step, agg=agg, prompt_length=rl.prompt_length,
+                                                 sequences=tuple(r[0] for r in share), kl_coef=coef,
+                                                 advantages=tuple(r[1] for r in share), old_logprobs=tuple(olds),
+                                                 ref_logprobs=tuple(refs), pads=tuple(pad))
+                            for share, olds, refs, pad in zip(*(self._split(x[part]) for x in (rows, old, ref, pads)),
+                                                              strict=True)])
+        epochs = [[self.trainer.call_each(rl_calls.POLICY_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
+                   for shares in batches] for _ in range(rl.ppo_epochs)]
+        return self.trainer.owners(_merged(epochs[0])), _merged(epochs[-1]), len(batches) * rl.ppo_epochs
+
+    def _mini_batches(self, rows: int) -> list[slice]:
+        """The rows of each optimizer step of an epoch, in order (``rl.mini_batch_size``)."""
+        size = self.cfg.rl.mini_batch_size or rows
+        return [slice(start, start + size) for start in range(0, rows, size)]
+
+    def _agg(self, per_row: Sequence[Sequence[float]]) -> rl_calls.LossAgg:
+        """A mini-batch's loss aggregation: its counts (one number per response token and row)."""
+        rl = self.cfg.rl
+        return rl_calls.LossAgg(mode=rl.loss_agg_mode, tokens=sum(map(len, per_row)), rows=len(per_row),
+                                horizon=rl.max_response_length)
 
     def _score(self, model: str, sequences: list[tuple[int, ...]], pads: list[int]
                ) -> tuple[list[tuple[float, ...]], float]:
@@ -292,6 +319,23 @@ class RLStep:
         """Each data replica's share of ``items``: every ``dp``-th, from the replica's index on."""
         dp = self.trainer.dims.dp
         return [items[d::dp] for d in range(dp)]
+
+
+def _merged(calls: list[list[rl_calls.PolicyResult]]) -> list[rl_calls.PolicyResult]:
+    """Each rank's results of an epoch's optimizer steps (one list per step) as one: the times
+    summed, the peaks and ``ratio_max`` the largest, the loss numbers the mean over the steps."""
+    def over(per_rank: tuple[rl_calls.PolicyResult, ...], key: str, how: Any) -> Any:
+        values = [getattr(r, key) for r in per_rank]
+        return None if any(v is None for v in values) else how(values)
+
+    merged = []
+    for per_rank in zip(*calls, strict=True):
+        mean = {k: over(per_rank, k, statistics.fmean) for k in ("loss", "clip_frac", "kl_loss", "entropy")}
+        total = {k: over(per_rank, k, sum) for k in ("step_time_s", "data_wait_s", "grad_sync_s", "compute_s",
+                                                        "tokens")}
+        peak = {k: over(per_rank, k, max) for k in ("cuda_peak_mb", "rss_peak_mb", "ratio_max")}
+        merged.append(dataclasses.replace(per_rank[-1], **mean, **total, **peak))
+    return merged
 
 
 def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], stop: tuple[int, ...]

@@ -62,6 +62,7 @@ class StepRecord:
     kl_coef: float | None = None  # the KL coefficient this step's update used
     entropy: float | None = None  # of the actor's distribution over response tokens, token mean
     ratio_max: float | None = None  # the largest new/old probability ratio of the last update epoch
+    optimizer_steps: int | None = None  # the actor's optimizer steps: ppo_epochs × mini-batches
     phase_s: dict[str, float] | None = None  # wall seconds per phase: sync, generate, reward, old, ref, values,
     # critic, update
     # program: grpo or ppo with rl.val_every, on the steps after which the policy is validated
@@ -77,7 +78,7 @@ _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
                      "reward_mean", "reward_std", "response_length", "response_length_min",
                      "response_length_max", "stopped_frac", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
-                     "phase_s", "value_loss", "values_mean", "val_reward_mean", "val_reward_mean_sampled")
+                     "optimizer_steps", "phase_s", "value_loss", "values_mean", "val_reward_mean", "val_reward_mean_sampled")
 
 
 MARKER = "superseded_from"  # a line {"superseded_from": STEP, "epoch": N, "time": T}: a resume redoes STEP on

@@ -21,13 +21,29 @@ from core.wire.contract import Collect, Dispatch, Method, NoArgs
 
 
 @dataclass(frozen=True, kw_only=True)
+class LossAgg:
+    """How an update's per-token terms become one loss (``rl.loss_agg_mode``,
+    core.model.gpt.rl_loss.aggregate), with the counts of the whole mini-batch the optimizer
+    step is taken on (every data replica's share together): its response ``tokens``, its
+    ``rows`` (responses) and ``horizon``, ``seq-mean-token-sum-norm``'s per-row divisor
+    (``rl.max_response_length``), each at least 1. The controller counts them; no worker
+    sees the whole."""
+
+    mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    tokens: int
+    rows: int
+    horizon: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class PolicyBatch:
-    """One optimizer step of the actor on this rank's data replica's share of a rollout:
-    ``sequences`` prompt + response (prompts of ``prompt_length`` tokens), per response token
-    its ``advantages``, the old policy's ``old_logprobs`` and (with a KL term, ``kl_coef`` > 0)
-    the reference's ``ref_logprobs``."""
+    """One optimizer step of the actor on this rank's data replica's share of a mini-batch
+    of a rollout: ``sequences`` prompt + response (prompts of ``prompt_length`` tokens), per
+    response token its ``advantages``, the old policy's ``old_logprobs`` and (with a KL term,
+    ``kl_coef`` > 0) the reference's ``ref_logprobs``; ``agg`` the whole mini-batch's counts."""
 
     step: int
+    agg: LossAgg
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
     advantages: tuple[tuple[float, ...], ...]
@@ -62,24 +78,27 @@ class RowScores:
 @dataclass(frozen=True, kw_only=True)
 class PolicyResult(Timings):
     """Every rank its time (the data wait: assembling its micro-batches from the request);
-    loss owners (one per data replica) the replica's numbers."""
+    loss owners (one per data replica) the mini-batch's numbers (every replica's together,
+    aggregated as the loss is: the same on every owner)."""
 
-    loss: float | None = None  # the clipped policy loss (token mean)
+    loss: float | None = None  # the clipped policy loss, aggregated (rl.loss_agg_mode)
     grad_norm: float | None = None
     lr: float | None = None
     tokens: int = 0  # response tokens of this replica
-    clip_frac: float | None = None
+    clip_frac: float | None = None  # the fraction of the mini-batch's response tokens where the clip bound
     ratio_max: float | None = None  # the largest new/old probability ratio seen
-    kl_loss: float | None = None  # the KL term's token mean before its coefficient
+    kl_loss: float | None = None  # the KL term, aggregated, before its coefficient
+    entropy: float | None = None  # with rl.entropy_coef: the entropy bonus's aggregated entropy
 
 
 @dataclass(frozen=True, kw_only=True)
 class CriticBatch:
-    """One optimizer step of the critic on this rank's data replica's share of a rollout:
-    per response token its GAE ``returns`` (the targets) and the ``old_values`` the clip is
-    measured from."""
+    """One optimizer step of the critic on this rank's data replica's share of a mini-batch
+    of a rollout: per response token its GAE ``returns`` (the targets) and the ``old_values``
+    the clip is measured from; ``agg`` the whole mini-batch's counts."""
 
     step: int
+    agg: LossAgg
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
     returns: tuple[tuple[float, ...], ...]
@@ -91,8 +110,8 @@ class CriticBatch:
 class CriticResult(Timings):
     """Every rank its time; loss owners the replica's numbers."""
 
-    value_loss: float | None = None  # the clipped value loss (token mean)
-    value_clip_frac: float | None = None  # fraction of tokens where the clipped term was taken
+    value_loss: float | None = None  # the clipped value loss, aggregated (rl.loss_agg_mode) over the mini-batch
+    value_clip_frac: float | None = None  # fraction of the mini-batch's tokens where the clipped term was taken
     grad_norm: float | None = None
     lr: float | None = None
 

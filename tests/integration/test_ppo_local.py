@@ -107,3 +107,23 @@ def test_a_critic_trained_in_tp2_resumes_in_tp1(tmp_path: Path) -> None:
     # the critic at step 34 went on from that checkpoint: its head moved on from the tp2 one, by a little
     after = checkpoint_weights(run, 36)["critic.output_layer.weight"]
     assert after.shape == head.shape == (1, 64) and 0 < np.abs(after - head).max() < 0.1
+
+
+def test_ppo_with_tied_embeddings_in_pp2_trains_its_own_value_head_on_mini_batches(tmp_path: Path) -> None:
+    """``model.tie_embeddings`` with pp 2: the actor's last stage holds a copy of the word
+    embedding as its output layer, which Megatron keeps in step with the first stage's; the
+    critic's value head is its own [1, h] parameter, its model built untied (tied, CRITIC_INIT
+    copied the embedding into the head and failed). Three RL steps from step 0, each epoch
+    two mini-batches of 16 responses for the actor and the critic alike."""
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "parallel.pp=2", "model.tie_embeddings=true",
+                "rl.warmup_steps=0", "trainer.steps=3", "rl.mini_batch_size=16", "generator.sync_interval_steps=3",
+                "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = next((tmp_path / "ppo-tiny").glob("*"))
+    rl = metrics(run)
+    assert [r["step"] for r in rl] == [0, 1, 2] and all(r["optimizer_steps"] == 4 for r in rl), rl
+    assert all(0 < r["value_loss"] < 10 and np.isfinite(r["loss"]) for r in rl), rl
+    weights = checkpoint_weights(run, 3)
+    assert weights["critic.output_layer.weight"].shape == (1, 64) and weights["critic.output_layer.bias"].shape == (1,)
+    assert weights["critic.embedding.word_embeddings.weight"].shape == weights["embedding.word_embeddings.weight"].shape
+    assert "output_layer.weight" not in weights  # the actor's output layer is its embedding

@@ -123,7 +123,8 @@ def _policy_step(g: RankGroup, prompt_length: int, row: tuple[int, ...], pads: t
     g.apply(_snapshot)
     n = len(old)
     req = rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-        step=0, prompt_length=prompt_length, sequences=(row,), advantages=(tuple(np.linspace(-1, 1, n)),),
+        step=0, agg=rl_calls.LossAgg(tokens=n, rows=1, horizon=8), prompt_length=prompt_length, sequences=(row,),
+        advantages=(tuple(np.linspace(-1, 1, n)),),
         old_logprobs=(tuple(x - 0.1 for x in old),), pads=pads))  # ratio e^0.1: inside the clip
     g.call("policy_step", **req)
     return g.apply(_grads_and_restore)

@@ -122,7 +122,8 @@ def test_the_first_epochs_ratio_is_exactly_one(group: RankGroup) -> None:
     old = _score(group, rows)["logprobs"]
     adv = tuple(tuple(float(a) for a in _rng.normal(size=NEW)) for _ in rows)
     req = rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-        step=0, prompt_length=P, sequences=tuple(rows), advantages=adv, old_logprobs=tuple(map(tuple, old))))
+        step=0, agg=rl_calls.LossAgg(tokens=len(rows) * NEW, rows=len(rows), horizon=NEW), prompt_length=P,
+        sequences=tuple(rows), advantages=adv, old_logprobs=tuple(map(tuple, old))))
     owners = group.loss_owner_results(group.call("policy_step", **req))
     assert owners and all(o["ratio_max"] == 1.0 and o["clip_frac"] == 0.0 for o in owners), owners
     # A second epoch on the same old log-probs moves off 1: the ratio is measured, not assumed.
@@ -130,10 +131,11 @@ def test_the_first_epochs_ratio_is_exactly_one(group: RankGroup) -> None:
     assert all(o["ratio_max"] > 1.0 for o in later), later
 
 
-def _logprobs_at_against_autograd(task: Any, temperature: float) -> tuple[float, float]:
-    """This rank's part of random logits through ``policy.logprobs_at`` (in place, as the
-    update runs it) and a weighted sum's gradient; (the largest value gap, the largest
-    gradient gap) to plain torch autograd of log_softmax(logits / T) over the whole vocabulary."""
+def _logprobs_at_against_autograd(task: Any, temperature: float) -> tuple[float, float, float]:
+    """This rank's part of random logits through ``policy.logprobs_at`` with the entropy (in
+    place, as the update runs it with an entropy bonus) and the gradient of a weighted sum
+    of both; (the largest log-prob gap, entropy gap, gradient gap) to plain torch autograd of
+    log_softmax(logits / T) and its entropy over the whole vocabulary."""
     import torch
     from megatron.core import parallel_state
 
@@ -141,19 +143,23 @@ def _logprobs_at_against_autograd(task: Any, temperature: float) -> tuple[float,
 
     gen = torch.Generator().manual_seed(3)
     full = 3 * torch.randn(2, 5, 128, generator=gen)
-    labels, weights = torch.randint(0, 128, (2, 5), generator=gen), torch.randn(2, 5, generator=gen)
+    labels = torch.randint(0, 128, (2, 5), generator=gen)
+    w_logp, w_ent = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
     rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     part = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
-    logp, _ = logprobs_at(part.clone(), labels, temperature)  # a copy: like a model's output, no leaf
-    (logp * weights).sum().backward()
+    logp, ent = logprobs_at(part.clone(), labels, temperature, entropy=True)  # a copy: like a model's output
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
     plain = full.double().requires_grad_()
-    ref = torch.log_softmax(plain / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    (ref * weights).sum().backward()
-    return (float((logp - ref).abs().max()),
+    logp_all = torch.log_softmax(plain / temperature, dim=-1)
+    ref = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(dim=-1)
+    ((ref * w_logp).sum() + (ref_ent * w_ent).sum()).backward()
+    return (float((logp - ref).abs().max()), float((ent - ref_ent).abs().max()),
             float((part.grad - plain.grad.chunk(tp, dim=-1)[rank]).abs().max()))
 
 
 @pytest.mark.parametrize("temperature", [T, 1.0])
 def test_logprobs_at_has_plain_torchs_values_and_gradient(group: RankGroup, temperature: float) -> None:
-    for value_gap, grad_gap in group.apply(_logprobs_at_against_autograd, temperature=temperature):
-        assert value_gap <= 1e-5 and grad_gap <= 1e-6, (value_gap, grad_gap)
+    """The update's log-probs and entropy bonus: values and gradient (each rank its own part)."""
+    for logp_gap, ent_gap, grad_gap in group.apply(_logprobs_at_against_autograd, temperature=temperature):
+        assert logp_gap <= 1e-5 and ent_gap <= 1e-5 and grad_gap <= 1e-6, (logp_gap, ent_gap, grad_gap)

@@ -248,6 +248,8 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     assert (cfg.rl.kl.coef, cfg.rl.kl.estimator, cfg.rl.kl.target, cfg.rl.kl.enabled) == (0.001, "low_var_kl", None, True)
     assert _grpo("rl.kl.coef=auto").rl.kl.coef == "auto" and not _grpo("rl.kl.coef=0").rl.kl.enabled
     assert _grpo("rl.kl.coef=0.01", "rl.kl.target=0.01").rl.kl.target == 0.01
+    assert (cfg.rl.mini_batch_size, cfg.rl.loss_agg_mode, cfg.rl.entropy_coef) == (None, "token-mean", 0.0)
+    assert _grpo("rl.mini_batch_size=16", "rl.loss_agg_mode=seq-mean-token-sum-norm").rl.mini_batch_size == 16
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -257,6 +259,15 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
                                     r"model.seq_length = 16 \(the generator holds .* use at most 12 or raise "),
     (["rl.n=3"], r"^rl.prompts_per_step: prompts_per_step × n = 12 responses do not split into 2 data-parallel "),
     (["rl.warmup_steps=500"], r"^rl.warmup_steps: 500 > trainer.steps = 130"),
+    (["rl.mini_batch_size=12"], r"^rl.mini_batch_size: 12 does not divide prompts_per_step × n = 32 responses; pick a "
+                                r"divisor of 32 that is a multiple of dp × micro_batch_size$"),
+    (["rl.mini_batch_size=1"], r"^rl.mini_batch_size: 1 does not split evenly over 2 data-parallel replica\(s\); "),
+    (["rl.mini_batch_size=8"], r"^rl.mini_batch_size: 8 / dp = 4 is not whole micro-batches of 8 "),
+    (["rl.mini_batch_size=0"], r"^rl.mini_batch_size: 0"),
+    (["rl.loss_agg_mode=seq-mean"], r"^rl.loss_agg_mode: 'seq-mean' is not "),
+    (["rl.entropy_coef=-1"], r"^rl.entropy_coef: -1"),
+    (["training.recompute=full", "model.hidden_dropout=0.1"],
+     r"^training.recompute: 'full' does not act in RL updates with dropout .*; set model.hidden_dropout=0 and "),
     (["rl.clip_low=2"], r"^rl.clip_low: "),
     (["rl.reward=my rewards.py"], r"^rl.reward: 'my rewards.py' is neither a built-in reward \(counting, count_to, "
                                   r"exact_match, math\) nor "),

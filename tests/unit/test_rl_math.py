@@ -3,6 +3,7 @@ formulas written out by hand."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from core.errors import ConfigError, UserError
 from core.model.gpt import rl_loss
 from core.rl import advantages as adv
 from core.rl import rewards
+from core.wire import rl_calls
 
 
 def test_grpo_normalises_each_group_by_its_own_mean_and_sample_std() -> None:
@@ -107,28 +109,46 @@ def test_kl_estimators_match_their_formulas() -> None:
 
 
 def test_the_policy_loss_clips_low_and_high_and_dual_clips_negative_advantages() -> None:
-    mask = torch.ones(4)
     a = torch.tensor([1.0, 1.0, -1.0, -1.0])
     ratio = torch.tensor([1.0, 1.5, 0.5, 5.0])
     old = torch.zeros(4)
-    loss, frac = rl_loss.policy_loss(torch.log(ratio), old, a, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    loss, clipped = rl_loss.policy_loss(torch.log(ratio), old, a, clip_low=0.2, clip_high=0.28, clip_c=3.0)
     # per token: -1 (unclipped); -1.28 (high clip); 0.8 (low clip: max(0.5, 0.8)); 3 (dual clip of 5)
-    assert loss.item() == pytest.approx((-1.0 - 1.28 + 0.8 + 3.0) / 4)
-    assert frac.item() == pytest.approx(0.5)  # the clip bound on tokens 1 and 2 (the dual clip is not counted)
-    masked, _ = rl_loss.policy_loss(torch.log(ratio), old, a, torch.tensor([1.0, 1.0, 0.0, 0.0]),
-                                    clip_low=0.2, clip_high=0.28)
-    assert masked.item() == pytest.approx((-1.0 - 1.28) / 2)
+    assert torch.allclose(loss, torch.tensor([-1.0, -1.28, 0.8, 3.0]))
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]  # the clip bound on tokens 1 and 2 (the dual clip is not counted)
+
+
+def test_the_log_ratio_is_clamped_before_exp() -> None:
+    """verl's ±20: a token whose log-prob moved by 100 gives the ratio e^20, not inf."""
+    logp, old = torch.tensor([100.0, -100.0, 0.5]), torch.zeros(3)
+    assert rl_loss.log_ratio(logp, old).tolist() == [20.0, -20.0, 0.5]
+    loss, _ = rl_loss.policy_loss(logp, old, torch.tensor([-1.0, 1.0, 1.0]), clip_low=0.2, clip_high=0.28, clip_c=1e9)
+    assert torch.isfinite(loss).all() and loss[0].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+def test_each_aggregation_is_its_formula_over_the_whole_mini_batch() -> None:
+    """verl's agg_loss over a mini-batch of three rows of 1, 3 and 2 tokens, taken as two
+    micro-batches: the shares add up to the formula over the whole, written out by hand."""
+    values = torch.tensor([[1.0, 9.0, 9.0], [2.0, 4.0, 6.0], [3.0, 5.0, 9.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    expected = {"token-mean": (1 + 2 + 4 + 6 + 3 + 5) / 6, "seq-mean-token-mean": (1 + 4 + 4) / 3,
+                "seq-mean-token-sum-norm": (1 + 12 + 8) / (3 * 5)}
+    for mode, value in expected.items():
+        agg = rl_calls.LossAgg(mode=mode, tokens=6, rows=3, horizon=5)  # type: ignore[arg-type]
+        parts = rl_loss.aggregate(values[:1], mask[:1], agg) + rl_loss.aggregate(values[1:], mask[1:], agg)
+        assert parts.item() == pytest.approx(value), mode
+    with pytest.raises(ValueError, match="at least 1"):
+        rl_loss.aggregate(values, mask, rl_calls.LossAgg(tokens=0, rows=3, horizon=5))
 
 
 def test_value_loss_and_entropy() -> None:
     v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0])
     # token 0: max((1-0)^2, (0.5-0)^2) = 1; token 1: max((0-1)^2, (0-1)^2) = 1
-    loss, clip_frac = rl_loss.value_loss(v, old, ret, torch.ones(2), clip=0.5)
-    assert loss.item() == pytest.approx(0.5) and clip_frac.item() == 0.0
+    loss, clipped = rl_loss.value_loss(v, old, ret, clip=0.5)
+    assert loss.tolist() == [0.5, 0.5] and clipped.tolist() == [0.0, 0.0]
     # a value that overshoots the target past the clip: the clipped term (further off) is taken
-    loss, clip_frac = rl_loss.value_loss(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([3.0]),
-                                         torch.ones(1), clip=0.5)
-    assert loss.item() == pytest.approx(0.5 * 2.5 ** 2) and clip_frac.item() == 1.0
+    loss, clipped = rl_loss.value_loss(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([3.0]), clip=0.5)
+    assert loss.item() == pytest.approx(0.5 * 2.5 ** 2) and clipped.item() == 1.0
     assert rl_loss.entropy(torch.zeros(3, 8))[0].item() == pytest.approx(math.log(8))
 
 
@@ -140,8 +160,13 @@ def test_the_vocab_parallel_entropy_of_a_single_rank_is_the_entropy(tmp_path) ->
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0))
-        got = rl_loss.vocab_parallel_entropy(logits.clone(), dist.group.WORLD)
-        assert torch.allclose(got, rl_loss.entropy(logits), atol=1e-6)
+        mine, plain = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        got = rl_loss.vocab_parallel_entropy(mine, dist.group.WORLD)
+        assert torch.allclose(got, rl_loss.entropy(plain), atol=1e-6)
+        weights = torch.rand(3, 5, generator=torch.Generator().manual_seed(1))  # the entropy bonus's gradient
+        (got * weights).sum().backward()
+        (rl_loss.entropy(plain) * weights).sum().backward()
+        assert torch.allclose(mine.grad, plain.grad, atol=1e-6) and mine.grad.abs().max() > 1e-3
     finally:
         dist.destroy_process_group()
 
@@ -153,3 +178,41 @@ def test_an_rl_update_splits_its_rows_into_whole_micro_batches() -> None:
 
     assert [micro_size(m, 16) for m in (6, 8, 32, 1)] == [4, 8, 16, 1]
     assert micro_size(5, 7) == 1 and micro_size(3, 3) == 3
+
+
+def _entropy_rank(rank: int, store: str, logits: torch.Tensor, weights: torch.Tensor, out: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        half = logits.shape[-1] // 2
+        mine = logits[..., rank * half:(rank + 1) * half].clone().requires_grad_()
+        got = rl_loss.vocab_parallel_entropy(mine, dist.group.WORLD)
+        (got * weights).sum().backward()
+        out.put((rank, got.detach(), mine.grad))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_vocab_parallel_entropy_and_its_gradient_over_two_ranks_are_the_whole_vocabularys(tmp_path) -> None:
+    """Two processes, each half the vocabulary: every rank's entropy is softmax's over the
+    whole, and its gradient (the entropy bonus's, in the RL update) is that half of the
+    whole vocabulary's gradient, not twice it (the sums' backward is the identity)."""
+    import torch.multiprocessing as mp
+
+    logits = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(2))
+    weights = torch.rand(3, 5, generator=torch.Generator().manual_seed(3))
+    whole = logits.clone().requires_grad_()
+    (rl_loss.entropy(whole) * weights).sum().backward()
+    ctx = mp.get_context("spawn")  # not fork: a forked child of a process that ran torch ops can hang in OpenMP
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_entropy_rank, args=(r, str(tmp_path / "store"), logits, weights, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict((r, (e, g)) for r, e, g in (out.get(timeout=60) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, (got, grad) in results.items():
+        assert torch.allclose(got, rl_loss.entropy(logits), atol=1e-6)
+        assert torch.allclose(grad, whole.grad[..., rank * 6:(rank + 1) * 6], atol=1e-6), rank

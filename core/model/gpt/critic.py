@@ -12,8 +12,9 @@ loads into another layout as the actor does; a load of the actor's weights alone
 
 ``copy_from_actor`` (CRITIC_INIT, when the RL phase begins) gives the critic the actor's
 transformer; the head keeps its initialisation (normal(0, init_method_std) from the run's
-seed, bias 0). ``critic_step`` is one optimizer step on the clipped value loss through
-the same pipeline schedule as the actor's update.
+seed, bias 0), never tied to the embeddings. ``critic_step`` is one optimizer step on one
+mini-batch of the clipped value loss through the same pipeline schedule as the actor's
+update, aggregated as the actor's loss is (``rl.loss_agg_mode`` over the whole mini-batch).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from core.model.gpt import rl_loss
 from core.model.gpt.model import unwrap
 from core.model.gpt.policy import fill_row, optimizer_step, pad_counts
 from core.model.gpt.state import ReadFn, export_items, import_items, optimizer_blob, sharded_params
-from core.model.gpt.step import StepContext
+from core.model.gpt.step import StepContext, is_loss_owner
 from core.wire import rl_calls
 
 PREFIX = "critic."
@@ -52,7 +53,8 @@ class ValueHead(torch.nn.Linear):
 
 
 def attach_head(gpt: torch.nn.Module, *, seed: int) -> None:
-    """Replace the last stage's vocabulary output layer of ``gpt`` by a value head."""
+    """Replace the last stage's vocabulary output layer of ``gpt`` by a value head (``gpt``
+    built untied: the critic role's model never ties its embeddings)."""
     if not parallel_state.is_pipeline_last_stage():
         return
     model = unwrap(gpt)
@@ -73,7 +75,8 @@ def copy_from_actor(actor: list[Any], critic: list[Any], optimizer: Any) -> None
 
 def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
-    """One optimizer step of the critic (``ctx``: its model and optimizer); this rank's metrics."""
+    """One optimizer step of the critic (``ctx``: its model and optimizer) on this replica's
+    share of a mini-batch; this rank's metrics (loss owners: the mini-batch's)."""
     rows, p, seq = len(batch.sequences), batch.prompt_length, ctx.cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "ret", "oldv")})
@@ -81,18 +84,18 @@ def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
     for i, (row, ret, old) in enumerate(zip(batch.sequences, batch.returns, batch.old_values, strict=True)):
         n = fill_row(arrays, i, row, p)
         arrays["ret"][i, p - 1:n], arrays["oldv"][i, p - 1:n] = ret, old
-    clip = ctx.cfg.rl.critic.value_clip
+    clip, agg = ctx.cfg.rl.critic.value_clip, batch.agg
 
-    def loss_of(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, clip_frac = rl_loss.value_loss(output[..., 0].float(), mb["oldv"], mb["ret"], mb["mask"], clip=clip)
-        return loss, {"vf": loss.detach().clone(), "clip": clip_frac.detach()}
+    def loss_of(_model: torch.nn.Module, output: torch.Tensor,
+                mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        terms, clipped = rl_loss.value_loss(output[..., 0].float(), mb["oldv"], mb["ret"], clip=clip)
+        loss = rl_loss.aggregate(terms, mb["mask"], agg)
+        return loss, {"vf": loss.detach(), "clipped": (clipped * mb["mask"]).sum().detach()}
 
     rl = ctx.cfg.rl
-    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.critic.lr or rl.lr, loss_of,
-                                 before_update=before_update)
-    if out_mb is not None:
-        out.update(value_loss=float(torch.stack([d["vf"] for d in out_mb]).mean()),
-                   value_clip_frac=float(torch.stack([d["clip"] for d in out_mb]).mean()))
+    out, numbers = optimizer_step(ctx, arrays, batch.step, rl.critic.lr or rl.lr, loss_of, before_update=before_update)
+    if numbers is not None and is_loss_owner():
+        out.update(value_loss=numbers["vf"], value_clip_frac=numbers["clipped"] / agg.tokens)
     out.pop("tokens", None)
     return out
 

@@ -1,6 +1,6 @@
-"""The actor's RL update: one optimizer step on the clipped policy objective, through the
-same Megatron schedule as a training step (1F1B when pp > 1, the DDP reduction, the
-optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
+"""The actor's RL update: one optimizer step on one mini-batch of the clipped policy
+objective, through the same Megatron schedule as a training step (1F1B when pp > 1, the DDP
+reduction, the optimizer; tensor-parallel log-probs from the vocab-parallel cross entropy).
 
 Every log-prob and entropy here is at the sampling temperature T = ``rl.temperature``: of
 softmax(logits / T), the distribution the rollout drew from before top-k / top-p truncation
@@ -12,9 +12,19 @@ A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_l
 and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
 left-padded by ``pads[i]`` tokens is read with those keys masked out and positions counted
 over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone.
-Per response token the row carries its advantage and the rollout's log-prob (the old policy);
-the loss of a micro-batch is the token mean of ``core.model.gpt.rl_loss.policy_loss``, plus
-``kl_coef`` × the token mean of the KL estimate to the reference's log-probs.
+Per response token the row carries its advantage and the old policy's log-prob. The loss
+is ``core.model.gpt.rl_loss.policy_loss``, plus ``kl_coef`` × the KL estimate to the
+reference's log-probs, less ``rl.entropy_coef`` × the entropy (computed only when the
+coefficient is not 0), each aggregated over the whole mini-batch (``rl.loss_agg_mode``,
+``rl_loss.aggregate``: the batch's ``LossAgg`` counts every replica's rows): a micro-batch
+returns its share times micro-batches × dp, which Megatron's schedule divides by the
+micro-batch count and DDP averages over dp. Summed, the gradient is that of the whole
+mini-batch's loss whatever ``micro_batch_size``, dp or the order of the rows.
+
+The update's forward runs with dropout off: in eval mode when the model has dropout (then
+the first epoch's new log-probs are the old ones exactly, as ``score_rows`` computes them;
+gradients flow all the same), else in train mode, the same function, where Megatron's
+activation recompute acts (``core.config.run`` refuses recompute with dropout in RL).
 
 ``score_rows`` is the forward-only pass that gives the old policy's log-probs (the actor
 before its update, with the entropy of its distribution) and the reference's: the same
@@ -28,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -107,39 +118,62 @@ def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> I
 
 def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
-    """One optimizer step of the actor; this rank's metrics (loss owners: the replica's).
+    """One optimizer step of the actor on this replica's share of a mini-batch; this rank's
+    metrics (loss owners: the mini-batch's, every replica's together).
     ``before_update``: as for a training step (an async checkpoint's fence)."""
-    rl = ctx.cfg.rl
+    rl, agg = ctx.cfg.rl, batch.agg
     arrays = _arrays(batch, ctx.cfg.model.seq_length)
 
-    def loss_of(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp, _ = logprobs_at(output, mb["labels"], rl.temperature)  # the output: the logits
-        loss, clip_frac = rl_loss.policy_loss(logp, mb["old"], mb["adv"], mb["mask"], clip_low=rl.clip_low,
-                                              clip_high=rl.clip_high, clip_c=rl.clip_c)
-        ratio = (torch.exp(logp - mb["old"]) * mb["mask"]).max()
-        kl = rl_loss.token_mean(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mb["mask"])
-        total = loss + batch.kl_coef * kl if batch.kl_coef else loss
-        return total, {"pg": loss.detach().clone(), "clip_frac": clip_frac.detach(), "ratio_max": ratio.detach(),
-                       "kl": kl.detach()}
+    def loss_of(_model: torch.nn.Module, logits: torch.Tensor,
+                mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp, ent = logprobs_at(logits, mb["labels"], rl.temperature, entropy=bool(rl.entropy_coef))
+        mask = mb["mask"]
+        terms, clipped = rl_loss.policy_loss(logp, mb["old"], mb["adv"], clip_low=rl.clip_low,
+                                             clip_high=rl.clip_high, clip_c=rl.clip_c)
+        pg = rl_loss.aggregate(terms, mask, agg)
+        kl = rl_loss.aggregate(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mask, agg)
+        total = pg + batch.kl_coef * kl if batch.kl_coef else pg
+        numbers = {"pg": pg.detach(), "kl": kl.detach(), "clipped": (clipped * mask).sum().detach(),
+                   "max_ratio": (torch.exp(rl_loss.log_ratio(logp, mb["old"])) * mask).max().detach()}
+        if rl.entropy_coef:
+            entropy = rl_loss.aggregate(ent, mask, agg)
+            total = total - rl.entropy_coef * entropy
+            numbers["entropy"] = entropy.detach()
+        return total, numbers
 
-    out, out_mb = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, before_update=before_update)
-    if out_mb is not None:
-        out.update(loss=float(torch.stack([d["pg"] for d in out_mb]).mean()),
-                   clip_frac=float(torch.stack([d["clip_frac"] for d in out_mb]).mean()),
-                   ratio_max=float(torch.stack([d["ratio_max"] for d in out_mb]).max()),
-                   kl_loss=float(torch.stack([d["kl"] for d in out_mb]).mean()) if batch.ref_logprobs else None)
+    out, numbers = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, before_update=before_update)
+    if numbers is not None and is_loss_owner():
+        out.update(loss=numbers["pg"], clip_frac=numbers["clipped"] / agg.tokens, ratio_max=numbers["max_ratio"],
+                   kl_loss=numbers["kl"] if batch.ref_logprobs else None, entropy=numbers.get("entropy"))
     return out
 
 
-LossOf = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossOf = Callable[[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]],
+                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _replicas_total(out_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The micro-batches' numbers over every data replica: summed, or the largest for names
+    that begin with ``max_``. Collective over the data-parallel group (every last-stage rank)."""
+    group = parallel_state.get_data_parallel_group()
+    totals = {}
+    for key in out_mb[0]:
+        values = torch.stack([d[key].float() for d in out_mb])
+        value = values.max() if key.startswith("max_") else values.sum()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if key.startswith("max_") else dist.ReduceOp.SUM, group=group)
+        totals[key] = float(value)
+    return totals
 
 
 def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, lr: float | None, loss_of: LossOf, *,
-                   before_update: Callable[[], None] | None) -> tuple[dict[str, Any], list[Any] | None]:
+                   before_update: Callable[[], None] | None) -> tuple[dict[str, Any], dict[str, float] | None]:
     """One optimizer step of ``ctx``'s model on ``arrays`` (rows x seq_length) through the
-    pipeline schedule: ``loss_of(output, micro-batch)`` gives a micro-batch's loss (the
-    output: the model's, its logits or values, no labels passed in). At ``lr`` (None: the
-    schedule's); (this rank's metrics, the micro-batches' numbers on loss owners, else None)."""
+    pipeline schedule, dropout off (see the module's docstring). ``loss_of(model, output,
+    micro-batch)`` gives a micro-batch's share of the mini-batch's loss (the output: the
+    model's, logits or values) and its numbers; the share is scaled by micro-batches × dp
+    here, which the schedule and DDP divide back. At ``lr`` (None: the schedule's); (this
+    rank's metrics, on last-stage ranks the numbers summed over the micro-batches and the
+    replicas (``_replicas_total``), else None)."""
     t0 = time.perf_counter()
     begin_measures(ctx)
     cfg = ctx.cfg
@@ -148,12 +182,14 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
         for group in ctx.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
         rate = lr
+    dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
     for chunk in ctx.model_chunks:
         chunk.zero_grad_buffer()
-        chunk.train()
+        chunk.train(not dropout)
     ctx.optimizer.zero_grad()
     rows = arrays["tokens"].shape[0]
     micro = micro_size(int(cfg.training.micro_batch_size), rows)
+    scale = rows // micro * parallel_state.get_data_parallel_world_size()
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
@@ -161,7 +197,12 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
             padding.require_mask_support(model)
         with activations.storing(cfg.training.activation_storage):
             output = model(mb["tokens"], mb["position_ids"], mb.get("attention_mask"))
-        return output, lambda out: loss_of(out, mb)
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            share, numbers = loss_of(model, out, mb)
+            return share * scale, numbers
+
+        return output, loss_func
 
     t_data = time.perf_counter()
     batches = list(_micro(arrays, micro, ctx.device))
@@ -174,11 +215,13 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
         before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
     out: dict[str, Any] = {**measures(ctx, t0, data_wait, synced[0]), "rss_peak_mb": process.peak_rss_mb()}
-    if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
+    if not parallel_state.is_pipeline_last_stage():
         return out, None
-    out.update(grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),
-               lr=float(rate), tokens=int(arrays["mask"].sum()))
-    return out, out_mb
+    numbers = _replicas_total(out_mb)
+    if is_loss_owner():
+        out.update(grad_norm=float(grad_norm) if grad_norm is not None and update_ok else float("nan"),
+                   lr=float(rate), tokens=int(arrays["mask"].sum()))
+    return out, numbers
 
 
 def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> rl_calls.RowScores:

@@ -6,24 +6,46 @@ The field's formulas (verl's ``core_algos``), so that the same settings train th
   ``low_var_kl`` ``exp(ref - logp) - (ref - logp) - 1`` clamped to [-10, 10].
 - ``policy_loss``: the clipped ratio objective with separate low and high clip ranges
   (``1 - clip_low`` .. ``1 + clip_high``), and the dual clip ``clip_c`` for negative
-  advantages; returns the token-mean loss and the fraction of tokens clipped.
-- ``value_loss``: the clipped value objective, ``0.5 max((v - R)^2, (v_clip - R)^2)``.
+  advantages, per token with where the clip bound; the log-ratio ``logp - old`` is clamped
+  to ±20 before ``exp`` (verl: a token the policy moved far never overflows the ratio).
+- ``value_loss``: the clipped value objective, ``0.5 max((v - R)^2, (v_clip - R)^2)``, per token.
 - ``entropy``: of the full distribution, from logits (``logsumexp - sum p logit``).
 - ``vocab_parallel_entropy``: the same from logits whose vocabulary is split over a
   tensor-parallel group (three all-reduces; no rank gathers the vocabulary).
-- ``token_mean``: every response token of the batch weighs the same.
+- ``aggregate``: a micro-batch's share of a loss aggregated over the whole RL mini-batch
+  (``rl.loss_agg_mode``, verl's ``agg_loss`` with global counts): ``token-mean`` Σ terms /
+  the mini-batch's response tokens; ``seq-mean-token-mean`` Σ over rows of each row's token
+  mean / the mini-batch's rows; ``seq-mean-token-sum-norm`` (Dr. GRPO) Σ terms / (rows ×
+  horizon, ``rl.max_response_length``). Summed over every micro-batch of every data replica
+  it is the mini-batch's value, whatever the micro-batching, the replicas or the row order.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from core.wire import rl_calls
+
 KL_ESTIMATORS = ("k1", "abs", "mse", "low_var_kl")
 KL_CLAMP = 10.0
+LOG_RATIO_CLAMP = 20.0  # verl's bound on logp - old before exp
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: rl_calls.LossAgg) -> torch.Tensor:
+    """This micro-batch's share (``values``, ``mask``: rows x positions) of the per-token
+    terms aggregated over the whole mini-batch ``agg`` counts (see the module's docstring)."""
+    if min(agg.tokens, agg.rows, agg.horizon) < 1:
+        raise ValueError(f"a loss aggregation over {agg.tokens} tokens, {agg.rows} rows, horizon {agg.horizon}: "
+                         "each must be at least 1")
+    masked = values * mask
+    if agg.mode == "token-mean":
+        return masked.sum() / agg.tokens
+    if agg.mode == "seq-mean-token-mean":
+        return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum() / agg.rows
+    if agg.mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (agg.rows * agg.horizon)
+    raise ValueError(f"unknown loss aggregation {agg.mode!r}; one of {', '.join(AGG_MODES)}")
 
 
 def kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -41,26 +63,29 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tens
     raise ValueError(f"unknown KL estimator {estimator!r}; one of {', '.join(KL_ESTIMATORS)}")
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """``logp - old_logp`` clamped to ±LOG_RATIO_CLAMP (the ratio is its exp)."""
+    return (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
                 clip_low: float, clip_high: float, clip_c: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token-mean clipped policy loss, fraction of tokens where the clip was active)."""
-    ratio = torch.exp(logp - old_logp)
+    """Per token: (the clipped policy loss, 1 where the clip bound and 0 elsewhere)."""
+    ratio = torch.exp(log_ratio(logp, old_logp))
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(loss1, loss2)
     dual = torch.minimum(-advantages * clip_c, clipped)
     losses = torch.where(advantages < 0, dual, clipped)
-    clip_frac = token_mean(torch.gt(loss2, loss1).to(logp.dtype), mask)
-    return token_mean(losses, mask), clip_frac
+    return losses, torch.gt(loss2, loss1).to(logp.dtype)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
                clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token-mean clipped value loss, fraction of tokens where the clipped term was larger)."""
+    """Per token: (the clipped value loss, 1 where the clipped term was larger and 0 elsewhere)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     plain, other = (values - returns).square(), (clipped - returns).square()
-    clip_frac = token_mean(torch.gt(other, plain).to(values.dtype), mask)
-    return 0.5 * token_mean(torch.maximum(plain, other), mask), clip_frac
+    return 0.5 * torch.maximum(plain, other), torch.gt(other, plain).to(values.dtype)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -69,15 +94,29 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """A sum over ``group``'s ranks forward, identity backward: every rank computes the same
+    loss of the sum, and its own part's gradient is that loss's gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx: object, part: torch.Tensor, group: object) -> torch.Tensor:  # type: ignore[override]
+        total = part.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 def vocab_parallel_entropy(logits: torch.Tensor, group: object) -> torch.Tensor:
     """Per-position entropy of softmax over a vocabulary split in order over ``group``'s
-    ranks (``logits``: this rank's ``[..., vocab / tp]`` part)."""
-    top = logits.max(dim=-1).values
+    ranks (``logits``: this rank's ``[..., vocab / tp]`` part); differentiable (the RL
+    update's entropy bonus): each rank's gradient is that of its own part."""
+    top = logits.detach().max(dim=-1).values  # a shift the entropy does not depend on: no gradient
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - top.unsqueeze(-1)
     e = shifted.exp()
-    z = e.sum(dim=-1)
-    dist.all_reduce(z, group=group)
-    weighted = (e * shifted).sum(dim=-1)
-    dist.all_reduce(weighted, group=group)
+    z = _SumOverRanks.apply(e.sum(dim=-1), group)
+    weighted = _SumOverRanks.apply((e * shifted).sum(dim=-1), group)
     return z.log() - weighted / z
