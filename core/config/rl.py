@@ -72,8 +72,9 @@ returns, and the critic takes ``ppo_epochs`` epochs of mini-batch steps on the c
 value loss (``critic.value_clip``) at ``critic.lr`` before the actor's update.
 
 ``kl``: a KL penalty to the reference policy (the actor when RL began: the end of the warm
-start, or ``init_from``) in the actor's loss, ``coef`` × the token mean of the
-``estimator`` (k1, abs, mse, k3 ``low_var_kl``). ``coef: auto`` is a heuristic, not a law:
+start, or ``init_from``) in the actor's loss, ``coef`` × the ``estimator`` (k1, abs, mse,
+k3 ``low_var_kl``) aggregated by ``loss_agg_mode``; the step's recorded ``kl``, which the
+adaptive controller follows, is its token mean whatever the mode. ``coef: auto`` is a heuristic, not a law:
 max(1e-3, 0.02 ln(parameters in billions)). With ``target`` the coefficient adapts each
 step towards that KL over ``horizon`` responses (the adaptive controller). ``coef: 0`` and
 no target: no reference model at all.

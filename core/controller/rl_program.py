@@ -172,9 +172,8 @@ class RLStep:
             adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
             rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
         with _timed(phases, "update"):
-            first, results, steps = self._update(step, rows, pads, old, ref)
+            kl_now, results, steps = self._update(step, rows, pads, old, ref)
         owners = self.trainer.owners(results)
-        kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
         coef = self.kl.value
         if kl_now is not None:
             self.kl.update(kl_now, len(rows))
@@ -269,10 +268,10 @@ class RLStep:
         return {**meta, "response_text": text_before_stop(self.tokenizer, self.stop, response)}
 
     def _update(self, step: int, rows: list[Row], pads: list[int], old: list[tuple[float, ...]],
-                ref: list[tuple[float, ...]]) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult], int]:
+                ref: list[tuple[float, ...]]) -> tuple[float | None, list[rl_calls.PolicyResult], int]:
         """``ppo_epochs`` actor epochs of one optimizer step per mini-batch; (the first epoch's
-        loss owners' results, the last epoch's results by rank merged over its mini-batches,
-        the optimizer steps taken)."""
+        KL to the reference, a token mean over every response (None without a reference), the
+        last epoch's results by rank merged over its mini-batches, the optimizer steps taken)."""
         rl = self.cfg.rl
         coef = self.kl.value if ref else 0.0
         batches = []
@@ -286,7 +285,12 @@ class RLStep:
                                                               strict=True)])
         epochs = [[self.trainer.call_each(rl_calls.POLICY_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
                    for shares in batches] for _ in range(rl.ppo_epochs)]
-        return self.trainer.owners(_merged(epochs[0])), _merged(epochs[-1]), len(batches) * rl.ppo_epochs
+        kl = None
+        if ref:  # each mini-batch's token mean (the same on every owner) weighed by its tokens
+            weighed = [(self.trainer.owners(results)[0].kl or 0.0) * shares[0].agg.tokens
+                       for results, shares in zip(epochs[0], batches, strict=True)]
+            kl = sum(weighed) / sum(shares[0].agg.tokens for shares in batches)
+        return kl, _merged(epochs[-1]), len(batches) * rl.ppo_epochs
 
     def _mini_batches(self, rows: int) -> list[slice]:
         """The rows of each optimizer step of an epoch, in order (``rl.mini_batch_size``)."""
@@ -330,7 +334,7 @@ def _merged(calls: list[list[rl_calls.PolicyResult]]) -> list[rl_calls.PolicyRes
 
     merged = []
     for per_rank in zip(*calls, strict=True):
-        mean = {k: over(per_rank, k, statistics.fmean) for k in ("loss", "clip_frac", "kl_loss", "entropy")}
+        mean = {k: over(per_rank, k, statistics.fmean) for k in ("loss", "clip_frac", "kl")}
         total = {k: over(per_rank, k, sum) for k in ("step_time_s", "data_wait_s", "grad_sync_s", "compute_s",
                                                         "tokens")}
         peak = {k: over(per_rank, k, max) for k in ("cuda_peak_mb", "rss_peak_mb", "ratio_max")}

@@ -87,8 +87,8 @@ class PolicyResult(Timings):
     tokens: int = 0  # response tokens of this replica
     clip_frac: float | None = None  # the fraction of the mini-batch's response tokens where the clip bound
     ratio_max: float | None = None  # the largest new/old probability ratio seen
-    kl_loss: float | None = None  # the KL term, aggregated, before its coefficient
-    entropy: float | None = None  # with rl.entropy_coef: the entropy bonus's aggregated entropy
+    kl: float | None = None  # with reference log-probs: the KL estimate's token mean over the mini-batch (the
+    #                          loss aggregates it by rl.loss_agg_mode; the adaptive KL controller reads this)
 
 
 @dataclass(frozen=True, kw_only=True)

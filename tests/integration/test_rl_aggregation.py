@@ -11,7 +11,8 @@ policy objective with the log-ratio clamped, k3 KL and the entropy bonus (or the
 value loss), each aggregated by its mode over all rows, and ``torch.autograd.grad`` of
 that. Megatron's gradient (every parameter's ``main_grad`` after the step, reduced over the
 replicas) equals it within 1e-6 of the gradient's scale; the reported loss, KL and clip
-fraction equal the reference's numbers. Old log-probs are the current ones shifted by
+fraction equal the reference's numbers (the KL reported as its token mean under every mode:
+the adaptive KL controller reads it). Old log-probs are the current ones shifted by
 noise, so some ratios leave the clip range (and the check covers the clipped branch).
 
 A mini-batch test: the first of two optimizer steps on halves of a batch scored by the
@@ -150,8 +151,8 @@ def _reference(task: Any, model: str, mode: str, old: Any = None, ref: Any = Non
             d = r - lp
             kl.append(torch.clamp(torch.exp(d) - d - 1, -10, 10))
             ent.append(entropy[i, span])
-        parts = {"loss": _aggregate(pg, mode), "kl": _aggregate(kl, mode), "entropy": _aggregate(ent, mode)}
-        total = parts["loss"] + KL_COEF * parts["kl"] - ENTROPY_COEF * parts["entropy"]
+        parts = {"loss": _aggregate(pg, mode), "kl": _aggregate(kl, "token-mean")}  # kl: reported, a token mean
+        total = parts["loss"] + KL_COEF * _aggregate(kl, mode) - ENTROPY_COEF * _aggregate(ent, mode)
         parts["clip_frac"] = clipped / sum(LENGTHS)
     else:
         vf, clipped = [], 0.0
@@ -222,8 +223,8 @@ def test_the_update_gradient_is_the_whole_batch_loss_gradient_at_every_micro_bat
         want = reference[0]
         for o in owners:
             if model == "actor":
-                assert abs(o["loss"] - want["loss"]) <= TOL and abs(o["kl_loss"] - want["kl"]) <= TOL, (micro, o)
-                assert abs(o["entropy"] - want["entropy"]) <= TOL and abs(o["clip_frac"] - want["clip_frac"]) <= 1e-9
+                assert abs(o["loss"] - want["loss"]) <= TOL and abs(o["kl"] - want["kl"]) <= TOL, (micro, o)
+                assert abs(o["clip_frac"] - want["clip_frac"]) <= 1e-9
             else:
                 assert abs(o["value_loss"] - want["loss"]) <= TOL, (micro, o)
                 assert abs(o["value_clip_frac"] - want["clip_frac"]) <= 1e-9

@@ -14,8 +14,9 @@ left-padded by ``pads[i]`` tokens is read with those keys masked out and positio
 over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone.
 Per response token the row carries its advantage and the old policy's log-prob. The loss
 is ``core.model.gpt.rl_loss.policy_loss``, plus ``kl_coef`` × the KL estimate to the
-reference's log-probs, less ``rl.entropy_coef`` × the entropy (computed only when the
-coefficient is not 0), each aggregated over the whole mini-batch (``rl.loss_agg_mode``,
+reference's log-probs (computed only with them; reported as its token mean whatever the
+mode), less ``rl.entropy_coef`` × the entropy (computed only when the coefficient is not
+0), each aggregated over the whole mini-batch (``rl.loss_agg_mode``,
 ``rl_loss.aggregate``: the batch's ``LossAgg`` counts every replica's rows): a micro-batch
 returns its share times micro-batches × dp, which Megatron's schedule divides by the
 micro-batch count and DDP averages over dp. Summed, the gradient is that of the whole
@@ -130,21 +131,22 @@ def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
         mask = mb["mask"]
         terms, clipped = rl_loss.policy_loss(logp, mb["old"], mb["adv"], clip_low=rl.clip_low,
                                              clip_high=rl.clip_high, clip_c=rl.clip_c)
-        pg = rl_loss.aggregate(terms, mask, agg)
-        kl = rl_loss.aggregate(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mask, agg)
-        total = pg + batch.kl_coef * kl if batch.kl_coef else pg
-        numbers = {"pg": pg.detach(), "kl": kl.detach(), "clipped": (clipped * mask).sum().detach(),
+        total = rl_loss.aggregate(terms, mask, agg)
+        numbers = {"pg": total.detach(), "clipped": (clipped * mask).sum().detach(),
                    "max_ratio": (torch.exp(rl_loss.log_ratio(logp, mb["old"])) * mask).max().detach()}
+        if batch.ref_logprobs:  # the KL term: in the loss by rl.loss_agg_mode, reported as its token sum
+            kl = rl_loss.kl(logp, mb["ref"], rl.kl.estimator)
+            if batch.kl_coef:
+                total = total + batch.kl_coef * rl_loss.aggregate(kl, mask, agg)
+            numbers["kl_sum"] = (kl * mask).sum().detach()
         if rl.entropy_coef:
-            entropy = rl_loss.aggregate(ent, mask, agg)
-            total = total - rl.entropy_coef * entropy
-            numbers["entropy"] = entropy.detach()
+            total = total - rl.entropy_coef * rl_loss.aggregate(ent, mask, agg)
         return total, numbers
 
     out, numbers = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, before_update=before_update)
     if numbers is not None and is_loss_owner():
         out.update(loss=numbers["pg"], clip_frac=numbers["clipped"] / agg.tokens, ratio_max=numbers["max_ratio"],
-                   kl_loss=numbers["kl"] if batch.ref_logprobs else None, entropy=numbers.get("entropy"))
+                   kl=numbers["kl_sum"] / agg.tokens if batch.ref_logprobs else None)
     return out
 
 
