@@ -49,7 +49,8 @@ token mean), ``seq-mean-token-sum-norm`` (Dr. GRPO: the token sums over response
 ``max_response_length``); the gradient does not depend on ``training.micro_batch_size``, dp
 or the order of the rows. ``entropy_coef``: an entropy bonus, the loss less coef × the
 aggregated entropy of the actor's distribution (0: not computed in the update). The
-updates run with dropout off (the first epoch's ratio is exactly 1).
+updates run with dropout off, and the old log-probs are scored in the update's micro-batches
+(the first epoch's ratio is exactly 1).
 Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
 entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
 ``temperature``, before top-k / top-p truncation (as verl computes them).

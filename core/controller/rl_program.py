@@ -307,8 +307,9 @@ class RLStep:
                ) -> tuple[list[tuple[float, ...]], float]:
         """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
         the actor's entropy (token mean over every response)."""
+        mini_batch = (self.cfg.rl.mini_batch_size or 0) // self.trainer.dims.dp  # each replica's, as updated
         shares = [rl_calls.ScoreRows(model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
-                                     sequences=tuple(part), pads=tuple(pad))
+                                     sequences=tuple(part), pads=tuple(pad), mini_batch=mini_batch)
                   for part, pad in zip(self._split(sequences), self._split(pads), strict=True)]
         answers = self.trainer.call_each(rl_calls.SCORE_ROWS, shares, timeout_s=self.cfg.timeouts.step_s)
         out: list[tuple[float, ...]] = [()] * len(sequences)

@@ -63,6 +63,7 @@ class ScoreRows:
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
     pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
+    mini_batch: int = 0  # rows of each update mini-batch in this share (0: all): micro-batched as the update is
 
 
 @dataclass(frozen=True, kw_only=True)

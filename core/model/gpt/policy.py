@@ -5,8 +5,10 @@ reduction, the optimizer; tensor-parallel log-probs from the vocab-parallel cros
 Every log-prob and entropy here is at the sampling temperature T = ``rl.temperature``: of
 softmax(logits / T), the distribution the rollout drew from before top-k / top-p truncation
 (as verl scores them). ``logprobs_at`` is the one computation: the update and ``score_rows``
-both take the model's logits and call it, so the old policy's log-probs and the update's
-first-epoch ones are the same arithmetic (the first epoch's ratio is exactly 1).
+both take the model's logits and call it, and ``score_rows`` micro-batches the rows as the
+update does (each mini-batch's rows in the same micro-batches), so the old policy's
+log-probs and the update's first-epoch ones are the same arithmetic on the same shapes (the
+first epoch's ratio is exactly 1).
 
 A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
 and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
@@ -229,14 +231,16 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
 def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> rl_calls.RowScores:
     """Log-probs of the response tokens of ``req``'s rows under ``chunks`` (the actor's or the
     reference's, this rank's pipeline stage) at ``rl.temperature``, dropout off (the actor:
-    with the entropy at that temperature; the critic: its values); on loss owners."""
+    with the entropy at that temperature; the critic: its values); on loss owners. The rows
+    are micro-batched as the update micro-batches each of ``req.mini_batch`` rows: the same
+    rows share a micro-batch in both, so their numbers are the same arithmetic."""
     cfg = ctx.cfg
     rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
     arrays["pads"] = pad_counts(req.pads, rows)
     ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
-    micro = micro_size(int(cfg.training.micro_batch_size), rows)
+    micro = micro_size(int(cfg.training.micro_batch_size), req.mini_batch or rows)  # the update's micro-batches
     entropy = req.model == "actor"
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
