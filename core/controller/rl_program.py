@@ -21,7 +21,8 @@ order they were generated; all of them without it), the same for the critic. Eac
 request carries the whole mini-batch's counts (``rl_calls.LossAgg``: response tokens, rows,
 the horizon), so the workers aggregate the loss over all of it (``rl.loss_agg_mode``) and
 the gradient does not depend on the micro-batching or dp. The step's record takes the last
-epoch's numbers as the mean over its mini-batches (``ratio_max``: the largest; ``kl`` and
+epoch's numbers as the mean over its mini-batches (``ratio_max``: the largest; ``kl``: the
+first epoch's token mean over every response, which the adaptive KL coefficient follows;
 ``value_loss``: the first epoch's), and ``optimizer_steps``, the actor's steps it took.
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
