@@ -49,7 +49,8 @@ token mean), ``seq-mean-token-sum-norm`` (Dr. GRPO: the token sums over response
 ``max_response_length``); the gradient does not depend on ``training.micro_batch_size``, dp
 or the order of the rows. ``entropy_coef``: an entropy bonus, the loss less coef × the
 aggregated entropy of the actor's distribution (0: not computed in the update). The
-updates run with dropout off (the first epoch's ratio is exactly 1).
+updates run with dropout off, and the old log-probs are scored in the update's micro-batches
+(the first epoch's ratio is exactly 1).
 Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
 entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
 ``temperature``, before top-k / top-p truncation (as verl computes them).
@@ -72,8 +73,9 @@ returns, and the critic takes ``ppo_epochs`` epochs of mini-batch steps on the c
 value loss (``critic.value_clip``) at ``critic.lr`` before the actor's update.
 
 ``kl``: a KL penalty to the reference policy (the actor when RL began: the end of the warm
-start, or ``init_from``) in the actor's loss, ``coef`` × the token mean of the
-``estimator`` (k1, abs, mse, k3 ``low_var_kl``). ``coef: auto`` is a heuristic, not a law:
+start, or ``init_from``) in the actor's loss, ``coef`` × the ``estimator`` (k1, abs, mse,
+k3 ``low_var_kl``) aggregated by ``loss_agg_mode``; the step's recorded ``kl``, which the
+adaptive controller follows, is its token mean whatever the mode. ``coef: auto`` is a heuristic, not a law:
 max(1e-3, 0.02 ln(parameters in billions)). With ``target`` the coefficient adapts each
 step towards that KL over ``horizon`` responses (the adaptive controller). ``coef: 0`` and
 no target: no reference model at all.

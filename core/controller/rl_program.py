@@ -21,7 +21,8 @@ order they were generated; all of them without it), the same for the critic. Eac
 request carries the whole mini-batch's counts (``rl_calls.LossAgg``: response tokens, rows,
 the horizon), so the workers aggregate the loss over all of it (``rl.loss_agg_mode``) and
 the gradient does not depend on the micro-batching or dp. The step's record takes the last
-epoch's numbers as the mean over its mini-batches (``ratio_max``: the largest; ``kl`` and
+epoch's numbers as the mean over its mini-batches (``ratio_max``: the largest; ``kl``: the
+first epoch's token mean over every response, which the adaptive KL coefficient follows;
 ``value_loss``: the first epoch's), and ``optimizer_steps``, the actor's steps it took.
 
 Each phase's wall time goes into the step's record (``phase_s``), with the actor vs
@@ -172,9 +173,8 @@ class RLStep:
             adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
             rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
         with _timed(phases, "update"):
-            first, results, steps = self._update(step, rows, pads, old, ref)
+            kl_now, results, steps = self._update(step, rows, pads, old, ref)
         owners = self.trainer.owners(results)
-        kl_now = statistics.fmean(o.kl_loss or 0.0 for o in first) if ref else None
         coef = self.kl.value
         if kl_now is not None:
             self.kl.update(kl_now, len(rows))
@@ -269,10 +269,10 @@ class RLStep:
         return {**meta, "response_text": text_before_stop(self.tokenizer, self.stop, response)}
 
     def _update(self, step: int, rows: list[Row], pads: list[int], old: list[tuple[float, ...]],
-                ref: list[tuple[float, ...]]) -> tuple[list[rl_calls.PolicyResult], list[rl_calls.PolicyResult], int]:
+                ref: list[tuple[float, ...]]) -> tuple[float | None, list[rl_calls.PolicyResult], int]:
         """``ppo_epochs`` actor epochs of one optimizer step per mini-batch; (the first epoch's
-        loss owners' results, the last epoch's results by rank merged over its mini-batches,
-        the optimizer steps taken)."""
+        KL to the reference, a token mean over every response (None without a reference), the
+        last epoch's results by rank merged over its mini-batches, the optimizer steps taken)."""
         rl = self.cfg.rl
         coef = self.kl.value if ref else 0.0
         batches = []
@@ -286,7 +286,12 @@ class RLStep:
                                                               strict=True)])
         epochs = [[self.trainer.call_each(rl_calls.POLICY_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
                    for shares in batches] for _ in range(rl.ppo_epochs)]
-        return self.trainer.owners(_merged(epochs[0])), _merged(epochs[-1]), len(batches) * rl.ppo_epochs
+        kl = None
+        if ref:  # each mini-batch's token mean (the same on every owner) weighed by its tokens
+            weighed = [(self.trainer.owners(results)[0].kl or 0.0) * shares[0].agg.tokens
+                       for results, shares in zip(epochs[0], batches, strict=True)]
+            kl = sum(weighed) / sum(shares[0].agg.tokens for shares in batches)
+        return kl, _merged(epochs[-1]), len(batches) * rl.ppo_epochs
 
     def _mini_batches(self, rows: int) -> list[slice]:
         """The rows of each optimizer step of an epoch, in order (``rl.mini_batch_size``)."""
@@ -303,8 +308,9 @@ class RLStep:
                ) -> tuple[list[tuple[float, ...]], float]:
         """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
         the actor's entropy (token mean over every response)."""
+        mini_batch = (self.cfg.rl.mini_batch_size or 0) // self.trainer.dims.dp  # each replica's, as updated
         shares = [rl_calls.ScoreRows(model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
-                                     sequences=tuple(part), pads=tuple(pad))
+                                     sequences=tuple(part), pads=tuple(pad), mini_batch=mini_batch)
                   for part, pad in zip(self._split(sequences), self._split(pads), strict=True)]
         answers = self.trainer.call_each(rl_calls.SCORE_ROWS, shares, timeout_s=self.cfg.timeouts.step_s)
         out: list[tuple[float, ...]] = [()] * len(sequences)
@@ -330,7 +336,7 @@ def _merged(calls: list[list[rl_calls.PolicyResult]]) -> list[rl_calls.PolicyRes
 
     merged = []
     for per_rank in zip(*calls, strict=True):
-        mean = {k: over(per_rank, k, statistics.fmean) for k in ("loss", "clip_frac", "kl_loss", "entropy")}
+        mean = {k: over(per_rank, k, statistics.fmean) for k in ("loss", "clip_frac", "kl")}
         total = {k: over(per_rank, k, sum) for k in ("step_time_s", "data_wait_s", "grad_sync_s", "compute_s",
                                                         "tokens")}
         peak = {k: over(per_rank, k, max) for k in ("cuda_peak_mb", "rss_peak_mb", "ratio_max")}

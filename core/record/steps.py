@@ -58,9 +58,10 @@ class StepRecord:
     stopped_frac: float | None = None  # of the responses that ended at a stop token (rl.stop, count_to's eot)
     clip_frac: float | None = None
     policy_version: int | None = None  # the policy that generated this step's responses
-    kl: float | None = None  # the actor's KL estimate to the reference (rl.kl.estimator), token mean
+    kl: float | None = None  # the actor's KL estimate to the reference (rl.kl.estimator): a token mean over
+    # the first epoch's responses whatever rl.loss_agg_mode (the loss's KL term is aggregated by the mode)
     kl_coef: float | None = None  # the KL coefficient this step's update used
-    entropy: float | None = None  # of the actor's distribution over response tokens, token mean
+    entropy: float | None = None  # of the old policy's distribution (scored before the update), token mean
     ratio_max: float | None = None  # the largest new/old probability ratio of the last update epoch
     optimizer_steps: int | None = None  # the actor's optimizer steps: ppo_epochs × mini-batches
     phase_s: dict[str, float] | None = None  # wall seconds per phase: sync, generate, reward, old, ref, values,

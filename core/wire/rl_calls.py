@@ -63,6 +63,7 @@ class ScoreRows:
     prompt_length: int
     sequences: tuple[tuple[int, ...], ...]
     pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
+    mini_batch: int = 0  # rows of each update mini-batch in this share (0: all): micro-batched as the update is
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,8 +88,8 @@ class PolicyResult(Timings):
     tokens: int = 0  # response tokens of this replica
     clip_frac: float | None = None  # the fraction of the mini-batch's response tokens where the clip bound
     ratio_max: float | None = None  # the largest new/old probability ratio seen
-    kl_loss: float | None = None  # the KL term, aggregated, before its coefficient
-    entropy: float | None = None  # with rl.entropy_coef: the entropy bonus's aggregated entropy
+    kl: float | None = None  # with reference log-probs: the KL estimate's token mean over the mini-batch (the
+    #                          loss aggregates it by rl.loss_agg_mode; the adaptive KL controller reads this)
 
 
 @dataclass(frozen=True, kw_only=True)

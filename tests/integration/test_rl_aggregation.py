@@ -11,7 +11,8 @@ policy objective with the log-ratio clamped, k3 KL and the entropy bonus (or the
 value loss), each aggregated by its mode over all rows, and ``torch.autograd.grad`` of
 that. Megatron's gradient (every parameter's ``main_grad`` after the step, reduced over the
 replicas) equals it within 1e-6 of the gradient's scale; the reported loss, KL and clip
-fraction equal the reference's numbers. Old log-probs are the current ones shifted by
+fraction equal the reference's numbers (the KL reported as its token mean under every mode:
+the adaptive KL controller reads it). Old log-probs are the current ones shifted by
 noise, so some ratios leave the clip range (and the check covers the clipped branch).
 
 A mini-batch test: the first of two optimizer steps on halves of a batch scored by the
@@ -150,8 +151,8 @@ def _reference(task: Any, model: str, mode: str, old: Any = None, ref: Any = Non
             d = r - lp
             kl.append(torch.clamp(torch.exp(d) - d - 1, -10, 10))
             ent.append(entropy[i, span])
-        parts = {"loss": _aggregate(pg, mode), "kl": _aggregate(kl, mode), "entropy": _aggregate(ent, mode)}
-        total = parts["loss"] + KL_COEF * parts["kl"] - ENTROPY_COEF * parts["entropy"]
+        parts = {"loss": _aggregate(pg, mode), "kl": _aggregate(kl, "token-mean")}  # kl: reported, a token mean
+        total = parts["loss"] + KL_COEF * _aggregate(kl, mode) - ENTROPY_COEF * _aggregate(ent, mode)
         parts["clip_frac"] = clipped / sum(LENGTHS)
     else:
         vf, clipped = [], 0.0
@@ -169,11 +170,13 @@ def _reference(task: Any, model: str, mode: str, old: Any = None, ref: Any = Non
 
 
 # --- from the test process -----------------------------------------------------------------------
-def _scores(g: RankGroup, model: str) -> list[tuple[float, ...]]:
-    """The current model's per-token log-probs (the critic: values) of every row, in order."""
+def _scores(g: RankGroup, model: str, mini_batch: int = 0) -> list[tuple[float, ...]]:
+    """The current model's per-token log-probs (the critic: values) of every row, in order
+    (``mini_batch``: the rows of each update mini-batch, as the controller says it)."""
     dp = g.world_size
     shares = [rl_calls.SCORE_ROWS.encode_request(rl_calls.ScoreRows(
-        model=model, prompt_length=P, sequences=SEQUENCES[d::dp])) for d in range(dp)]  # type: ignore[arg-type]
+        model=model, prompt_length=P, sequences=SEQUENCES[d::dp], mini_batch=mini_batch // dp))  # type: ignore[arg-type]
+        for d in range(dp)]
     answers = g.call_each("score_rows", shares)
     out: list[tuple[float, ...]] = [()] * ROWS
     for d in range(dp):
@@ -222,8 +225,8 @@ def test_the_update_gradient_is_the_whole_batch_loss_gradient_at_every_micro_bat
         want = reference[0]
         for o in owners:
             if model == "actor":
-                assert abs(o["loss"] - want["loss"]) <= TOL and abs(o["kl_loss"] - want["kl"]) <= TOL, (micro, o)
-                assert abs(o["entropy"] - want["entropy"]) <= TOL and abs(o["clip_frac"] - want["clip_frac"]) <= 1e-9
+                assert abs(o["loss"] - want["loss"]) <= TOL and abs(o["kl"] - want["kl"]) <= TOL, (micro, o)
+                assert abs(o["clip_frac"] - want["clip_frac"]) <= 1e-9
             else:
                 assert abs(o["value_loss"] - want["loss"]) <= TOL, (micro, o)
                 assert abs(o["value_clip_frac"] - want["clip_frac"]) <= 1e-9
@@ -242,11 +245,13 @@ def _actor_weights(task: Any) -> list[np.ndarray]:
 def test_two_mini_batches_take_two_optimizer_steps_and_the_second_is_clipped(group: RankGroup) -> None:
     """An epoch of two mini-batches, as the controller sends it: the first step sees its
     ratios exactly 1 (nothing clipped), changes the weights; the second, taken at the new
-    weights against the same old log-probs, clips (at rl.lr 1e-1 the policy moved far)."""
-    group.apply(_set_micro, micro=2)
+    weights against the same old log-probs, clips (at rl.lr 1e-1 the policy moved far).
+    At micro_batch_size 8 (as ``auto`` may resolve to), larger than a mini-batch's share:
+    the update takes micro-batches of its mini-batch's rows, and scoring takes the same."""
+    group.apply(_set_micro, micro=8)
     group.apply(_snapshot)
-    old = tuple(_scores(group, "actor"))
     dp, half = group.world_size, ROWS // 2
+    old = tuple(_scores(group, "actor", mini_batch=half))
     steps_before = group.apply(_adam_steps)[0]
     weights = [group.apply(_actor_weights)[0]]
     results = []
@@ -298,3 +303,44 @@ def test_with_dropout_the_first_epoch_sees_every_ratio_exactly_1(tmp_path: Any) 
             step=0, agg=agg, prompt_length=P, sequences=SEQUENCES, advantages=ADV, old_logprobs=old)))
         assert result["ratio_max"] == 1.0 and result["clip_frac"] == 0.0, result
         assert g.apply(_weights_changed) == [True]
+
+
+def _record_micro_batches(task: Any, on: bool) -> list[list[tuple[int, ...]]]:
+    """With ``on``: record each micro-batch this rank's passes take (the first input token of
+    each of its rows); else stop recording. The micro-batches recorded until now."""
+    from core.model.gpt import policy
+
+    seen = task.__dict__.setdefault("_micro_seen", [])
+    plain = task.__dict__.setdefault("_micro_plain", policy._micro)
+
+    def recording(arrays: Any, micro: int, device: Any) -> Any:
+        for mb in plain(arrays, micro, device):
+            seen.append(tuple(int(t) for t in mb["tokens"][:, 0]))
+            yield mb
+
+    policy._micro = recording if on else plain  # type: ignore[assignment]
+    out = [list(seen)]
+    seen.clear()
+    return out
+
+
+def test_scoring_micro_batches_the_rows_the_update_micro_batches_together(group: RankGroup) -> None:
+    """At micro_batch_size 8 (as ``auto`` may resolve to: the submit check sees no number),
+    larger than a mini-batch's rows: each update micro-batch is one of scoring's, so the
+    first epoch's log-probs are computed on the same rows with the same shapes as the old
+    ones (on GPU, other shapes may pick other kernels)."""
+    group.apply(_set_micro, micro=8)
+    dp, half = group.world_size, ROWS // 2
+    group.apply(_record_micro_batches, on=True)
+    old = tuple(_scores(group, "actor", mini_batch=half))
+    scored = group.apply(_record_micro_batches, on=True)
+    group.apply(_snapshot)
+    agg = rl_calls.LossAgg(tokens=sum(LENGTHS[:half]), rows=half, horizon=HORIZON)
+    group.call_each("policy_step", [rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
+        step=0, agg=agg, prompt_length=P, sequences=SEQUENCES[:half][d::dp], advantages=ADV[:half][d::dp],
+        old_logprobs=old[:half][d::dp])) for d in range(dp)])
+    updated = group.apply(_record_micro_batches, on=False)
+    group.apply(_grads_and_restore, model="actor")
+    for rank in range(dp):
+        assert updated[rank][0] and set(updated[rank][0]) <= set(scored[rank][0]), (rank, updated, scored)
+        assert len(updated[rank][0][0]) == half // dp  # the micro-batch is the replica's whole share of the mini-batch

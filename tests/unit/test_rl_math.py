@@ -171,6 +171,32 @@ def test_the_vocab_parallel_entropy_of_a_single_rank_is_the_entropy(tmp_path) ->
         dist.destroy_process_group()
 
 
+def test_the_entropy_bonus_keeps_one_logits_sized_tensor_for_backward(tmp_path) -> None:
+    """rl.entropy_coef's memory: of the tensors autograd keeps for the entropy's backward,
+    one has the logits' size (the softmax), however large the vocabulary; the gradient
+    through it is still the plain entropy's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        logits = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(4))
+        mine, plain = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        kept: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = rl_loss.vocab_parallel_entropy(mine, dist.group.WORLD)
+        assert sum(1 for n in kept if n >= logits.numel()) == 1, kept
+        got.sum().backward()
+        rl_loss.entropy(plain).sum().backward()
+        assert torch.allclose(mine.grad, plain.grad, atol=1e-6) and mine.grad.abs().max() > 1e-3
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_rl_update_splits_its_rows_into_whole_micro_batches() -> None:
     """micro_batch_size auto may resolve to a size that does not divide a replica's rows: the
     update takes the largest size below it that does, so no response is left out."""

@@ -5,8 +5,10 @@ reduction, the optimizer; tensor-parallel log-probs from the vocab-parallel cros
 Every log-prob and entropy here is at the sampling temperature T = ``rl.temperature``: of
 softmax(logits / T), the distribution the rollout drew from before top-k / top-p truncation
 (as verl scores them). ``logprobs_at`` is the one computation: the update and ``score_rows``
-both take the model's logits and call it, so the old policy's log-probs and the update's
-first-epoch ones are the same arithmetic (the first epoch's ratio is exactly 1).
+both take the model's logits and call it, and ``score_rows`` micro-batches the rows as the
+update does (each mini-batch's rows in the same micro-batches), so the old policy's
+log-probs and the update's first-epoch ones are the same arithmetic on the same shapes (the
+first epoch's ratio is exactly 1).
 
 A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
 and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
@@ -14,8 +16,9 @@ left-padded by ``pads[i]`` tokens is read with those keys masked out and positio
 over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone.
 Per response token the row carries its advantage and the old policy's log-prob. The loss
 is ``core.model.gpt.rl_loss.policy_loss``, plus ``kl_coef`` × the KL estimate to the
-reference's log-probs, less ``rl.entropy_coef`` × the entropy (computed only when the
-coefficient is not 0), each aggregated over the whole mini-batch (``rl.loss_agg_mode``,
+reference's log-probs (computed only with them; reported as its token mean whatever the
+mode), less ``rl.entropy_coef`` × the entropy (computed only when the coefficient is not
+0), each aggregated over the whole mini-batch (``rl.loss_agg_mode``,
 ``rl_loss.aggregate``: the batch's ``LossAgg`` counts every replica's rows): a micro-batch
 returns its share times micro-batches × dp, which Megatron's schedule divides by the
 micro-batch count and DDP averages over dp. Summed, the gradient is that of the whole
@@ -130,21 +133,22 @@ def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
         mask = mb["mask"]
         terms, clipped = rl_loss.policy_loss(logp, mb["old"], mb["adv"], clip_low=rl.clip_low,
                                              clip_high=rl.clip_high, clip_c=rl.clip_c)
-        pg = rl_loss.aggregate(terms, mask, agg)
-        kl = rl_loss.aggregate(rl_loss.kl(logp, mb["ref"], rl.kl.estimator), mask, agg)
-        total = pg + batch.kl_coef * kl if batch.kl_coef else pg
-        numbers = {"pg": pg.detach(), "kl": kl.detach(), "clipped": (clipped * mask).sum().detach(),
+        total = rl_loss.aggregate(terms, mask, agg)
+        numbers = {"pg": total.detach(), "clipped": (clipped * mask).sum().detach(),
                    "max_ratio": (torch.exp(rl_loss.log_ratio(logp, mb["old"])) * mask).max().detach()}
+        if batch.ref_logprobs:  # the KL term: in the loss by rl.loss_agg_mode, reported as its token sum
+            kl = rl_loss.kl(logp, mb["ref"], rl.kl.estimator)
+            if batch.kl_coef:
+                total = total + batch.kl_coef * rl_loss.aggregate(kl, mask, agg)
+            numbers["kl_sum"] = (kl * mask).sum().detach()
         if rl.entropy_coef:
-            entropy = rl_loss.aggregate(ent, mask, agg)
-            total = total - rl.entropy_coef * entropy
-            numbers["entropy"] = entropy.detach()
+            total = total - rl.entropy_coef * rl_loss.aggregate(ent, mask, agg)
         return total, numbers
 
     out, numbers = optimizer_step(ctx, arrays, batch.step, rl.lr, loss_of, before_update=before_update)
     if numbers is not None and is_loss_owner():
         out.update(loss=numbers["pg"], clip_frac=numbers["clipped"] / agg.tokens, ratio_max=numbers["max_ratio"],
-                   kl_loss=numbers["kl"] if batch.ref_logprobs else None, entropy=numbers.get("entropy"))
+                   kl=numbers["kl_sum"] / agg.tokens if batch.ref_logprobs else None)
     return out
 
 
@@ -227,14 +231,16 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
 def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> rl_calls.RowScores:
     """Log-probs of the response tokens of ``req``'s rows under ``chunks`` (the actor's or the
     reference's, this rank's pipeline stage) at ``rl.temperature``, dropout off (the actor:
-    with the entropy at that temperature; the critic: its values); on loss owners."""
+    with the entropy at that temperature; the critic: its values); on loss owners. The rows
+    are micro-batched as the update micro-batches each of ``req.mini_batch`` rows: the same
+    rows share a micro-batch in both, so their numbers are the same arithmetic."""
     cfg = ctx.cfg
     rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
     arrays["pads"] = pad_counts(req.pads, rows)
     ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
-    micro = micro_size(int(cfg.training.micro_batch_size), rows)
+    micro = micro_size(int(cfg.training.micro_batch_size), req.mini_batch or rows)  # the update's micro-batches
     entropy = req.model == "actor"
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:

@@ -11,7 +11,8 @@ The field's formulas (verl's ``core_algos``), so that the same settings train th
 - ``value_loss``: the clipped value objective, ``0.5 max((v - R)^2, (v_clip - R)^2)``, per token.
 - ``entropy``: of the full distribution, from logits (``logsumexp - sum p logit``).
 - ``vocab_parallel_entropy``: the same from logits whose vocabulary is split over a
-  tensor-parallel group (three all-reduces; no rank gathers the vocabulary).
+  tensor-parallel group (three all-reduces; no rank gathers the vocabulary; backward keeps
+  the softmax alone).
 - ``aggregate``: a micro-batch's share of a loss aggregated over the whole RL mini-batch
   (``rl.loss_agg_mode``, verl's ``agg_loss`` with global counts): ``token-mean`` Σ terms /
   the mini-batch's response tokens; ``seq-mean-token-mean`` Σ over rows of each row's token
@@ -20,6 +21,8 @@ The field's formulas (verl's ``core_algos``), so that the same settings train th
   it is the mini-batch's value, whatever the micro-batching, the replicas or the row order.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,29 +97,38 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """A sum over ``group``'s ranks forward, identity backward: every rank computes the same
-    loss of the sum, and its own part's gradient is that loss's gradient of the sum."""
+class _VocabParallelEntropy(torch.autograd.Function):
+    """The entropy of softmax over a vocabulary split over ``group``'s ranks. Backward keeps
+    one tensor the size of the logits, the softmax ``p`` (this rank's part, normalised over
+    the whole vocabulary): dH/dz = -p (log p + H), this rank's part of the whole
+    vocabulary's gradient (every rank computes the same loss of H)."""
 
     @staticmethod
-    def forward(ctx: object, part: torch.Tensor, group: object) -> torch.Tensor:  # type: ignore[override]
-        total = part.clone()
-        dist.all_reduce(total, group=group)
-        return total
+    def forward(ctx: Any, logits: torch.Tensor, group: object) -> torch.Tensor:  # type: ignore[override]
+        top = logits.max(dim=-1).values  # a shift the entropy does not depend on
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        e = shifted.exp()
+        weighted = (e * shifted).sum(dim=-1)
+        del shifted
+        z = e.sum(dim=-1)
+        dist.all_reduce(z, group=group)
+        dist.all_reduce(weighted, group=group)
+        entropy = z.log() - weighted / z
+        p = e.div_(z.unsqueeze(-1))
+        ctx.save_for_backward(p, entropy)
+        return entropy
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        p, entropy = ctx.saved_tensors
+        out = torch.xlogy(p, p).add_(p * entropy.unsqueeze(-1))
+        return out.mul_(-grad.unsqueeze(-1)), None
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, group: object) -> torch.Tensor:
     """Per-position entropy of softmax over a vocabulary split in order over ``group``'s
     ranks (``logits``: this rank's ``[..., vocab / tp]`` part); differentiable (the RL
-    update's entropy bonus): each rank's gradient is that of its own part."""
-    top = logits.detach().max(dim=-1).values  # a shift the entropy does not depend on: no gradient
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - top.unsqueeze(-1)
-    e = shifted.exp()
-    z = _SumOverRanks.apply(e.sum(dim=-1), group)
-    weighted = _SumOverRanks.apply((e * shifted).sum(dim=-1), group)
-    return z.log() - weighted / z
+    update's entropy bonus): each rank's gradient is that of its own part. Its backward
+    keeps one fp32 tensor the size of the logits (the softmax)."""
+    return _VocabParallelEntropy.apply(logits, group)
