@@ -155,14 +155,15 @@ class Scorer:
         try:
             for _ in range(self.workers):
                 self._procs.append(_launch(self.spec, self.key))
+            deadline = time.monotonic() + START_TIMEOUT_S  # one bound for all: they start side by side
             for p in self._procs:
-                self._await_ready(p)
+                self._await_ready(p, deadline)
         except BaseException:
             self.close()
             raise
 
-    def _await_ready(self, p: _Process) -> None:
-        if not p.conn.poll(START_TIMEOUT_S):
+    def _await_ready(self, p: _Process, deadline: float) -> None:
+        if not p.conn.poll(max(0.0, deadline - time.monotonic())):
             raise BatonRuntimeError(f"{self.key}: a reward process did not load {self.spec!r} within "
                                     f"{START_TIMEOUT_S:.0f} s (pid {p.proc.pid}); see the controller's log")
         try:
@@ -187,7 +188,7 @@ class Scorer:
             while todo or busy:
                 while todo and idle:
                     p, i = idle.pop(), todo.popleft()
-                    p.conn.send(samples[i])
+                    self._send(p, samples[i])
                     busy[p.conn] = (p, i, time.monotonic() + self.timeout_s)
                 first = min(deadline for _, _, deadline in busy.values())
                 ready = wait(list(busy), timeout=max(0.0, first - time.monotonic()))
@@ -207,6 +208,18 @@ class Scorer:
             self.close()
             raise
         return [float(v) for v in out]  # type: ignore[arg-type]
+
+    def _send(self, p: _Process, sample: Sample) -> None:
+        """``sample`` to an idle process; one that ended between calls (killed from outside: the
+        kernel's out-of-memory killer, a ``kill``) fails the step naming it."""
+        try:
+            if p.proc.poll() is not None:  # gone already (its socket may still take a message)
+                raise BrokenPipeError
+            p.conn.send(sample)
+        except OSError:
+            raise RewardError(f"{self.key}: the reward process of {self.spec} (pid {p.proc.pid}) had ended "
+                              f"({p.ended()}) while idle, before {rewards.describe(sample)} (killed from outside: out "
+                              "of memory?); see the controller's log and the node's kernel log") from None
 
     def _result(self, p: _Process, sample: Sample) -> float:
         try:

@@ -112,6 +112,23 @@ def test_a_reward_that_ends_its_process_or_returns_no_number_fails_naming_the_pr
     assert fault_class(crash.value) == fault_class(nan.value) == "user"  # exit 2, not retried
 
 
+def test_a_reward_process_killed_between_steps_fails_the_next_step_naming_it(users: Path) -> None:
+    """An idle process killed from outside (the out-of-memory killer) is a RewardError at the
+    next ``score_all``, not a BrokenPipeError of the socket."""
+    import signal
+
+    scorer = Scorer("user_rewards:mixed", workers=1, timeout_s=30)
+    scorer.start()
+    (pid,) = scorer.pids
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _alive(pid), 10, f"reward process {pid} to be gone")
+    with pytest.raises(RewardError, match=rf"^rl.reward: the reward process of user_rewards:mixed \(pid {pid}\) had "
+                                          r"ended \(killed by signal 9\) while idle, before prompt 0 \('q0'\)") as err:
+        scorer.score_all(_samples(2))
+    assert "\n" not in str(err.value) and fault_class(err.value) == "user"
+    assert scorer.pids == []
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("not_a_module_xyz:reward", r"^rl.reward: cannot find module 'not_a_module_xyz'; put the folder that holds it on "
                                 r"PYTHONPATH \(on Slurm the controller runs in the run folder, not where you submit\)$"),
