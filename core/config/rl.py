@@ -59,8 +59,8 @@ policy answers held-out prompts greedily and sampled (``temperature`` / ``top_k`
 ``top_p``), scored by ``reward``: ``val_reward_mean`` and ``val_reward_mean_sampled`` in the
 step's record, the responses in samples.jsonl (core.controller.validation). The prompts:
 ``val_prompts`` (a file task: the same format, tokenizer and checks as ``prompts``; required
-with ``val_every``, refused without it), else the counting task's held-out set (``prompts_per_step`` prompts from
-a seed no training step draws). ``prompt_length + max_response_length`` is at most the
+with ``val_every``, refused without it), else the built-in task's held-out set (``prompts_per_step`` prompts from
+a seed of their own, not guaranteed disjoint from training's). ``prompt_length + max_response_length`` is at most the
 model's ``seq_length`` (the generator holds the prompt and every new token).
 
 ``program: ppo`` is the same iteration with a critic instead of group baselines: a value
