@@ -126,7 +126,7 @@ def test_a_reward_process_killed_between_steps_fails_the_next_step_naming_it(use
     scorer.start()
     (pid,) = scorer.pids
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not _alive(pid), 10, f"reward process {pid} to be gone")
+    wait_for(lambda: _ended(pid), 10, f"reward process {pid} to be gone, every thread of it")
     with pytest.raises(RewardError, match=rf"^rl.reward: the reward process of user_rewards:mixed \(pid {pid}\) had "
                                           r"ended \(killed by signal 9\) while idle, before prompt 0 \('q0'\)") as err:
         scorer.score_all(_samples(2))
@@ -255,6 +255,15 @@ def test_a_pool_started_from_a_thread_that_ended_still_scores(users: Path) -> No
         assert scorer.score_all(samples) == [user_rewards.mixed(s.prompt, s.response, s.metadata) for s in samples]
     finally:
         scorer.close()
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended with all its threads (a thread group leader reads as a zombie
+    while its other threads still exit; until they have, it cannot be reaped and its files are open)."""
+    try:
+        return not _alive(pid) and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except FileNotFoundError:
+        return True
 
 
 def _alive(pid: int) -> bool:
