@@ -60,8 +60,8 @@ policy answers held-out prompts greedily and sampled (``temperature`` / ``top_k`
 ``top_p``), scored by ``reward``: ``val_reward_mean`` and ``val_reward_mean_sampled`` in the
 step's record, the responses in samples.jsonl (core.controller.validation). The prompts:
 ``val_prompts`` (a file task: the same format, tokenizer and checks as ``prompts``; required
-with ``val_every``), else the counting task's held-out set (``prompts_per_step`` prompts from
-a seed no training step draws). ``prompt_length + max_response_length`` is at most the
+with ``val_every``, refused without it), else the built-in task's held-out set (``prompts_per_step`` prompts from
+a seed of their own, not guaranteed disjoint from training's). ``prompt_length + max_response_length`` is at most the
 model's ``seq_length`` (the generator holds the prompt and every new token).
 
 ``program: ppo`` is the same iteration with a critic instead of group baselines: a value
@@ -219,6 +219,9 @@ def check_task(rl: RLConfig, *, vocab_size: int, init_from: str | None = None) -
         raise ConfigError(f"rl.val_every: {rl.val_every} with rl.task: file needs rl.val_prompts: a .jsonl or "
                           ".parquet file of held-out prompts (never the training prompts); give one or drop "
                           "rl.val_every")
+    if rl.val_prompts is not None and not rl.val_every:
+        raise ConfigError(f"rl.val_prompts: {rl.val_prompts!r} has no effect without rl.val_every; set "
+                          "rl.val_every=K (validate every K RL steps) or drop rl.val_prompts")
     if rl.val_prompts is not None:
         check_file("rl.val_prompts", rl.val_prompts, "give a .jsonl or .parquet file of held-out prompts")
     check_template_variables("rl.chat_template_kwargs", rl.chat_template_kwargs)

@@ -87,6 +87,7 @@ class RunConfig:
             raise ConfigError("runs_root: empty; give the folder that holds the run folders, e.g. runs")
         if self.model.kind == "gpt":
             _check_layout(self)
+            _check_data(self)
         _check_generator(self)
         _check_rl(self)
 
@@ -149,6 +150,18 @@ def _check_layout(cfg: RunConfig) -> None:
     if t.micro_batch_size != "auto" and t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise LayoutError(f"training.global_batch_size: {t.global_batch_size} is not divisible by "
                           f"micro_batch_size × dp = {t.micro_batch_size} × {dims.dp} = {t.micro_batch_size * dims.dp}")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    """``data.task: count_to``'s rows (core.model.gpt.data): a target, at least two numbers
+    and the end-of-text token, the vocabulary's last id, in ``seq_length + 1`` tokens."""
+    if cfg.data.kind != "synthetic" or cfg.data.task != "count_to":
+        return
+    for key, value in (("model.seq_length", cfg.model.seq_length), ("model.vocab_size", cfg.model.vocab_size)):
+        if value < 3:
+            raise ConfigError(f"{key}: {value} < 3: data.task: count_to writes a target, a count of at least two "
+                              "numbers and the end-of-text token (model.vocab_size - 1); raise it or pick another "
+                              "data.task")
 
 
 def _check_generator(cfg: RunConfig) -> None:

@@ -1,14 +1,20 @@
 """The controller's training program: one readable loop over the role groups.
 
-    register → setup → resume from the latest committed checkpoint → for each step:
-    [stop? checkpoint now and return] train_step, record, maybe checkpoint → final checkpoint
+    register → setup → resume from the latest committed checkpoint [→ the validation a stop
+    skipped] → for each step: [stop? checkpoint now and return] train_step, [validate],
+    record, maybe checkpoint → final checkpoint
 
 Bulk tensors never come here; each step brings back a few numbers per rank, and a
 checkpoint one small ack per rank (core.checkpoint.coordinator commits it). At every step
 boundary the stop policy (core.controller.stop) is asked whether a preemption signal
 arrived or the walltime is near; then the step just finished is checkpointed
-synchronously and ``run_all`` returns the request, so no finished step is lost. Failures
-propagate as exceptions; core.controller.recovery decides what happens next.
+synchronously and ``run_all`` returns the request, so no finished step is lost. A
+validation (``rl.val_every``) due after a step is not started once a stop is requested
+(unless it is the run's last step): the stop saves the step at once, and the resumed run
+validates that step first, to the same numbers (validation draws from no training stream).
+The stop policy counts the last validation's wall time into the next step's when one is due.
+A signal that arrives during a validation still waits for it. Failures propagate as
+exceptions; core.controller.recovery decides what happens next.
 """
 from __future__ import annotations
 
@@ -79,6 +85,7 @@ class Program:
     _useful_s: float = field(default=0.0, init=False)
     _alloc_base: float | None = field(default=None, init=False)
     _step_s: float = field(default=0.0, init=False)  # a moving average of the step's wall time
+    _val_s: float = field(default=0.0, init=False)  # the last validation's wall time (rl.val_every)
     _epoch_start: int | None = field(default=None, init=False)  # the step this allocation began at
     _resumed_from: Path | None = field(default=None, init=False)  # the checkpoint this allocation loaded
 
@@ -107,6 +114,7 @@ class Program:
                 self.rewards.start()  # a reward that cannot be loaded fails here, before the first RL step
                 self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards)
                 self.rl.restore(loop)
+                self._validate_pending(step_records.read(self.run.metrics))
         stop = self.train()
         if stop is None:
             self.saves.at_end(self.step, self.last_loss)
@@ -182,7 +190,8 @@ class Program:
         cfg = self.cfg
         start = self.step
         for step in range(start, cfg.trainer.steps):
-            stop = self.stop.check(step_s=self._step_s, save_s=self.checkpoints.last_save_s)
+            stop = self.stop.check(step_s=self._step_s + self._validation_s(step + 1),
+                                   save_s=self.checkpoints.last_save_s)
             if stop is not None:
                 if stop.cause == "time_running_out" and step == self._epoch_start:
                     raise UserError(
@@ -205,7 +214,10 @@ class Program:
                 if self.rl is None:  # an RL program's samples.jsonl holds its validation responses
                     self.flow.generate(done)
             if self.rl is not None and self.rl.validation.due(done):
-                record = dataclasses.replace(record, **self.rl.validation.run(done))
+                if done < cfg.trainer.steps and self.stop.stop_requested():  # saved at the next boundary
+                    log.warning("a stop was requested: the validation of step %d runs when the run resumes", done)
+                else:
+                    record = self._validate(done, record)
             step_records.append(self.run.metrics, record)
             if self.sync is not None:
                 self.record.append(*self.sync.observe(done, request, record))
@@ -216,6 +228,30 @@ class Program:
                 log.info("step %d/%d loss %.4f (%.3f s)", done, cfg.trainer.steps, record.loss, wall)
                 self.save_progress()
         return None
+
+    def _validation_s(self, done: int) -> float:
+        """What the validation after ``done`` steps adds to the step (the last one's wall time)."""
+        return self._val_s if self.rl is not None and self.rl.validation.due(done) else 0.0
+
+    def _validate(self, done: int, record: StepRecord) -> StepRecord:
+        """``record`` with the validation of the policy after ``done`` steps, its wall time
+        in ``phase_s`` as ``val``."""
+        assert self.rl is not None
+        t0 = time.perf_counter()
+        fields = self.rl.validation.run(done)
+        self._val_s = time.perf_counter() - t0
+        return dataclasses.replace(record, **fields, phase_s={**(record.phase_s or {}), "val": round(self._val_s, 4)})
+
+    def _validate_pending(self, kept: Sequence[StepRecord]) -> None:
+        """A stop skipped the validation of the step this allocation resumed from (``train``):
+        run it now, as the uninterrupted run did after that step, and append the step's record
+        again with its fields (the latest record of a step is the current one)."""
+        done = self.step
+        if self.rl is None or not kept or kept[-1].step != done - 1 or not self.rl.validation.due(done):
+            return
+        if kept[-1].val_reward_mean is None:
+            log.info("validating step %d, which the stop before this resume skipped", done)
+            step_records.append(self.run.metrics, self._validate(done, kept[-1]))
 
     def _one_step(self, step: int) -> tuple[Results, dict[str, Any], calls.Step]:
         """Step ``step``: an RL iteration past the warm start, else a training step (with the

@@ -10,7 +10,8 @@ prompt, tokens, log-probs, reward, and a file task's ``text``.
 
 The held-out prompts: every record of ``rl.val_prompts`` (a file task), else the built-in
 task's own held-out set (core.rl.tasks.counting_held_out, count_to_held_out:
-``rl.prompts_per_step`` prompts from a key no training step draws). Nothing here draws from the training's streams: the
+``rl.prompts_per_step`` prompts from a seed stream of their own, not guaranteed disjoint
+from training's prompts). Nothing here draws from the training's streams: the
 prompts are fixed for the run and each sampled response samples from a generator of its own,
 keyed by (seed, step, prompt), so a validation changes no training number and a resumed run
 validates to the same numbers.

@@ -19,8 +19,12 @@ user's code, an ``os._exit``) fails the step the same way. After a failure the p
 closed; the next ``score_all`` starts a new one.
 
 Each reward process ignores SIGINT and SIGTERM (the controller decides when it ends: a
-preemption's signal to the job's processes must not look like a failing reward) and exits
-by itself when the controller is gone (a thread watches its parent).
+preemption's signal to the job's processes must not look like a failing reward) and ends
+when the controller is gone: on Linux the kernel kills it (``PR_SET_PDEATHSIG``), even while
+a reward is stuck in C code holding the GIL; elsewhere, and as a fallback, a thread watches
+its parent. The kernel's signal follows the *thread* that started the process, so it is
+asked for only when the pool is started from the controller's main thread (as the
+controller does); a pool started from another thread relies on the watching thread alone.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a reward process starts and imports the reward (a module may import torch) within this
 CLOSE_TIMEOUT_S = 5.0  # an idle reward process exits within this when asked; else it is killed
 _PARENT_POLL_S = 1.0  # how often a reward process looks whether the controller is still there
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds core
 _SYS_PATH = "BATON_REWARD_SYS_PATH"  # the controller's sys.path, as JSON, for its reward processes
 
@@ -60,10 +65,28 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _serve(conn: Connection, spec: str, key: str, parent: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the thread that started it ends; then, as the parent
+    may be gone already (re-parented before the call), end now if it is."""
+    try:
+        import ctypes  # the C library's prctl: only here
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): the parent-watching thread alone",
+                        ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        log.warning("no prctl (%s): the parent-watching thread alone", exc)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _serve(conn: Connection, spec: str, key: str, parent: int, *, pdeathsig: bool) -> None:
     """A reward process: load the reward, then score one sample per message until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if pdeathsig and sys.platform.startswith("linux"):
+        _die_with_parent(parent)
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     try:
         fn = rewards.load(spec, key)
@@ -113,7 +136,10 @@ def _launch(spec: str, key: str) -> _Process:
     try:
         path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)  # this very core package
         env = {**os.environ, "PYTHONPATH": path, _SYS_PATH: json.dumps(sys.path)}
-        argv = [str(theirs.fileno()), str(os.getpid()), spec, key]
+        # the kernel's parent-death signal fires when the starting *thread* ends: asked for
+        # only from the main thread, which lives as long as the controller
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        argv = [str(theirs.fileno()), str(os.getpid()), spec, key, str(int(pdeathsig))]
         proc = subprocess.Popen([sys.executable, "-m", "core.rl.reward_pool", *argv],
                                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
     except BaseException:
@@ -155,14 +181,15 @@ class Scorer:
         try:
             for _ in range(self.workers):
                 self._procs.append(_launch(self.spec, self.key))
+            deadline = time.monotonic() + START_TIMEOUT_S  # one bound for all: they start side by side
             for p in self._procs:
-                self._await_ready(p)
+                self._await_ready(p, deadline)
         except BaseException:
             self.close()
             raise
 
-    def _await_ready(self, p: _Process) -> None:
-        if not p.conn.poll(START_TIMEOUT_S):
+    def _await_ready(self, p: _Process, deadline: float) -> None:
+        if not p.conn.poll(max(0.0, deadline - time.monotonic())):
             raise BatonRuntimeError(f"{self.key}: a reward process did not load {self.spec!r} within "
                                     f"{START_TIMEOUT_S:.0f} s (pid {p.proc.pid}); see the controller's log")
         try:
@@ -187,7 +214,7 @@ class Scorer:
             while todo or busy:
                 while todo and idle:
                     p, i = idle.pop(), todo.popleft()
-                    p.conn.send(samples[i])
+                    self._send(p, samples[i])
                     busy[p.conn] = (p, i, time.monotonic() + self.timeout_s)
                 first = min(deadline for _, _, deadline in busy.values())
                 ready = wait(list(busy), timeout=max(0.0, first - time.monotonic()))
@@ -207,6 +234,18 @@ class Scorer:
             self.close()
             raise
         return [float(v) for v in out]  # type: ignore[arg-type]
+
+    def _send(self, p: _Process, sample: Sample) -> None:
+        """``sample`` to an idle process; one that ended between calls (killed from outside: the
+        kernel's out-of-memory killer, a ``kill``) fails the step naming it."""
+        try:
+            if p.proc.poll() is not None:  # gone already (its socket may still take a message)
+                raise BrokenPipeError
+            p.conn.send(sample)
+        except OSError:
+            raise RewardError(f"{self.key}: the reward process of {self.spec} (pid {p.proc.pid}) had ended "
+                              f"({p.ended()}) while idle, before {rewards.describe(sample)} (killed from outside: out "
+                              "of memory?); see the controller's log and the node's kernel log") from None
 
     def _result(self, p: _Process, sample: Sample) -> float:
         try:
@@ -241,10 +280,11 @@ class Scorer:
 
 
 def main(argv: list[str]) -> None:
-    """A reward process: ``FD PARENT_PID SPEC KEY``, with the controller's ``sys.path`` (``_SYS_PATH``)."""
-    fd, parent, spec, key = argv
+    """A reward process: ``FD PARENT_PID SPEC KEY PDEATHSIG``, with the controller's ``sys.path``
+    (``_SYS_PATH``)."""
+    fd, parent, spec, key, pdeathsig = argv
     sys.path[:] = json.loads(os.environ.pop(_SYS_PATH, "null")) or sys.path
-    _serve(Connection(int(fd)), spec, key, int(parent))
+    _serve(Connection(int(fd)), spec, key, int(parent), pdeathsig=pdeathsig == "1")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 A reward function takes ``(prompt, response, metadata)``, where ``prompt`` and ``response``
 are token-id tuples and ``metadata`` the prompt's own fields (its JSONL row, the task's
-answer), and returns a float. It runs in the controller's reward processes
+answer), and returns a number: a float, an int, or a bool (``return pred == truth``: 1.0 or
+0.0; numpy's scalars too). It runs in the controller's reward processes
 (core.rl.reward_pool), once per response. ``response``
 ends with the stop token that ended it (``rl.stop``; none when it ran to
 ``rl.max_response_length``); a file task's metadata adds ``prompt_text`` and
@@ -30,8 +31,8 @@ Built in:
 A reward module that cannot be imported (not found, a syntax error, an exception while it
 runs) or names no function is a ``ConfigError`` naming ``rl.reward`` and the cause. A reward
 that raises is a user error (``RewardError``) naming the reward and the prompt (the step
-fails, not retried, exit 2); one that returns a non-finite number or a non-number is refused
-the same way.
+fails, not retried, exit 2); one that returns a non-finite number or a non-number (None, a
+string) is refused the same way.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from core.errors import ConfigError, RewardError
 
@@ -166,6 +169,9 @@ def score(fn: RewardFn, prompt: Sequence[int], response: Sequence[int], metadata
         value = fn(tuple(prompt), tuple(response), metadata)
     except Exception as exc:  # noqa: BLE001 - the user's code: any failure is theirs, reported as such
         raise RewardError(f"rl.reward: {name} raised {one_line(exc)} on {where}; fix the reward function") from exc
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"rl.reward: {name} returned {value!r} on {where}: a reward must be a finite number")
+    if isinstance(value, (bool, np.bool_)):  # ``return pred == truth``
+        return 1.0 if value else 0.0
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RewardError(f"rl.reward: {name} returned {value!r} on {where}: a reward must be a finite number "
+                          "(or a bool)")
     return float(value)

@@ -15,8 +15,11 @@ the supervised warm start in the same format.
 
 ``counting_held_out``: the validation set of the counting task (no ``rl.val_prompts`` file):
 ``count`` prompts keyed by (seed, a tag of their own, prompt), a stream of four words where
-training's are three, so no training step draws from it. ``count_to_held_out``: count_to's,
-keyed by (seed, that tag, prompt, 13) where its training prompts' are (seed, 13, step, prompt).
+training's are three, so no training step draws from its stream. ``count_to_held_out``:
+count_to's, keyed by (seed, that tag, prompt, 13) where its training prompts' are (seed, 13,
+step, prompt). A seed stream of their own, not a set apart: over a small vocabulary (the
+demos' 32 ids) the same prompts also come up in training; they are not guaranteed disjoint
+from training's (a file task's ``rl.val_prompts`` are whatever the file holds).
 
 ``from_file``: the prompts of a file (core.data.prompts) in epochs: prompt ``i`` of step
 ``s`` is number ``g = s × count + i`` of the run; epoch ``g // n`` visits the ``n`` prompts
@@ -62,7 +65,8 @@ def count_to(seed: int, step: int, count: int, length: int, max_response: int, v
 
 
 def count_to_held_out(seed: int, count: int, length: int, max_response: int, vocab: int) -> list[Asked]:
-    """The ``count_to`` task's ``count`` validation prompts, from a key no training step draws."""
+    """The ``count_to`` task's ``count`` validation prompts, from a seed stream of their own
+    (not guaranteed disjoint from training's prompts)."""
     return [_count_to(np.random.default_rng([seed, HELD_OUT, i, 13]), i, length, max_response, vocab)
             for i in range(count)]
 
@@ -80,7 +84,8 @@ HELD_OUT = 0x76616C  # "val": the held-out prompts' key, never a training key (t
 
 
 def counting_held_out(seed: int, count: int, length: int, vocab: int) -> list[Asked]:
-    """The counting task's ``count`` validation prompts: the same for every step of a run."""
+    """The counting task's ``count`` validation prompts: the same for every step of a run, from
+    a seed stream of their own (not guaranteed disjoint from training's prompts)."""
     out = []
     for i in range(count):
         start = int(np.random.default_rng([seed, HELD_OUT, i, 1]).integers(0, vocab))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from core.record import steps as step_records
 from core.rl import rewards
 from core.rl.tasks import counting_held_out
 from tests.helpers import GRPO_NUMBERS, GRPO_TRAINING, Submitted, baton, json_lines, metrics, numbers
@@ -81,3 +82,22 @@ def test_a_preempted_run_resumes_to_the_same_validation_numbers_and_responses(va
     assert pre["step"] < 70
     assert numbers(r.run_dir, GRPO_NUMBERS) == numbers(validated, GRPO_NUMBERS)
     assert json_lines(r.run_dir / "samples.jsonl") == json_lines(validated / "samples.jsonl")
+
+
+def test_a_stop_skips_a_due_validation_that_the_resumed_run_does_first(tmp_path: Path) -> None:
+    """Validated after every RL step: a preemption signal that arrives during a step stops the
+    run at its end without validating it (the stop saves the step at once); the resumed run
+    validates that step first. Training and validation numbers and the validation responses
+    are those of the run never stopped."""
+    every = ("trainer.steps=36", "rl.max_response_length=12", "checkpoint.interval_steps=0", "rl.val_every=1")
+    whole = _run(tmp_path / "whole", *every)
+    r = Submitted(tmp_path / "stopped", list(every), experiment=EXPERIMENT)
+    pre = r.preempt_at(32)
+    assert pre["step"] < 36
+    assert numbers(r.run_dir, GRPO_NUMBERS) == numbers(whole, GRPO_NUMBERS)
+    assert json_lines(r.run_dir / "samples.jsonl") == json_lines(whole / "samples.jsonl")
+    redone = [rec for rec in step_records.read(r.run_dir / "metrics.jsonl", superseded=True)
+              if rec.step == pre["step"] - 1]
+    if len(redone) == 2:  # the signal came during the step: its validation ran after the resume
+        assert redone[0].superseded and redone[0].val_reward_mean is None and "val" not in (redone[0].phase_s or {})
+        assert redone[1].val_reward_mean is not None and "val" in (redone[1].phase_s or {})

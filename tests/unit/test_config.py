@@ -288,9 +288,12 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.kl.coef=0", "rl.kl.target=0.01"], r"^rl.kl.coef: 0 with rl.kl.target: 0.01 stays 0 "),
     (["rl.task=file"], r"^rl.task: 'file' needs rl.prompts: a .jsonl or .parquet file of prompts$"),
     (["rl.val_prompts=v.jsonl"], r"^rl.val_prompts: 'v.jsonl' is read only with rl.task: file"),
-    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_prompts=/nonexistent.jsonl"],
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_prompts=/nonexistent.jsonl", "rl.val_every=2"],
      r"^rl.val_prompts: '/nonexistent.jsonl' does not exist; give a .jsonl or .parquet file of held-out prompts$"),
     (["rl.val_every=-1"], r"^rl.val_every: -1"),
+    (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_prompts=experiments/grpo_tiny.yaml"],
+     r"^rl.val_prompts: 'experiments/grpo_tiny.yaml' has no effect without rl.val_every; set rl.val_every=K "
+     r"\(validate every K RL steps\) or drop rl.val_prompts$"),
     (["rl.task=file", "rl.prompts=experiments/grpo_tiny.yaml", "rl.val_every=2"],
      r"^rl.val_every: 2 with rl.task: file needs rl.val_prompts: a .jsonl or .parquet file of held-out prompts "),
     (["rl.prompts=p.jsonl"], r"^rl.prompts: 'p.jsonl' is read only with rl.task: file"),

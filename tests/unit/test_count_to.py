@@ -85,6 +85,20 @@ def test_count_to_settings_that_cannot_work_are_refused_naming_the_key(override:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["model.seq_length", "model.vocab_size"])
+def test_count_to_warm_start_rows_that_cannot_fit_are_refused_at_submit(key: str) -> None:
+    """data.task: count_to writes ``T a a+1 <eot>`` at least: below 3 positions or ids the
+    rows cannot be drawn (numpy's ValueError in the worker before this check)."""
+    base = ["program=pretrain", "generator.enabled=false", "rl.task=counting", "rl.reward=counting"]
+    with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: 2 < 3: data.task: count_to writes ") as info:
+        config_mod.load(DEMO, [*base, f"{key}=2", "model.num_attention_heads=1", "model.num_query_groups=1",
+                               "model.hidden_size=8"])
+    assert "\n" not in str(info.value)
+    src = BatchSource(kind="synthetic", task="count_to", path=None, seed=3, vocab_size=3, seq_length=3,
+                      global_batch=2, micro_batch=2, dp=1, dp_rank=0)  # the least it takes: rows drawn
+    assert src.micro_batches(0)[0].tokens.shape == (2, 3)
+
+
 def test_the_count_to_reward_needs_the_count_to_task() -> None:
     with pytest.raises(ConfigError, match=r"rl\.reward: count_to .*rl\.task=count_to"):
         config_mod.load(DEMO, ["rl.task=counting"])

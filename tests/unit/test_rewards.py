@@ -38,6 +38,11 @@ def hang_marked(prompt, response, metadata):
     open(os.environ["HANG_MARK"] + str(os.getpid()), "w").close()
     time.sleep(3600)
 
+def spin_marked(prompt, response, metadata):
+    """Stuck in C code that holds the GIL: no Python thread of its process runs again."""
+    open(os.environ["HANG_MARK"] + str(os.getpid()), "w").close()
+    sum(range(10**18))
+
 def quarter_second(prompt, response, metadata):
     time.sleep(0.25)
     return 1.0
@@ -110,6 +115,23 @@ def test_a_reward_that_ends_its_process_or_returns_no_number_fails_naming_the_pr
                                           "a reward must be a finite number") as nan:
         Scorer("user_rewards:nan_on_three", workers=2, timeout_s=30).score_all(_samples(5))
     assert fault_class(crash.value) == fault_class(nan.value) == "user"  # exit 2, not retried
+
+
+def test_a_reward_process_killed_between_steps_fails_the_next_step_naming_it(users: Path) -> None:
+    """An idle process killed from outside (the out-of-memory killer) is a RewardError at the
+    next ``score_all``, not a BrokenPipeError of the socket."""
+    import signal
+
+    scorer = Scorer("user_rewards:mixed", workers=1, timeout_s=30)
+    scorer.start()
+    (pid,) = scorer.pids
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: _ended(pid), 10, f"reward process {pid} to be gone, every thread of it")
+    with pytest.raises(RewardError, match=rf"^rl.reward: the reward process of user_rewards:mixed \(pid {pid}\) had "
+                                          r"ended \(killed by signal 9\) while idle, before prompt 0 \('q0'\)") as err:
+        scorer.score_all(_samples(2))
+    assert "\n" not in str(err.value) and fault_class(err.value) == "user"
+    assert scorer.pids == []
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -185,16 +207,19 @@ def test_math_scores_the_same_in_the_reward_processes_and_outside_the_main_threa
     assert got == want
 
 
-def test_reward_processes_end_when_their_controller_dies(users: Path) -> None:
+@pytest.mark.parametrize("reward", ["hang_marked", "spin_marked"])
+def test_reward_processes_end_when_their_controller_dies(users: Path, reward: str) -> None:
     """A controller killed outright (SIGKILL: nothing of it runs again) while both its reward
-    processes hang in a reward leaves neither behind: each watches its parent."""
+    processes hang in a reward (sleeping, or spinning in C code that holds the GIL, where no
+    watching thread runs) leaves neither behind."""
+    import signal
     import subprocess
 
     code = ("import glob, os, signal, sys, threading\n"
             "from core.rl.reward_pool import Scorer\n"
             "from core.rl.rewards import Sample\n"
             "from tests.helpers import wait_for\n"
-            "s = Scorer('user_rewards:hang_marked', workers=2, timeout_s=600)\n"
+            f"s = Scorer('user_rewards:{reward}', workers=2, timeout_s=600)\n"
             "s.start()\n"
             "print(' '.join(map(str, s.pids)), flush=True)\n"
             "threading.Thread(target=s.score_all, args=([Sample((1,), (2,))] * 2,), daemon=True).start()\n"
@@ -202,11 +227,43 @@ def test_reward_processes_end_when_their_controller_dies(users: Path) -> None:
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(users), *sys.path))),
            "HANG_MARK": str(users / "hanging.")}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    pids = [int(p) for p in res.stdout.split()]
-    assert res.returncode == -9 and len(pids) == 2, res.stdout + res.stderr
-    for pid in pids:
-        wait_for(lambda pid=pid: not _alive(pid), 15, f"reward process {pid} to end after its controller")
+    out = users / "controller.out"  # a file, not a pipe: a reward process left behind would hold a pipe open
+    with out.open("w") as f:
+        res = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=120)
+    text = out.read_text()
+    pids = [int(p) for p in text.splitlines()[0].split()] if text else []
+    try:
+        assert res.returncode == -9 and len(pids) == 2, text
+        for pid in pids:
+            wait_for(lambda pid=pid: not _alive(pid), 15, f"reward process {pid} to end after its controller")
+    finally:  # a test that fails leaves no spinning process behind
+        for pid in filter(_alive, pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pool_started_from_a_thread_that_ended_still_scores(users: Path) -> None:
+    """The kernel's parent-death signal follows the thread that started a process: a pool
+    started from a thread that has ended since must not have lost its processes."""
+    scorer = Scorer("user_rewards:mixed", workers=2, timeout_s=60)
+    thread = threading.Thread(target=scorer.start)
+    thread.start()
+    thread.join(120)
+    try:
+        samples = _samples(4)
+        import user_rewards
+
+        assert scorer.score_all(samples) == [user_rewards.mixed(s.prompt, s.response, s.metadata) for s in samples]
+    finally:
+        scorer.close()
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended with all its threads (a thread group leader reads as a zombie
+    while its other threads still exit; until they have, it cannot be reaped and its files are open)."""
+    try:
+        return not _alive(pid) and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except FileNotFoundError:
+        return True
 
 
 def _alive(pid: int) -> bool:

@@ -84,9 +84,14 @@ def test_a_user_reward_is_module_function_and_its_failures_name_the_prompt() -> 
     assert rewards.score(fn, (1, 2), (3, 4, 5), {}, index=0) == 3.0
     with pytest.raises(UserError, match=r"raised KeyError: 'answer' on prompt 7 \(\[1, 2\]\)"):
         rewards.score(fn, (1, 2), (3,), {"boom": True}, index=7)
-    for bad in (float("nan"), "1.0", True):
+    for bad in (float("nan"), float("inf"), "1.0", None, np.float64("nan")):
         with pytest.raises(UserError, match=r"on prompt 3 \(\[1\]\): a reward must be a finite number"):
             rewards.score(fn, (1,), (2,), {"value": bad}, index=3)
+    # ``return pred == truth``: a bool (Python's or numpy's) is 1.0 or 0.0; numpy's numbers are floats
+    for value, want in ((True, 1.0), (False, 0.0), (np.bool_(True), 1.0), (np.bool_(False), 0.0),
+                        (np.float32(0.5), 0.5), (np.int64(2), 2.0), (3, 3.0)):
+        got = rewards.score(fn, (1,), (2,), {"value": value}, index=3)
+        assert got == want and type(got) is float, (value, got)
     assert rewards.load("counting") is rewards.counting
     from core.config.rl import BUILTIN_REWARDS
     assert set(BUILTIN_REWARDS) == set(rewards.BUILTIN)  # what submit accepts is what the controller has
