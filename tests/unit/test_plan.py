@@ -362,3 +362,27 @@ def test_real_model_shapes_plan_on_8_x_80_gb(experiment: str, params: int) -> No
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", f"experiments/{experiment}"], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0 and f"params: {params:,} total" in out.stdout, out.stdout + out.stderr
+
+
+def test_an_rl_runs_generator_plan_holds_a_whole_rollout_of_prompt_and_response_tokens() -> None:
+    """Under grpo the generator continues every response of a step at once (prompts_per_step ×
+    n over its replicas), each prompt_length + max_response_length long, not generator.num_prompts;
+    with grouped-query attention its KV cache holds the key/value heads only."""
+    from core.config.genplan import format_generator, plan_generator
+    from core.config.plan import make_plan
+
+    base = REPO / "experiments" / "grpo_tiny.yaml"
+    cfg = config.load(base, ["rl.prompts_per_step=16", "rl.n=8", "rl.prompt_length=4", "rl.max_response_length=12",
+                             "model.seq_length=16", "generator.num_prompts=2"])
+    g = plan_generator(cfg, make_plan(cfg, gpu_mem_gb=80))
+    assert g is not None
+    rows = -(-16 * 8 // g.dims.dp)  # this replica's share of the step's 128 responses
+    m = cfg.model
+    assert g.kv_cache_bytes == 2 * m.num_layers * rows * (4 + 12) * m.hidden_size // g.dims.tp * 2  # bf16
+    assert g.logits_bytes == rows * 4 * m.vocab_size * 4
+    gqa = config.load(base, ["rl.prompts_per_step=16", "rl.n=8", "rl.prompt_length=4", "rl.max_response_length=12",
+                             "model.seq_length=16", "model.num_query_groups=1"])
+    g1 = plan_generator(gqa, make_plan(gqa, gpu_mem_gb=80))
+    assert g1 is not None and g1.kv_cache_bytes * m.num_attention_heads == g.kv_cache_bytes  # one kv head of 4
+    small = plan_generator(cfg, make_plan(cfg, gpu_mem_gb=1e-4))
+    assert small is not None and "DOES NOT FIT: lower rl.prompts_per_step × rl.n" in format_generator(small)
