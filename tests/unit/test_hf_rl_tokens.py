@@ -166,14 +166,22 @@ def test_generation_stops_at_any_stop_token() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(()))
+            self.calls = 0
 
         def forward(self, tokens: torch.Tensor, positions: Any, mask: Any, **_: Any) -> torch.Tensor:
+            self.calls += 1
             return torch.nn.functional.one_hot((tokens + 1) % 16, 16).float() * 5
 
     tokens, logps = generate(Counting(), [[1], [6], [12]], Sampling(max_new_tokens=6, eos=(9, 5)), seeds=[0, 1, 2],
                              max_length=16)
     assert tokens == [[2, 3, 4, 5, 9, 9], [7, 8, 9, 9, 9, 9], [13, 14, 15, 0, 1, 2]]
     assert [sum(1 for x in row if x != 0.0) for row in logps] == [4, 3, 6]
+    # every row ended by the 4th new token: 4 forwards (the prefill and 3 decode steps), not 6;
+    # the rows are a full-length loop's, padded after their stop
+    model = Counting()
+    tokens, logps = generate(model, [[1], [6]], Sampling(max_new_tokens=10, eos=(9, 5)), seeds=[0, 1], max_length=16)
+    assert model.calls == 4 and tokens == [[2, 3, 4, 5] + [9] * 6, [7, 8, 9] + [9] * 7]
+    assert [len(row) for row in logps] == [10, 10] and logps[0][4:] == [0.0] * 6
 
 
 # --- prompts given as chat messages ---------------------------------------------------------

@@ -7,7 +7,9 @@ KV cache (``megatron.core.inference.contexts.StaticInferenceContext``), then one
 forward; the logits are gathered across the tensor-parallel group, so every TP rank of a
 replica samples the same token from the same generators (one per prompt). Sampling is temperature, then
 top-k, then top-p (nucleus) on the fp32 logits; temperature 0 is greedy. A sequence that
-produced any of the stop ids ``eos`` stops (its later positions hold ``eos[0]`` with log-prob 0). The log-prob of
+produced any of the stop ids ``eos`` stops (its later positions hold ``eos[0]`` with log-prob 0);
+decoding ends when every sequence has stopped (what a row draws never depends on the steps
+after it stopped, so the tokens are those of a full-length loop). The log-prob of
 each new token is log_softmax(logits / T) at the sampling temperature T, before any top-k /
 top-p truncation (greedy: T = 1), which is what the RL trainer's teacher-forced scoring
 computes (core.model.gpt.policy.logprobs_at, at ``rl.temperature``).
@@ -148,9 +150,15 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, see
                 done |= torch.isin(nxt, stop)
             out_tokens.append(nxt)
             out_logp.append(logp)
+            if stop is not None and bool(done.all()):  # every row has ended: the rest is padding
+                break
             context.enable_decode_mode()
             step_in, positions = nxt.unsqueeze(1), padding.positions(pad, 1, n + i)
             mask = padding.decode_mask(pad, n + i + 1)  # the cache's keys and the new one
     toks = torch.stack(out_tokens, dim=1).tolist()
     logps = torch.stack(out_logp, dim=1).tolist()
+    rest = how.max_new_tokens - len(out_tokens)
+    if rest:  # ended early (stop ids given): the first stop id, log-prob 0
+        toks = [row + [how.eos[0]] * rest for row in toks]
+        logps = [row + [0.0] * rest for row in logps]
     return toks, logps
