@@ -103,7 +103,10 @@ def test_baton_plan_fits_grpo_on_qwen3_1p7b_on_one_node_of_80_gb_gpus(qwen3_1p7b
     assert plan["fits"] and plan["generator"]["fits"]
     print(f"GiB per GPU: trainer {plan['memory']['total_bytes'] / 2**30:.1f}, "  # shown with -rP
           f"with the colocated generator {plan['generator']['with_trainer_bytes'] / 2**30:.1f}")
-    assert plan["generator"]["with_trainer_bytes"] < 0.6 * 80 * 2**30  # room for allocator slack
+    # room for allocator slack; the rollout is a whole step's (32 × 8 responses over 8 replicas of
+    # 512 + 1024 tokens): its KV cache and, above all, the prefill's fp32 logits over the whole
+    # vocabulary (32 rows × 512 × 151,936 × 4 bytes, about 10 GB) count
+    assert plan["generator"]["with_trainer_bytes"] < 0.7 * 80 * 2**30
 
 
 def test_submit_dry_run_reads_the_folder_prompts_and_tokenizer_and_prints_the_script(
