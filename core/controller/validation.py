@@ -30,14 +30,14 @@ from core.rl import tasks
 
 Response = tuple[tuple[int, ...], tuple[float, ...]]  # a response's tokens (up to its stop token), log-probs
 # the reward of every response: (the prompt each answers, the responses) -> scores
-Scorer = Callable[[Sequence[tasks.Asked], Sequence[tuple[int, ...]]], list[float]]
+ScoreFn = Callable[[Sequence[tasks.Asked], Sequence[tuple[int, ...]]], list[float]]
 Until = Callable[[Response], Response]  # a generated row cut after its first stop token
 Texter = Callable[[tuple[int, ...]], dict[str, str]]  # a response's text for samples.jsonl (a file task's)
 KINDS = ("greedy", "sampled")
 
 
 class Validation:
-    def __init__(self, cfg: RunConfig, generator: GeneratorFlow, held_out: list[tasks.Asked], *, score: Scorer,
+    def __init__(self, cfg: RunConfig, generator: GeneratorFlow, held_out: list[tasks.Asked], *, score: ScoreFn,
                  until: Until, text: Texter, stop: tuple[int, ...]) -> None:
         self.cfg, self.generator, self.held_out = cfg, generator, held_out
         self.score, self.until, self.text, self.stop = score, until, text, stop
