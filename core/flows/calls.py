@@ -6,6 +6,8 @@
     SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
     GEN_PROMPTS   Prompts     → PromptSet    prompts from the held-out data (asked of rank 0)
+    STAGE         Stage       → HeldSlices   ``generator.engine: vllm``: hold these tensors whole (a replica's
+                                             first rank; the others hold none): the syncs' targets
 
 Split placement only (the generator on workers of its own, ranks after the trainer's):
 
@@ -46,6 +48,7 @@ class Synced:
 @dataclass(frozen=True, kw_only=True)
 class Probe:
     step: int  # the probe batch is the held-out batch of this step
+    next_token: bool = False  # each row's own next tokens only (s - 1 per row): what a vLLM engine scores
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +105,14 @@ class LogProbs:
     logprobs: tuple[tuple[float, ...], ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    tensors: tuple[TensorSlice, ...] = ()  # whole global tensors (offset 0, the global shape)
+
+
 GEN_PROMPTS = Method("gen_prompts", Prompts, PromptSet, collect=Collect.FIRST)  # rank 0's shard
 GEN_SLICES = Method("gen_slices", NoArgs, HeldSlices)
+STAGE = Method("stage", Stage, HeldSlices)
 SYNC_WEIGHTS = Method("sync_weights", SyncWeights, Synced, dispatch=Dispatch.EACH)  # each rank its pieces
 GENERATE = Method("generate", Generate, Generated, dispatch=Dispatch.REPLICAS, collect=Collect.OWNERS)
 BRIDGE = Method("bridge", Bridge, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
@@ -64,3 +65,12 @@ def check_folder(folder: str | Path, dims: layout.Dims) -> None:
                               f"{list(want)}; the weights and config.json disagree")
         if dtype not in FLOATS:
             raise ConfigError(f"init_from: {files[name]}: tensor {name} is {dtype}; supported: {', '.join(FLOATS)}")
+
+
+def save_tensors(tensors: dict[str, Any], path: Path) -> None:
+    """``tensors`` (torch tensors, any dtype) as one safetensors file at ``path``, written
+    beside it and renamed over it: a reader sees the old file or the new, never a torn one."""
+    from safetensors.torch import save_file  # torch: only on workers (launcher imports this module)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)

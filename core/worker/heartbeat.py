@@ -19,12 +19,18 @@ from core.job.process import rss_mb
 from core.job.signals import PreemptionFlag
 from core.wire import protocol
 from core.wire.transport import WorkerSocket
+from core.worker.task import ON_HARD_EXIT
 
 log = logging.getLogger(__name__)
 
 
 def hard_exit(code: int) -> None:
-    """Exit now, from any thread, after flushing the logs."""
+    """Exit now, from any thread, after ending what ``ON_HARD_EXIT`` names and flushing the logs."""
+    for end in ON_HARD_EXIT:  # what must not outlive the worker (core.worker.task)
+        try:
+            end()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
     for handler in logging.getLogger().handlers:
         try:
             handler.flush()

@@ -6,6 +6,8 @@ returning its typed result (``core.wire.contract``). Only what ``handlers`` list
 called. ``close`` runs when the controller shuts the worker down.
 
 Model packages (``core.model``) import this module and nothing else of the worker role.
+``ON_HARD_EXIT``: what a task started that must not outlive the process (a vLLM engine's
+processes), ended when the worker exits at once (core.worker.heartbeat.hard_exit).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from typing import Any, Protocol
 from core.config.roles import RolePlan
 from core.config.run import RunConfig
 from core.wire.contract import Method
+
+ON_HARD_EXIT: list[Callable[[], None]] = []
 
 
 @dataclass(frozen=True, kw_only=True)

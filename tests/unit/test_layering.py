@@ -28,7 +28,7 @@ RULES: dict[str, set[str]] = {
     "flows": {"errors", "config", "wire", "checkpoint"},
     "controller": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "flows", "rl", "data"},
     "worker": {"errors", "config", "record", "wire", "job"},
-    "model": {"errors", "config", "wire", "job", "checkpoint", "parallel", "data", "worker", "flows"},
+    "model": {"errors", "config", "wire", "job", "checkpoint", "parallel", "data", "worker", "flows", "hf"},
     "entrypoint": {"errors", "config", "record", "wire", "job", "checkpoint", "supervisor", "controller", "worker",
                    "model", "flows", "hf"},
     "launcher": {"errors", "config", "record", "checkpoint", "supervisor", "controller", "data", "hf"},
@@ -66,6 +66,7 @@ HOMES = {
     "tokenizers": {"core/data/hf_tokenizer.py"},
     "jinja2": {"core/data/hf_tokenizer.py"},
     "math_verify": {"core/rl/math_reward.py"},
+    "vllm": {"core/model/gpt/vllm_engine.py"},
     "transformers": set(),  # tests only: Baton reads Hugging Face folders with tokenizers, jinja2, safetensors
 }
 

@@ -15,6 +15,7 @@ import dataclasses
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
@@ -60,6 +61,7 @@ class WeightLink:
     def __init__(self, rank: int, *, trainer_chunks: list[Any] | None, model: Any | None) -> None:
         self.rank, self.trainer_chunks, self.model = rank, trainer_chunks, model
         self.bridge: Any = None
+        self.staging: Any = None  # a vLLM replica's (core.model.gpt.vllm_rollout): its targets, told of syncs
         self.version = -1
         self._prepared: tuple[int, list[Any]] | None = None
 
@@ -73,6 +75,8 @@ class WeightLink:
         return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks) if is_writer(sh)]
 
     def _targets(self) -> list[tuple[Any, torch.Tensor]]:
+        if self.staging is not None:
+            return self.staging.targets()
         return [] if self.model is None else [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params([self.model])]
 
     def held(self) -> gen_calls.HeldSlices:
@@ -87,6 +91,8 @@ class WeightLink:
                                                 sync.index(self._targets())))
         got = sync.run_plan(self._prepared[1], link=self.bridge)
         self.version = req.version
+        if self.staging is not None:
+            self.staging.synced(req.version)
         return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0)
 
 
@@ -158,13 +164,16 @@ def trainer_probe(step_ctx: Any, req: gen_calls.Probe) -> gen_calls.LogProbs:
     replica 0, with its tokens and labels; from its last stage's first tp rank (the
     controller has the generator score the same tokens)."""
     batch = step_ctx.source.micro_batches(req.step, "eval")[0]
+    if req.next_token:  # a vLLM generator scores a sequence's own next tokens (prompt log-probs): the last is cut
+        batch = dataclasses.replace(batch, labels=np.concatenate([batch.tokens[:, 1:], batch.labels[:, -1:]], axis=1))
     logp = label_logprobs(step_ctx, batch)
     c = step_ctx.coords
     if logp is None or c.dp != 0 or c.tp != 0:
         return gen_calls.LogProbs()
+    logp = logp.reshape(batch.tokens.shape)
     return gen_calls.LogProbs(tokens=tuple(map(tuple, batch.tokens.tolist())),
                               labels=tuple(map(tuple, batch.labels.tolist())),
-                              logprobs=tuple(map(tuple, logp.reshape(batch.tokens.shape).float().cpu().tolist())))
+                              logprobs=tuple(map(tuple, (logp[:, :-1] if req.next_token else logp).float().cpu().tolist())))
 
 
 def _name(t: torch.Tensor) -> str:

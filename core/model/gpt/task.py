@@ -70,7 +70,9 @@ class GPTTask:
         return info
 
     def close(self) -> None:
-        """Tear down Megatron and the process group."""
+        """End what the roles started, then tear down Megatron and the process group."""
+        for role in self.roles:
+            role.close()
         self.rank.close()
 
     # --- checkpoint hooks (core.checkpoint.service) ------------------------------------------------

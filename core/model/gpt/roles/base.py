@@ -144,5 +144,8 @@ class Role:
         """This rank's checkpoint items of this role and its blobs."""
         return [], {}
 
+    def close(self) -> None:
+        """What the role started (an engine's processes) ends with the process."""
+
     def restore(self, read: ReadFn, blobs: dict[str, Any]) -> None:
         """Its items of a checkpoint, in this rank's layout."""

@@ -9,7 +9,9 @@ training streams and resolved the micro batch, as the generator always was (buil
 draws from the default stream). Calls: SCORE (teacher-forced log-probs: the probe),
 GENERATE, and the target end of weight syncs (GEN_SLICES, SYNC_WEIGHTS; split: BRIDGE).
 It holds nothing a checkpoint needs: its weights are the actor's, synced again after
-every restart.
+every restart. With ``generator.engine: vllm`` the model is a vLLM engine per replica
+(core.model.gpt.vllm_rollout: the sync's targets are whole tensors it stages, STAGE), shut
+down with the process (``close``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from core.flows import calls as gen_calls
 from core.model.gpt import model as model_mod
 from core.model.gpt.roles.base import Rank, Role
 from core.model.gpt.rollout import Rollout
+from core.model.gpt.vllm_rollout import VLLMRollout
 from core.wire import calls
 from core.wire.contract import Handlers
 
@@ -29,10 +32,15 @@ class RolloutRole(Role):
 
     def __init__(self, rank: Rank, plan: RolePlan) -> None:
         super().__init__(rank, plan)
-        self.model: Rollout | None = None
+        self.model: Rollout | VLLMRollout | None = None
 
     def start(self, req: calls.Setup) -> None:
         r = self.rank
+        if r.cfg.generator.engine == "vllm":
+            self.model = VLLMRollout(r.cfg, self.plan.dims, self.plan.local(r.ctx.rank), on_cuda=r.on_cuda)
+            self.model.link = r.link
+            r.link.staging = self.model
+            return
         self.model = Rollout(r.cfg, self.plan.dims, self.plan.local(r.ctx.rank), on_cuda=r.on_cuda)
         self.model.link = r.link
         r.link.model = self.model.model  # the target end of weight syncs
@@ -40,18 +48,31 @@ class RolloutRole(Role):
     def info(self) -> calls.SetupInfo:
         gen, rank = self.model, self.rank.ctx.rank
         assert gen is not None, "info follows start"
-        return calls.SetupInfo(coords=dataclasses.replace(self.plan.dims.coords(self.plan.local(rank)), rank=rank),
-                               layers=tuple(model_mod.global_layer_indices(gen.model)),
+        coords = dataclasses.replace(self.plan.dims.coords(self.plan.local(rank)), rank=rank)
+        if isinstance(gen, VLLMRollout):  # the engine starts at the first sync: no layers held yet
+            return calls.SetupInfo(coords=coords, layers=(), num_params=0, device=self.rank.device.type)
+        return calls.SetupInfo(coords=coords, layers=tuple(model_mod.global_layer_indices(gen.model)),
                                num_params=model_mod.num_local_params(gen.model), device=self.rank.device.type)
 
     def handlers(self) -> Handlers:
         return {
             gen_calls.SCORE: lambda req: self._ready().score(req),
             gen_calls.GENERATE: lambda req: self._ready().generate(req),
+            gen_calls.STAGE: lambda req: self._vllm().stage(req),
             **self.rank.link_handlers(),
         }
 
-    def _ready(self) -> Rollout:
+    def _ready(self) -> Rollout | VLLMRollout:
         self.rank.linked()  # refuses a call before SETUP
         assert self.model is not None, "set up"
         return self.model
+
+    def _vllm(self) -> VLLMRollout:
+        model = self._ready()
+        if not isinstance(model, VLLMRollout):
+            raise RuntimeError(f"rank {self.rank.ctx.rank}: STAGE is for generator.engine vllm")
+        return model
+
+    def close(self) -> None:
+        if isinstance(self.model, VLLMRollout):
+            self.model.close()

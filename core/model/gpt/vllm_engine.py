@@ -1,0 +1,197 @@
+"""One vLLM engine (``generator.engine: vllm``): the home of Baton's ``vllm`` imports.
+
+``Engine`` starts ``vllm.LLM`` on a Hugging Face folder Baton writes (config.json and the
+policy's weights as safetensors, in shared memory: core.model.gpt.vllm_rollout), with vLLM's
+own engine process (V1 multiprocessing: the engine core and its workers are processes of
+their own, started with spawn, never sharing this process's torch.distributed world), prompts
+as token ids (no tokenizer: Baton tokenizes), ``logprobs_mode=processed_logprobs`` (each
+sampled token's log-prob of the distribution after temperature: Baton's rollout log-prob; with
+top-k / top-p, after the truncation too) and ``BatonWorker`` as the worker extension.
+
+Weight updates go through vLLM's supported path on this version: the worker's
+``reload_weights`` from the folder (``BatonWorker.baton_reload``: every rank of the engine
+reads the new safetensors file; with a tied output layer on the CPU backend, the head's
+packed copy is refreshed, which ``reload_weights`` leaves stale), then the prefix cache is
+reset. Sampling is per request: ``seed`` keys each response's stream.
+
+An engine whose process died (killed, out of memory) fails its next call with
+``EngineLost``; the worker exits on it (core.model.gpt.vllm_rollout), so the run recovers it
+as a lost worker. ``shutdown`` ends the engine and any of its processes left behind (they hold
+shared memory), by pid: only processes this one started; ``kill_all`` (the worker's hard exit)
+kills them at once. A worker that dies outright takes its engine with it: ``plugin``, vLLM's
+general plugin (setup.cfg's ``vllm.general_plugins`` entry point), has every process of an
+engine Baton started ask the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+log = logging.getLogger(__name__)
+EXTENSION = "core.model.gpt.vllm_engine.BatonWorker"
+PARENT_ENV = "BATON_VLLM_PARENT"  # the Baton worker that started the engine (its processes die with theirs)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SHUTDOWN_S = 5.0  # vLLM's own shutdown gets this long; then its processes are killed
+_ENGINES: list[Engine] = []  # this process's running engines (kill_all)
+
+
+def plugin() -> None:
+    """vLLM's general plugin: an engine process (or its worker) that Baton started dies with
+    its parent, even when the Baton worker was killed outright."""
+    if os.environ.get(PARENT_ENV) in (None, str(os.getpid())):
+        return
+    import ctypes  # the C library's prctl: only in an engine's processes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    if os.getppid() == 1:  # the parent died before the request
+        os._exit(1)
+
+
+def kill_all() -> None:
+    """Kill every engine process of this process now (its hard exit: no time for vLLM's shutdown)."""
+    for engine in list(_ENGINES):
+        engine.kill()
+
+
+class EngineLost(RuntimeError):
+    """The engine's process is gone: the worker is lost with it."""
+
+
+class BatonWorker:
+    """vLLM's worker extension (``worker_extension_cls``): methods the engine runs on every
+    worker rank through ``collective_rpc``."""
+
+    def baton_reload(self, path: str, tied: bool) -> bool:
+        runner: Any = self.model_runner  # type: ignore[attr-defined]  # the vLLM worker this extends
+        runner.reload_weights(weights_path=path, is_checkpoint_format=True)
+        model = runner.get_model()
+        if tied and str(getattr(self, "device", "cpu")).startswith("cpu"):
+            # the CPU backend packs linear weights for its GEMM; reload_weights refreshes the
+            # embedding but not the tied head's packed copy
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # CPU backend only
+            dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What an engine is started with (core.model.gpt.vllm_rollout fills it from the run's config)."""
+
+    folder: str
+    dtype: str  # float32 | bfloat16 | float16
+    tp: int
+    max_model_len: int
+    seed: int
+    on_cuda: bool
+    gpu_memory_utilization: float
+    kv_cache_bytes: int | None
+    max_num_seqs: int
+    tied: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    prompt: tuple[int, ...]
+    seed: int
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the CPUs the worker was given
+        from vllm import LLM  # vllm loads only where an engine starts (an optional extra)
+        kwargs: dict[str, Any] = dict(
+            model=spec.folder, skip_tokenizer_init=True, dtype=spec.dtype, tensor_parallel_size=spec.tp,
+            max_model_len=spec.max_model_len, seed=spec.seed, logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION, max_num_seqs=spec.max_num_seqs, enable_prefix_caching=True,
+            enforce_eager=not spec.on_cuda, gpu_memory_utilization=spec.gpu_memory_utilization, load_format="safetensors")
+        if spec.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
+        os.environ[PARENT_ENV] = str(os.getpid())
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.llm: Any = LLM(**kwargs)
+        self.children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        _ENGINES.append(self)
+
+    # --- calls ---------------------------------------------------------------------------------
+    def _alive(self) -> None:
+        for p in self.children:
+            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                raise EngineLost(f"vLLM engine process {p.pid} is gone")
+
+    def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self._alive()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            from vllm.v1.engine.exceptions import EngineDeadError  # as LLM above: only with an engine
+            if isinstance(exc, EngineDeadError) or any(not p.is_running() for p in self.children):
+                raise EngineLost(f"vLLM engine died: {exc}") from exc
+            raise
+
+    def reload(self) -> None:
+        """The folder's weights into every worker of the engine; the prefix cache reset."""
+        self._guarded(self.llm.collective_rpc, "baton_reload",
+                      kwargs={"path": self.spec.folder, "tied": self.spec.tied})
+        self._guarded(self.llm.reset_prefix_cache)
+
+    def generate(self, requests: Sequence[Request], *, max_new_tokens: int, temperature: float, top_k: int,
+                 top_p: float, stop: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+        """Each request's new tokens (up to and including its first stop id) and their log-probs."""
+        from vllm import SamplingParams  # as LLM above: only with an engine
+        params = [SamplingParams(n=1, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_new_tokens,
+                                 seed=r.seed, logprobs=0, stop_token_ids=list(stop), ignore_eos=True,
+                                 detokenize=False) for r in requests]
+        outs = self._guarded(self.llm.generate, [{"prompt_token_ids": list(r.prompt)} for r in requests], params,
+                             use_tqdm=False)
+        result = []
+        for out in outs:
+            c = out.outputs[0]
+            result.append((tuple(c.token_ids), tuple(float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids,
+                                                                                              strict=True))))
+        return result
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(seq[i] | seq[:i]) for i ≥ 1 of each sequence (teacher forced, temperature 1)."""
+        from vllm import SamplingParams  # as LLM above: only with an engine
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self._guarded(self.llm.generate, [{"prompt_token_ids": list(s)} for s in sequences], params,
+                             use_tqdm=False)
+        return [[float(lp[t].logprob) for lp, t in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
+                for o, s in zip(outs, sequences, strict=True)]
+
+    def shutdown(self) -> None:
+        """End the engine (vLLM's shutdown, for at most ``SHUTDOWN_S``); then kill any of its
+        processes still running (by pid: this process's own)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            done = threading.Thread(target=_quietly, args=(core.shutdown,), daemon=True, name="vllm-shutdown")
+            done.start()
+            done.join(SHUTDOWN_S)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.children:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(self.children, timeout=SHUTDOWN_S)
+        if self in _ENGINES:
+            _ENGINES.remove(self)
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception as exc:  # a dead engine cannot shut down cleanly: its processes are killed after
+        log.warning("vLLM engine shutdown: %s", exc)
