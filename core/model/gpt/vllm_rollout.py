@@ -113,6 +113,7 @@ class VLLMRollout:
             self._start()
         else:
             self._call(self.engine.reload)
+        self._call(self._engine().sleep)
         log.debug("vLLM engine at version %d in %.3f s", version, time.perf_counter() - t0)
 
     def _start(self) -> None:
@@ -127,7 +128,11 @@ class VLLMRollout:
             folder=str(self.folder), dtype=dtype, tp=g.tp, max_model_len=longest, seed=cfg.seed,
             on_cuda=self.on_cuda, gpu_memory_utilization=g.gpu_memory_utilization,
             kv_cache_bytes=None if g.kv_cache_mb is None and self.on_cuda else int((g.kv_cache_mb or 256) * 2**20),
-            max_num_seqs=g.max_num_seqs, tied=cfg.model.tie_embeddings)
+            max_num_seqs=g.max_num_seqs, tied=cfg.model.tie_embeddings,
+            devices=tuple(range(torch.cuda.current_device(), torch.cuda.current_device() + g.tp)) if self.on_cuda
+            else (), sleeps=self.on_cuda and not g.split)
+        if not self.on_cuda and not g.split:
+            log.info("vLLM colocated on a CPU: no sleep mode there, the engine keeps its memory during updates")
         t0 = time.perf_counter()
         if engine_mod.kill_all not in ON_HARD_EXIT:
             ON_HARD_EXIT.append(engine_mod.kill_all)
@@ -157,6 +162,7 @@ class VLLMRollout:
         if not req.tokens or not self.leader:
             return gen_calls.LogProbs()
         logp = self._call(self._engine().prompt_logprobs, req.tokens)
+        self._call(self._engine().sleep)
         return gen_calls.LogProbs(logprobs=tuple(tuple(row) for row in logp))
 
     def generate(self, req: gen_calls.Generate) -> gen_calls.Generated:
@@ -172,6 +178,7 @@ class VLLMRollout:
         n = req.max_new_tokens
         out = self._call(self._engine().generate, requests, max_new_tokens=n, temperature=req.temperature,
                          top_k=req.top_k, top_p=req.top_p, stop=req.eos)
+        self._call(self._engine().sleep)  # colocated on a GPU: the update that follows has the GPU
         fill = req.eos[0] if req.eos else 0
         tokens = tuple(t + (fill,) * (n - len(t)) for t, _ in out)
         logps = tuple(lp + (0.0,) * (n - len(lp)) for _, lp in out)
