@@ -7,7 +7,8 @@ use their devices). Colocated, the leaders are trainer processes; split, the gen
 
 Weight syncs reuse Baton's plan (core.flows.reshard, run by core.model.gpt.rollout.WeightLink):
 a leader holds every global tensor of the policy whole, in the trainer's dtype (``stage``:
-its targets, sized from the trainer's slices), which the plan fills bucket by bucket; then
+its targets, sized from the trainer's slices; in host memory, or on its GPU when split on GPUs,
+where the bridge is NCCL), which the plan fills bucket by bucket; then
 ``synced`` renames them to the model family's Hugging Face tensors (core.hf.layout.to_hf, the
 exporter's mapping), writes them as one safetensors file in shared memory and has the engine
 reload it (core.model.gpt.vllm_engine). The first sync starts the engine on that folder: an
@@ -90,7 +91,11 @@ class VLLMRollout:
         if not self.leader:
             return gen_calls.HeldSlices()
         if [s for s, _ in self.staged] != list(req.tensors):
-            self.staged = [(s, torch.empty(s.global_shape, dtype=sync.DTYPES[s.dtype])) for s in req.tensors]
+            # split on GPUs the bridge is NCCL, which receives into GPU memory only; else host memory
+            device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda and self.cfg.generator.split \
+                else torch.device("cpu")
+            self.staged = [(s, torch.empty(s.global_shape, dtype=sync.DTYPES[s.dtype], device=device))
+                           for s in req.tensors]
         return gen_calls.HeldSlices(targets=tuple(s for s, _ in self.staged))
 
     def targets(self) -> list[tuple[TensorSlice, torch.Tensor]]:
@@ -104,7 +109,7 @@ class VLLMRollout:
         d = layout.dims_of(self.cfg.model)
         tensors: dict[str, torch.Tensor] = {}
         for s, t in self.staged:
-            for name, a in layout.to_hf(s.name, _numpy(t), d).items():
+            for name, a in layout.to_hf(s.name, _numpy(t.cpu()), d).items():
                 tensors[name] = _torch(a, t.dtype)
         if self.folder is None:
             self.folder = Path(tempfile.mkdtemp(prefix=f"baton-vllm-{os.getpid()}-", dir=_shm()))
