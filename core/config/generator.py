@@ -13,7 +13,9 @@ processes with its own process groups; ``split``, it runs on ``workers`` process
 own (0: ``tp``, one replica), on Slurm a component of the job of its own (``slurm.generator``).
 After every sync the run compares both models' log-probs of a probe batch (at temperature
 1 on both ends: the probe checks the weights, not the sampling); a gap above
-``logprob_tolerance`` stops the run.
+``logprob_tolerance`` stops the run (None, the default: ``TOLERANCE``, 1e-4, except a vLLM
+engine in bf16 or fp16: ``VLLM_LOW_PRECISION_TOLERANCE``, 1.0, its kernels round differently
+from Megatron's; see ``tolerance``).
 ``bucket_mb``: the most a weight sync holds in flight per rank.
 ``engine``: ``megatron`` (the default: Baton's own generation loop, exact and
 layout-independent) or ``vllm`` (each replica a vLLM engine with ``tensor_parallel_size =
@@ -37,6 +39,8 @@ from typing import Literal
 from core.config.schema import bounded, check_bounds
 
 MAX_TOKENS = 2**20
+TOLERANCE = 1e-4  # the probe's largest log-prob gap: the same kernels, or fp32
+VLLM_LOW_PRECISION_TOLERANCE = 1.0  # vLLM in bf16/fp16 against Megatron: rounding, not a wrong sync (nats)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +58,7 @@ class GeneratorConfig:
     top_k: int = bounded(0, ge=0, le=2**26)  # 0: no limit
     top_p: float = bounded(1.0, gt=0, le=1)
     eos: int | None = bounded(None, ge=0, le=2**26)
-    logprob_tolerance: float = bounded(1e-4, gt=0, le=1e3)
+    logprob_tolerance: float | None = bounded(None, gt=0, le=1e3)
     bucket_mb: float = bounded(64.0, gt=0, le=2**20)
     engine: Literal["megatron", "vllm"] = "megatron"
     gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
@@ -63,6 +67,12 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, "generator")
+
+    def tolerance(self, dtype: str) -> float:
+        """The probe's bound for a generator computing in ``dtype`` (a numpy dtype name)."""
+        if self.logprob_tolerance is not None:
+            return self.logprob_tolerance
+        return VLLM_LOW_PRECISION_TOLERANCE if self.engine == "vllm" and dtype != "float32" else TOLERANCE
 
     @property
     def split(self) -> bool:

@@ -110,7 +110,7 @@ class GeneratorFlow:
         log.log(logging.INFO if probe else logging.DEBUG, "generator synced to version %d: %.1f MB in %.3f s, probe "
                 "log-prob gap %.2e", step, sum(s.bytes_received for s in synced.values()) / 2**20,
                 max(s.seconds for s in synced.values()), gap)
-        tol = self.cfg.generator.logprob_tolerance
+        tol = self.cfg.generator.tolerance(next((s.dtype for s in synced.values() if s.dtype), "float32"))
         if gap > tol:
             raise UserError(f"generator.logprob_tolerance: after the weight sync at step {step} the generator's "
                             f"log-probs differ from the trainer's by {gap:.3g} > {tol:g}; the layouts compute "
@@ -121,7 +121,8 @@ class GeneratorFlow:
     def _probe(self, step: int) -> float:
         """The largest gap between both models' log-probs of a held-out batch of ``step``."""
         timeout = self.cfg.timeouts.step_s
-        batch = self.trainer.call(gen_calls.PROBE_BATCH, gen_calls.Probe(step=step, next_token=self.cfg.generator.engine == "vllm"), timeout_s=timeout)[0]
+        probe = gen_calls.Probe(step=step, next_token=self.cfg.generator.engine == "vllm")  # vLLM: prompt log-probs
+        batch = self.trainer.call(gen_calls.PROBE_BATCH, probe, timeout_s=timeout)[0]
         shares = [dataclasses.replace(batch, logprobs=())] + [gen_calls.LogProbs()] * (self.dims.dp - 1)
         mine = self.generator.call_each(gen_calls.SCORE, shares, timeout_s=timeout)[0].logprobs
         return max(abs(a - b) for row, ref in zip(mine, batch.logprobs, strict=True)

@@ -43,6 +43,7 @@ class Synced:
     version: int
     bytes_received: int
     seconds: float
+    dtype: str = ""  # the generator's weights' dtype on this rank ("" where it holds none)
 
 
 @dataclass(frozen=True, kw_only=True)

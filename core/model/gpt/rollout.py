@@ -93,7 +93,12 @@ class WeightLink:
         self.version = req.version
         if self.staging is not None:
             self.staging.synced(req.version)
-        return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0)
+        targets = self._targets()
+        return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0,
+                                dtype=self._dtype() or (targets[0][0].dtype if targets else ""))
+
+    def _dtype(self) -> str:
+        return "" if self.staging is None else self.staging.dtype
 
 
 class Rollout:

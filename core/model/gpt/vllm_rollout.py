@@ -82,6 +82,11 @@ class VLLMRollout:
         self.model = None  # no Megatron model: the role's SETUP info counts ``staged``
 
     @property
+    def dtype(self) -> str:
+        """The engine's compute dtype (numpy's name); "" on a rank without an engine."""
+        return DTYPES[self.cfg.training.mixed_precision.resolved(on_cuda=self.on_cuda)[0]] if self.leader else ""
+
+    @property
     def version(self) -> int:
         return -1 if self.link is None else self.link.version
 
@@ -124,7 +129,7 @@ class VLLMRollout:
     def _start(self) -> None:
         assert self.folder is not None
         cfg, g = self.cfg, self.cfg.generator
-        dtype = DTYPES[cfg.training.mixed_precision.resolved(on_cuda=self.on_cuda)[0]]
+        dtype = self.dtype
         # one position past seq_length: scoring a whole sequence (the probe) asks vLLM for one more token
         longest = cfg.model.seq_length + 1
         hf = {**families.hf_config(cfg.model, family(cfg), dtype=dtype), "max_position_embeddings": longest}
