@@ -18,7 +18,9 @@ same row ((seed, step, row) through ``Generate.seed`` and the row's index), left
 (vLLM takes prompts of any length). Responses come back padded to ``max_new_tokens`` as the
 Megatron engine's do (after a stop id: ``eos[0]``, log-prob 0). The probe (SCORE) is vLLM's
 prompt log-probs of the probe batch. A lost engine ends the worker (``EngineLost``: the
-run recovers it as a lost worker and syncs the new engine).
+run recovers it as a lost worker and syncs the new engine). A leader removes its weights
+folder when it closes; the folder of a worker killed outright is removed by the next leader
+started on the node (``_sweep_orphans``: only folders whose worker's pid runs no process).
 """
 from __future__ import annotations
 
