@@ -214,6 +214,10 @@ def test_a_killed_engine_is_recovered_as_a_lost_worker_and_the_run_completes(fau
     lost = history(r.run_dir, "worker_lost")
     assert len(lost) >= 2, lost  # the killed engine's worker (exit 75), then the killed worker
     assert [e["generation"] for e in history(r.run_dir, "restarting_workers")][:2] == [1, 2]
+    log = (r.run_dir / "logs" / "worker_r00000.log").read_text()
+    assert "is gone; this worker exits (code 75)" in log  # the killed engine ended its worker: EngineLost
+    # the killed worker could not remove its weights folder: the next leader did
+    assert f"removing /dev/shm/baton-vllm-{faulted['worker_killed']}-" in log
     rl = _rl(r.run_dir)
     assert [x["step"] for x in rl] == list(range(30, 40))
     assert all(x["sync_logprob_maxdiff"] <= 1e-4 for x in rl)
