@@ -7,13 +7,13 @@ after the reload, vLLM's greedy tokens equal transformers' greedy ``generate`` o
 weights, and vLLM's log-probs of its tokens and of teacher-forced prompts equal transformers'
 within 1e-4 (fp32). The second model changes the embedding too, so a tied head left stale
 by the reload (the CPU backend's packed copy) shows as wrong tokens. Last, an engine whose
-process dies mid-call fails the call with EngineLost (core.model.gpt.vllm_engine)."""
+process dies while a call waits on it fails the call with EngineLost (core.model.gpt.vllm_engine)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from core.hf import files, layout  # noqa: E402
 from core.model.gpt import vllm_engine  # noqa: E402
-from tests.helpers import HF_SHAPE, save_hf_model  # noqa: E402
+from tests.helpers import HF_SHAPE, save_hf_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 D = layout.Dims(layers=HF_SHAPE["num_hidden_layers"], hidden=HF_SHAPE["hidden_size"],
@@ -131,15 +131,24 @@ def test_vllm_serves_the_synced_weights_and_a_reload_replaces_them_tied_head_inc
 
 
 def test_an_engine_that_dies_mid_call_fails_the_call_with_engine_lost(engine: vllm_engine.Engine) -> None:
-    """The engine core is SIGKILLed inside a call, before it asks for tokens: the call ends
-    with EngineLost (vLLM's own client would wait forever). The module's last test: it ends
-    the engine."""
+    """The engine core is stopped, a generate call sent to it, and the core SIGKILLed while the
+    call waits for its answer: the call ends with EngineLost (vLLM's own client would wait
+    forever). The module's last test: it ends the engine."""
     (core,) = [p for p in engine.children if "EngineCore" in " ".join(p.cmdline())]
+    outcome: dict[str, BaseException] = {}
 
-    def killed_then_generate() -> object:
-        os.kill(core.pid, signal.SIGKILL)
-        core.wait(timeout=30)
-        return engine.llm.generate([{"prompt_token_ids": list(PROMPTS[0])}], use_tqdm=False)
+    def call() -> None:
+        try:
+            engine.generate([vllm_engine.Request(prompt=PROMPTS[0], seed=1)], max_new_tokens=NEW, temperature=0.0,
+                            top_k=0, top_p=1.0, stop=())
+        except BaseException as exc:  # noqa: BLE001 - what the call raised is the test's subject
+            outcome["raised"] = exc
 
-    with pytest.raises(vllm_engine.EngineLost):
-        engine._guarded(killed_then_generate)
+    core.send_signal(signal.SIGSTOP)  # it cannot answer: the request stays in flight
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    wait_for(lambda: engine.llm.llm_engine.get_num_unfinished_requests() > 0, 60, "the request in flight")
+    core.send_signal(signal.SIGKILL)
+    caller.join(timeout=60)
+    assert not caller.is_alive(), "the call still waits on an engine that is gone"
+    assert isinstance(outcome.get("raised"), vllm_engine.EngineLost), outcome
