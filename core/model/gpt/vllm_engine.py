@@ -17,11 +17,12 @@ on the CUDA devices it is given (``CUDA_VISIBLE_DEVICES`` of its processes: the 
 devices from its leader's on), and colocated it sleeps between calls (``sleep``: weights to host
 memory, KV cache freed, so the trainer's update has the GPU; woken by the next call).
 
-An engine whose process died (killed, out of memory) fails its next call with
-``EngineLost``; the worker exits on it (core.model.gpt.vllm_rollout), so the run recovers it
-as a lost worker. ``shutdown`` ends the engine and any of its processes left behind (they hold
-shared memory), by pid: only processes this one started; ``kill_all`` (the worker's hard exit)
-kills them at once. A worker that dies outright takes its engine with it: ``plugin``, vLLM's
+An engine whose process died (killed, out of memory) fails its next call, or the call
+waiting on it, with ``EngineLost`` (calls run on a thread of their own while the engine's
+processes are watched: vLLM's synchronous client would wait forever); the worker exits on
+it (core.model.gpt.vllm_rollout), so the run recovers it as a lost worker. ``shutdown`` ends
+the engine and any of its processes left behind (they hold shared memory), by pid: only
+processes this one started; ``kill_all`` (the worker's hard exit) kills them at once. A worker that dies outright takes its engine with it: ``plugin``, vLLM's
 general plugin (setup.cfg's ``vllm.general_plugins`` entry point), has every process of an
 engine Baton started ask the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``).
 """
@@ -33,6 +34,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ EXTENSION = "core.model.gpt.vllm_engine.BatonWorker"
 PARENT_ENV = "BATON_VLLM_PARENT"  # the Baton worker that started the engine (its processes die with theirs)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SHUTDOWN_S = 5.0  # vLLM's own shutdown gets this long; then its processes are killed
+WATCH_S = 0.5  # while a call waits on the engine, its processes are checked this often
 _ENGINES: list[Engine] = []  # this process's running engines (kill_all)
 
 
@@ -139,9 +142,15 @@ class Engine:
                 raise EngineLost(f"vLLM engine process {p.pid} is gone")
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn`` on a thread of its own, its engine's processes watched meanwhile: vLLM's
+        synchronous client waits forever for an answer from an engine that died mid-call (its
+        monitor shuts the client down without waking the waiting call)."""
         self._alive()
+        call = _on_thread(fn, *args, **kwargs)
+        while not futures.wait([call], timeout=WATCH_S).done:
+            self._alive()  # the waiting thread is left behind: the worker exits on EngineLost
         try:
-            return fn(*args, **kwargs)
+            return call.result()
         except Exception as exc:
             from vllm.v1.engine.exceptions import EngineDeadError  # as LLM above: only with an engine
             if isinstance(exc, EngineDeadError) or any(not p.is_running() for p in self.children):
@@ -232,6 +241,20 @@ def _visible(devices: Sequence[int]) -> Iterator[None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def _on_thread(fn: Any, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+    """``fn(*args, **kwargs)`` on a new daemon thread; its result or exception in the future."""
+    call: futures.Future[Any] = futures.Future()
+
+    def run() -> None:
+        try:
+            call.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # handed to the caller through the future
+            call.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="vllm-call").start()
+    return call
 
 
 def _quietly(fn: Any) -> None:

@@ -19,7 +19,9 @@ same row ((seed, step, row) through ``Generate.seed`` and the row's index), left
 (vLLM takes prompts of any length). Responses come back padded to ``max_new_tokens`` as the
 Megatron engine's do (after a stop id: ``eos[0]``, log-prob 0). The probe (SCORE) is vLLM's
 prompt log-probs of the probe batch. A lost engine ends the worker (``EngineLost``: the
-run recovers it as a lost worker and syncs the new engine).
+run recovers it as a lost worker and syncs the new engine). A leader removes its weights
+folder when it closes; the folder of a worker killed outright is removed by the next leader
+started on the node (``_sweep_orphans``: only folders whose worker's pid runs no process).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from core.worker.task import ON_HARD_EXIT
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 EXIT_ENGINE_LOST = 75  # the worker's exit code when its engine died (a lost worker)
+SHM_PREFIX = "baton-vllm-"  # a leader's weights folder: baton-vllm-PID-XXXX, PID the worker's
 
 
 def family(cfg: RunConfig) -> str:
@@ -117,7 +120,8 @@ class VLLMRollout:
             for name, a in layout.to_hf(s.name, _numpy(t.cpu()), d).items():
                 tensors[name] = _torch(a, t.dtype)
         if self.folder is None:
-            self.folder = Path(tempfile.mkdtemp(prefix=f"baton-vllm-{os.getpid()}-", dir=_shm()))
+            _sweep_orphans(_shm())
+            self.folder = Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=_shm()))
         files.save_tensors(tensors, self.folder / files.SINGLE)
         if self.engine is None:
             self._start()
@@ -201,6 +205,28 @@ class VLLMRollout:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+
+
+def _sweep_orphans(where: str | None) -> None:
+    """Remove the weights folders of workers that are gone: a worker killed outright (SIGKILL,
+    out of memory) cannot remove its own, and each holds a whole policy in shared memory.
+    Only folders whose PID runs no process are touched."""
+    root = Path(where if where is not None else tempfile.gettempdir())
+    for folder in root.glob(f"{SHM_PREFIX}*-*"):
+        pid = folder.name[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            log.info("removing %s: its worker (pid %s) is gone", folder, pid)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _shm() -> str | None:
