@@ -198,7 +198,9 @@ VLLM_MIN_HEAD_DIM = 32  # vLLM's CPU attention refuses smaller heads (and no rea
 
 
 def _check_vllm(cfg: RunConfig) -> None:
-    """vLLM loads the policy as a Hugging Face Llama, Qwen2 or Qwen3 model."""
+    """vLLM loads the policy as a Hugging Face Llama, Qwen2 or Qwen3 model; a colocated engine
+    leaves the trainer some of the GPU; its KV cache holds a whole sequence. (Against a GPU's
+    size: ``baton plan``, core.config.genplan.)"""
     m = cfg.model
     want = {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding": "rope", "bias": False}
     off = [f"model.{k}: {str(v).lower()} (now {str(getattr(m, k)).lower()})" for k, v in want.items()
