@@ -68,9 +68,9 @@ def test_a_colocated_engine_whose_share_and_the_trainer_exceed_the_gpu_does_not_
     assert g.with_trainer_bytes == int(0.99 * gpu) + trainer.memory.total_bytes > gpu and g.fits is False
     most = (gpu - trainer.memory.total_bytes) / gpu
     assert g.fix.startswith(f"lower generator.gpu_memory_utilization to at most {most:.2f}")
-    split, _ = _plan("generator.kv_cache_mb=null", "generator.gpu_memory_utilization=0.99",
-                     "generator.placement=split", gpu_gb=gpu_gb)
-    assert split.fits is True
+    split, _ = _plan("generator.kv_cache_mb=null", "generator.gpu_memory_utilization=1",
+                     "generator.placement=split", gpu_gb=gpu_gb)  # its own GPU: the whole of it is allowed
+    assert split.total_bytes == gpu and split.fits is True
     out = baton("plan", str(VLLM_TINY), "generator.kv_cache_mb=null", "generator.gpu_memory_utilization=0.99",
                 "--gpu-mem-gb", str(gpu_gb), timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
