@@ -28,6 +28,7 @@ trainer's updates: no sleep mode is used); split, they are all its workers hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from core.config.dims import ParallelDims
 from core.config.plan import DTYPE_BYTES, GIB, Plan, ceil_div, rank_params
@@ -70,8 +71,9 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
     # a key and a value per layer of the rank's key/value heads
     per_token = 2 * m.num_layers * ceil_div(m.query_groups, dims.tp) * m.head_size * size
     gpu = None if trainer.gpu_mem_gb is None else int(trainer.gpu_mem_gb * GIB)
-    common = dict(placement=g.placement, engine=g.engine, dims=dims, first_rank=role.first_rank,
-                  weights_bytes=weights, kv_bytes_per_token=per_token, rollout_tokens=batch * (prompt + new))
+    common: dict[str, Any] = dict(
+        placement=g.placement, engine=g.engine, dims=dims, first_rank=role.first_rank, weights_bytes=weights,
+        kv_bytes_per_token=per_token, rollout_tokens=batch * (prompt + new))
     if g.engine == "vllm":
         return _vllm(cfg, trainer, gpu, common)
     kv = per_token * batch * (prompt + new)  # Megatron's static KV cache: every row's every position
@@ -85,7 +87,7 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
                               if cfg.program in RL_PROGRAMS else "lower generator.num_prompts or raise generator.tp"))
 
 
-def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict) -> GeneratorPlan:  # type: ignore[type-arg]
+def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]) -> GeneratorPlan:
     """A vLLM engine's memory per rank: its share of the GPU (or its weights and
     ``kv_cache_mb``), the KV cache in it, and whether it fits beside the trainer."""
     g, weights, per_token = cfg.generator, common["weights_bytes"], common["kv_bytes_per_token"]
