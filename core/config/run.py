@@ -198,7 +198,9 @@ VLLM_MIN_HEAD_DIM = 32  # vLLM's CPU attention refuses smaller heads (and no rea
 
 
 def _check_vllm(cfg: RunConfig) -> None:
-    """vLLM loads the policy as a Hugging Face Llama, Qwen2 or Qwen3 model."""
+    """vLLM loads the policy as a Hugging Face Llama, Qwen2 or Qwen3 model; a colocated engine
+    leaves the trainer some of the GPU; its KV cache holds a whole sequence. (Against a GPU's
+    size: ``baton plan``, core.config.genplan.)"""
     m = cfg.model
     want = {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding": "rope", "bias": False}
     off = [f"model.{k}: {str(v).lower()} (now {str(getattr(m, k)).lower()})" for k, v in want.items()
@@ -212,6 +214,21 @@ def _check_vllm(cfg: RunConfig) -> None:
         raise ConfigError(f"generator.engine: vllm needs a head dim of at least {VLLM_MIN_HEAD_DIM} (model.hidden_size "
                           f"{m.hidden_size} / model.num_attention_heads {m.num_attention_heads} = {m.head_size}); "
                           "use fewer, wider heads (or model.head_dim) or generator.engine=megatron")
+    g = cfg.generator
+    if not g.split and g.kv_cache_mb is None and g.gpu_memory_utilization >= 1:
+        raise ConfigError(f"generator.gpu_memory_utilization: {g.gpu_memory_utilization:g} gives a colocated vLLM "
+                          "engine the whole GPU and the trainer none (the engine keeps it during updates: no sleep "
+                          "mode); lower it to leave the trainer its share (baton plan shows both), set "
+                          "generator.kv_cache_mb, or use generator.placement=split")
+    # the KV cache must hold one whole sequence (the engine's max_model_len: seq_length + 1), or
+    # vLLM refuses to start; counted at 2 bytes a value, the least any dtype takes (bf16 on a GPU)
+    if g.kv_cache_mb is not None:
+        per_token = 2 * m.num_layers * -(-m.query_groups // g.tp) * m.head_size * 2
+        need = (m.seq_length + 1) * per_token
+        if g.kv_cache_mb * 2**20 < need:
+            raise ConfigError(f"generator.kv_cache_mb: {g.kv_cache_mb:g} holds fewer than one sequence of "
+                              f"model.seq_length + 1 = {m.seq_length + 1} tokens ({need} bytes at {per_token} a "
+                              f"token in bf16); raise it to at least {need / 2**20:.3g}")
 
 
 def _check_rl(cfg: RunConfig) -> None:
