@@ -22,8 +22,10 @@ sizes the KV cache itself instead (vLLM then ignores the share), and the engine 
 weights plus that. Its KV cache must hold at least one whole sequence (``model.seq_length + 1``
 tokens: vLLM refuses to start otherwise); with less than a whole rollout it decodes in waves.
 
-Colocated, these add to the trainer's worst rank (a vLLM engine keeps its memory during the
-trainer's updates: no sleep mode is used); split, they are all its workers hold.
+Colocated, these add to the trainer's worst rank (on a GPU the engine sleeps during the
+trainer's updates, its KV cache freed and its weights offloaded, but the trainer's resident
+memory stays while the engine generates: the plan counts both at once, an upper bound); split,
+they are all its workers hold.
 """
 from __future__ import annotations
 
@@ -163,7 +165,7 @@ def format_generator(p: GeneratorPlan) -> str:
     if p.placement != "split":
         line += f"; with the trainer's worst rank {_size(p.with_trainer_bytes)}"
         if p.engine == "vllm":
-            line += " (the engine keeps its memory during updates: no sleep mode)"
+            line += " (counted beside the trainer's: both are resident while it generates)"
     if p.fits is not None:
         line += "; fits" if p.fits else f"; DOES NOT FIT: {p.fix}"
     return line

@@ -41,7 +41,7 @@ def test_the_engine_takes_its_share_of_the_gpu_and_its_kv_cache_is_what_the_weig
     assert g.rollout_tokens == 4 * 8 * (4 + 8)  # prompts_per_step × n rows of prompt + response tokens
     assert g.with_trainer_bytes == g.total_bytes + trainer.memory.total_bytes and g.fits
     line = format_generator(g)
-    assert "vLLM engine" in line and "no sleep mode" in line and line.endswith("; fits")
+    assert "vLLM engine" in line and "both are resident" in line and line.endswith("; fits")
 
 
 def test_kv_cache_mb_sizes_the_kv_cache_beside_the_weights_in_the_engines_dtype() -> None:
