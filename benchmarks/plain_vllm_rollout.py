@@ -1,7 +1,7 @@
 """The vLLM engine driven directly by one plain script: benchmarks/rollout.py's baseline.
 
 No Baton: ``vllm.LLM`` on the Hugging Face folder, started with the engine arguments Baton's
-``generator.engine: vllm`` uses (core.model.gpt.vllm_engine: fp32, V1 engine processes,
+``generator.engine: vllm`` uses (core.model.gpt.vllm_engine: the run's dtype, V1 engine processes,
 token-id prompts, prefix caching, processed log-probs, the same KV cache and sequence
 limits), then, for each RL step benchmarks/rollout.py measures, the counting task's prompts
 of that step (core.rl.tasks.counting, each ``n`` times) with the per-row seeds Baton gives
@@ -42,13 +42,14 @@ def row_seeds(spec: dict, step: int, rows: int) -> list[int]:
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    import torch
     from safetensors.torch import load_file, save_file
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["folder"], skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=1,
+    llm = LLM(model=spec["folder"], skip_tokenizer_init=True, dtype=spec["dtype"], tensor_parallel_size=1,
               max_model_len=spec["max_model_len"], seed=spec["seed"], logprobs_mode="processed_logprobs",
-              max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=True, enforce_eager=True,
-              kv_cache_memory_bytes=spec["kv_cache_bytes"], load_format="safetensors")
+              max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=True, enforce_eager=spec["enforce_eager"],
+              gpu_memory_utilization=spec["gpu_memory_utilization"], kv_cache_memory_bytes=spec["kv_cache_bytes"], load_format="safetensors")
     gen_s, tokens = [], []
     for step in spec["steps"]:
         rows = prompts_of(spec, step)
@@ -60,7 +61,8 @@ def main() -> int:
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in rows], params, use_tqdm=False)
         gen_s.append(time.perf_counter() - t0)
         tokens.append(sum(len(o.outputs[0].token_ids) for o in outs))
-    tensors = load_file(str(Path(spec["folder"]) / "model.safetensors"))
+    # the bytes Baton writes per sync: every tensor in the engine's dtype
+    tensors = {k: v.to(getattr(torch, spec["dtype"])) for k, v in load_file(str(Path(spec["folder"]) / "model.safetensors")).items()}
     shm = tempfile.mkdtemp(prefix="baton-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     write_s, reload_s = [], []
     try:
@@ -78,7 +80,8 @@ def main() -> int:
         os.rmdir(shm)
     Path(sys.argv[2]).write_text(json.dumps({
         "generate_s": gen_s[1:], "tokens": tokens[1:], "shm_write_s": statistics.median(write_s),
-        "reload_s": statistics.median(reload_s), "bytes": sum(t.nbytes for t in tensors.values())}))
+        "reload_s": statistics.median(reload_s), "bytes": sum(t.nbytes for t in tensors.values()),
+        "dtype": spec["dtype"]}))
     llm.llm_engine.engine_core.shutdown()
     return 0
 

