@@ -15,7 +15,10 @@
 # benchmarks/step_overhead.py --quick on the GPU, then benchmarks/gpu_size.py: a 125M
 # modern-shape GPT (RMSNorm, SwiGLU, rope, GQA) in bf16 through the controller, tokens/s,
 # MFU and peak CUDA memory beside the plan's estimate, plain and with int8 activation
-# storage (200 steps each). About 9 minutes on an H200.
+# storage (200 steps each); then, where the image has vLLM (pip install 'baton[vllm]': too big
+# to carry as a wheel), benchmarks/rollout.py --quick --device cuda: rollout tokens/s of Baton's
+# vLLM rollout beside the same engine driven directly, and of the Megatron engine (skipped,
+# with a line saying so, without vLLM). About 9 minutes on an H200, 12 with vLLM.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +47,13 @@ run)
     timeout 300 python3 benchmarks/step_overhead.py --quick --json "$out/step_overhead.json" \
         parallel.tp=1 parallel.pp=1 trainer.n_gpus_per_node=1 trainer.device=cuda 2>&1 | tee "$out/step_overhead.txt" || rc=1
     timeout 240 python3 benchmarks/gpu_size.py --steps 200 --json "$out/gpu_size.json" 2>&1 | tee "$out/gpu_size.txt" || rc=1
+    if python3 -c "import vllm" >/dev/null 2>&1; then
+        timeout 300 python3 benchmarks/rollout.py --quick --device cuda --json "$out/rollout.json" 2>&1 \
+            | tee "$out/rollout.txt" || rc=1
+    else
+        echo "gpu_check: vllm is not installed here (pip install 'baton[vllm]'); benchmarks/rollout.py skipped" \
+            | tee "$out/rollout.txt"
+    fi
     exit $rc
     ;;
 *)
