@@ -179,7 +179,7 @@ class Engine:
         """End the engine (vLLM's shutdown, for at most ``SHUTDOWN_S``); then kill any of its
         processes still running (by pid: this process's own), and remove the shared memory they
         mapped when it began (Slurm may end them meanwhile, before they remove it)."""
-        left = _shared_memory(self.children)
+        left = shared_memory(self.children)
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None:
             done = threading.Thread(target=_quietly, args=(core.shutdown,), daemon=True, name="vllm-shutdown")
@@ -188,24 +188,29 @@ class Engine:
         self.kill(left)
 
     def kill(self, left: set[str] | None = None) -> None:
-        """Kill the engine's processes; then remove the shared memory they left (``left``: what
-        they mapped earlier; else what they map now)."""
-        left = _shared_memory(self.children) | (left or set())
-        for p in self.children:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(self.children, timeout=SHUTDOWN_S)
-        if not alive:  # files a live process maps stay: it may still open them by name
-            removed = _remove(left)
-            if removed:
-                log.info("removed %d shared-memory file(s) the vLLM engine left: %s", len(removed), ", ".join(removed))
+        """Kill the engine's processes and remove the shared memory they left (``left``: what
+        they mapped earlier, besides what they map now)."""
+        removed = end_processes(self.children, left)
+        if removed:
+            log.info("removed %d shared-memory file(s) the vLLM engine left: %s", len(removed), ", ".join(removed))
         if self in _ENGINES:
             _ENGINES.remove(self)
 
 
-def _shared_memory(procs: Sequence[psutil.Process]) -> set[str]:
+def end_processes(procs: Sequence[psutil.Process], left: set[str] | None = None) -> list[str]:
+    """Kill ``procs``; once they are gone, remove the multiprocessing shared memory they map
+    now and ``left`` (what they mapped earlier). The names removed (those still there)."""
+    left = shared_memory(procs) | (left or set())
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=SHUTDOWN_S)
+    return [] if alive else _remove(left)  # a live process may still open them by name
+
+
+def shared_memory(procs: Sequence[psutil.Process]) -> set[str]:
     """The multiprocessing shared-memory files in /dev/shm that ``procs`` map now."""
     found = set()
     for p in procs:
