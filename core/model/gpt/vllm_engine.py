@@ -22,7 +22,13 @@ waiting on it, with ``EngineLost`` (calls run on a thread of their own while the
 processes are watched: vLLM's synchronous client would wait forever); the worker exits on
 it (core.model.gpt.vllm_rollout), so the run recovers it as a lost worker. ``shutdown`` ends
 the engine and any of its processes left behind (they hold shared memory), by pid: only
-processes this one started; ``kill_all`` (the worker's hard exit) kills them at once. A worker that dies outright takes its engine with it: ``plugin``, vLLM's
+processes this one started; ``kill_all`` (the worker's hard exit) kills them at once. A killed
+engine cannot remove the shared memory its processes made (the message queues between its
+core and its workers, Python's ``psm_*`` segments, and their ``sem.mp-*`` semaphores: a few
+hundred MB that outlive the job): ``kill`` notes which of them the processes map and removes
+those once the processes are gone. This is what happens when Slurm requeues a job:
+``scontrol requeue`` ends the job's steps while the worker shuts its engine down. A worker
+that dies outright takes its engine with it: ``plugin``, vLLM's
 general plugin (setup.cfg's ``vllm.general_plugins`` entry point), has every process of an
 engine Baton started ask the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``).
 """
@@ -46,6 +52,7 @@ PARENT_ENV = "BATON_VLLM_PARENT"  # the Baton worker that started the engine (it
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SHUTDOWN_S = 5.0  # vLLM's own shutdown gets this long; then its processes are killed
 WATCH_S = 0.5  # while a call waits on the engine, its processes are checked this often
+_SHM_PREFIXES = ("psm_", "sem.mp-")  # Python's shared memory and semaphore names (multiprocessing)
 _ENGINES: list[Engine] = []  # this process's running engines (kill_all)
 
 
@@ -205,21 +212,22 @@ class Engine:
 
     def shutdown(self) -> None:
         """End the engine (vLLM's shutdown, for at most ``SHUTDOWN_S``); then kill any of its
-        processes still running (by pid: this process's own)."""
+        processes still running (by pid: this process's own), and remove the shared memory they
+        mapped when it began (Slurm may end them meanwhile, before they remove it)."""
+        left = shared_memory(self.children)
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None:
             done = threading.Thread(target=_quietly, args=(core.shutdown,), daemon=True, name="vllm-shutdown")
             done.start()
             done.join(SHUTDOWN_S)
-        self.kill()
+        self.kill(left)
 
-    def kill(self) -> None:
-        for p in self.children:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(self.children, timeout=SHUTDOWN_S)
+    def kill(self, left: set[str] | None = None) -> None:
+        """Kill the engine's processes and remove the shared memory they left (``left``: what
+        they mapped earlier, besides what they map now)."""
+        removed = end_processes(self.children, left)
+        if removed:
+            log.info("removed %d shared-memory file(s) the vLLM engine left: %s", len(removed), ", ".join(removed))
         if self in _ENGINES:
             _ENGINES.remove(self)
 
@@ -255,6 +263,48 @@ def _on_thread(fn: Any, *args: Any, **kwargs: Any) -> futures.Future[Any]:
 
     threading.Thread(target=run, daemon=True, name="vllm-call").start()
     return call
+
+
+def end_processes(procs: Sequence[psutil.Process], left: set[str] | None = None) -> list[str]:
+    """Kill ``procs``; once they are gone, remove the multiprocessing shared memory they map
+    now and ``left`` (what they mapped earlier). The names removed (those still there)."""
+    left = shared_memory(procs) | (left or set())
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=SHUTDOWN_S)
+    return [] if alive else _remove(left)  # a live process may still open them by name
+
+
+def shared_memory(procs: Sequence[psutil.Process]) -> set[str]:
+    """The multiprocessing shared-memory files in /dev/shm that ``procs`` map now."""
+    found = set()
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/maps") as maps:
+                lines = maps.read().splitlines()
+        except OSError:  # gone already, or not Linux
+            continue
+        for line in lines:  # address perms offset device inode [path]
+            parts = line.split(maxsplit=5)
+            path = parts[5].removesuffix(" (deleted)") if len(parts) == 6 else ""
+            if path.startswith("/dev/shm/") and os.path.basename(path).startswith(_SHM_PREFIXES):
+                found.add(path)
+    return found
+
+
+def _remove(paths: set[str]) -> list[str]:
+    """Unlink ``paths``; the names of those that were still there."""
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:  # the engine's own shutdown removed it
+            pass
+    return removed
 
 
 def _quietly(fn: Any) -> None:
