@@ -91,7 +91,8 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
 
 def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]) -> GeneratorPlan:
     """A vLLM engine's memory per rank: its share of the GPU (or its weights and
-    ``kv_cache_mb``), the KV cache in it, and whether it fits beside the trainer."""
+    ``kv_cache_mb``), the KV cache in it, on a GPU the staged copy of the whole policy the
+    weight syncs fill, and whether it all fits beside the trainer."""
     g, weights, per_token = cfg.generator, common["weights_bytes"], common["kv_bytes_per_token"]
     trainer_bytes = 0 if g.split else trainer.memory.total_bytes
     if g.kv_cache_mb is not None:
@@ -102,6 +103,10 @@ def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]
     else:
         total = int(g.gpu_memory_utilization * gpu)
         kv = max(total - weights, 0)
+    # on a GPU each replica's first rank also holds the whole policy the syncs fill (the staged
+    # copy, core.model.gpt.vllm_rollout: NCCL receives into GPU memory only), in the same dtype
+    staged = weights * g.tp if gpu is not None else 0
+    total += staged
     together = total + trainer_bytes
     sequence = cfg.model.seq_length + 1  # the engine's max_model_len (core.model.gpt.vllm_rollout)
     key = "generator.kv_cache_mb" if g.kv_cache_mb is not None else "generator.gpu_memory_utilization"
@@ -114,12 +119,14 @@ def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]
             fix = (f"{key}: its KV cache holds {kv // per_token} tokens, less than one sequence of "
                    f"model.seq_length + 1 = {sequence} ({_size(sequence * per_token)}); raise it")
         elif gpu is not None and together > gpu:
-            fix = _over_gpu_fix(cfg, trainer_bytes, weights, gpu)
+            fix = _over_gpu_fix(cfg, trainer_bytes + staged, weights, gpu)
     return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=kv // per_token, logits_bytes=0,
                          total_bytes=total, with_trainer_bytes=together, fits=fits, fix=fix)
 
 
 def _over_gpu_fix(cfg: RunConfig, trainer_bytes: int, weights: int, gpu: int) -> str:
+    """The fix of an engine over its GPU; ``trainer_bytes``: what else the GPU holds (the
+    trainer's worst rank, colocated, and the staged copy of the policy)."""
     g = cfg.generator
     left = gpu - trainer_bytes
     if g.kv_cache_mb is not None:
@@ -129,8 +136,9 @@ def _over_gpu_fix(cfg: RunConfig, trainer_bytes: int, weights: int, gpu: int) ->
     if left <= weights:
         return (f"the trainer's worst rank plans {_size(trainer_bytes)} of the GPU's {_size(gpu)}, which leaves "
                 "no room for the engine's weights; use generator.placement=split")
-    return (f"lower generator.gpu_memory_utilization to at most {left / gpu:.2f} (the trainer's worst rank plans "
-            f"{_size(trainer_bytes)} of the GPU's {_size(gpu)}), or use generator.placement=split")
+    return (f"lower generator.gpu_memory_utilization to at most {left / gpu:.2f} (the trainer's worst rank and the "
+            f"staged policy take {_size(trainer_bytes)} of the GPU's {_size(gpu)})"
+            + ("" if g.split else ", or use generator.placement=split"))
 
 
 def _rollout(cfg: RunConfig) -> tuple[int, int, int]:

@@ -210,6 +210,10 @@ def _check_vllm(cfg: RunConfig) -> None:
     if off:
         raise ConfigError(f"generator.engine: vllm runs the policy as a Hugging Face Llama/Qwen2/Qwen3 model, which "
                           f"needs {', '.join(off)}; change the model section or use generator.engine=megatron")
+    if m.rope_scaling_factor is not None and (m.qk_norm or m.qkv_has_bias):
+        raise ConfigError(f"model.rope_scaling_factor: {m.rope_scaling_factor:g} is Llama 3's rope scaling, which a "
+                          "Qwen2/Qwen3 model (qkv_bias / qk_norm) has none of in Hugging Face; drop it or use "
+                          "generator.engine=megatron")
     if m.head_size < VLLM_MIN_HEAD_DIM:
         raise ConfigError(f"generator.engine: vllm needs a head dim of at least {VLLM_MIN_HEAD_DIM} (model.hidden_size "
                           f"{m.hidden_size} / model.num_attention_heads {m.num_attention_heads} = {m.head_size}); "
@@ -217,8 +221,7 @@ def _check_vllm(cfg: RunConfig) -> None:
     g = cfg.generator
     if not g.split and g.kv_cache_mb is None and g.gpu_memory_utilization >= 1:
         raise ConfigError(f"generator.gpu_memory_utilization: {g.gpu_memory_utilization:g} gives a colocated vLLM "
-                          "engine the whole GPU and the trainer none (the engine keeps it during updates: no sleep "
-                          "mode); lower it to leave the trainer its share (baton plan shows both), set "
+                          "engine the whole GPU and the trainer none while it generates; lower it to leave the trainer its share (baton plan shows both), set "
                           "generator.kv_cache_mb, or use generator.placement=split")
     # the KV cache must hold one whole sequence (the engine's max_model_len: seq_length + 1), or
     # vLLM refuses to start; counted at 2 bytes a value, the least any dtype takes (bf16 on a GPU)

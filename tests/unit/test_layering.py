@@ -67,6 +67,7 @@ HOMES = {
     "jinja2": {"core/data/hf_tokenizer.py"},
     "math_verify": {"core/rl/math_reward.py"},
     "vllm": {"core/model/gpt/vllm_engine.py"},
+    "psutil": {"core/model/gpt/sizing.py", "core/model/gpt/vllm_engine.py"},
     "transformers": set(),  # tests only: Baton reads Hugging Face folders with tokenizers, jinja2, safetensors
 }
 

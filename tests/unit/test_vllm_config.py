@@ -35,7 +35,7 @@ def test_the_engine_takes_its_share_of_the_gpu_and_its_kv_cache_is_what_the_weig
     g, trainer = _plan("generator.kv_cache_mb=null", "generator.gpu_memory_utilization=0.3")
     assert g.weights_bytes == PARAMS * 2  # bf16 on a GPU, the whole model at tp 1
     assert g.kv_bytes_per_token == KV_TOKEN_BF16
-    assert g.total_bytes == int(0.3 * 80 * GIB)
+    assert g.total_bytes == int(0.3 * 80 * GIB) + PARAMS * 2  # and the staged copy the syncs fill
     assert g.kv_cache_bytes == int(0.3 * 80 * GIB) - PARAMS * 2
     assert g.kv_tokens == g.kv_cache_bytes // KV_TOKEN_BF16
     assert g.rollout_tokens == 4 * 8 * (4 + 8)  # prompts_per_step × n rows of prompt + response tokens
@@ -49,7 +49,7 @@ def test_kv_cache_mb_sizes_the_kv_cache_beside_the_weights_in_the_engines_dtype(
     assert g.weights_bytes == PARAMS * 4  # fp32
     assert g.kv_bytes_per_token == 2 * KV_TOKEN_BF16
     assert g.kv_cache_bytes == 64 * 2**20 and g.kv_tokens == 64 * 2**20 // (2 * KV_TOKEN_BF16)
-    assert g.total_bytes == PARAMS * 4 + 64 * 2**20
+    assert g.total_bytes == PARAMS * 4 + 64 * 2**20 + PARAMS * 4  # weights, KV cache, the staged copy
     assert g.with_trainer_bytes == g.total_bytes + trainer.memory.total_bytes
 
 
@@ -65,12 +65,15 @@ def test_a_colocated_engine_whose_share_and_the_trainer_exceed_the_gpu_does_not_
     gpu_gb = 0.05
     g, trainer = _plan("generator.kv_cache_mb=null", "generator.gpu_memory_utilization=0.99", gpu_gb=gpu_gb)
     gpu = int(gpu_gb * GIB)
-    assert g.with_trainer_bytes == int(0.99 * gpu) + trainer.memory.total_bytes > gpu and g.fits is False
-    most = (gpu - trainer.memory.total_bytes) / gpu
+    staged = PARAMS * 2
+    assert g.with_trainer_bytes == int(0.99 * gpu) + staged + trainer.memory.total_bytes > gpu and g.fits is False
+    most = (gpu - trainer.memory.total_bytes - staged) / gpu
     assert g.fix.startswith(f"lower generator.gpu_memory_utilization to at most {most:.2f}")
     split, _ = _plan("generator.kv_cache_mb=null", "generator.gpu_memory_utilization=1",
-                     "generator.placement=split", gpu_gb=gpu_gb)  # its own GPU: the whole of it is allowed
-    assert split.total_bytes == gpu and split.fits is True
+                     "generator.placement=split", gpu_gb=gpu_gb)  # its own GPU, but the staged copy needs room
+    assert split.total_bytes == gpu + staged and split.fits is False
+    assert split.fix.startswith(f"lower generator.gpu_memory_utilization to at most {(gpu - staged) / gpu:.2f}")
+    assert "placement=split" not in split.fix
     out = baton("plan", str(VLLM_TINY), "generator.kv_cache_mb=null", "generator.gpu_memory_utilization=0.99",
                 "--gpu-mem-gb", str(gpu_gb), timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr

@@ -37,11 +37,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -52,6 +54,7 @@ PARENT_ENV = "BATON_VLLM_PARENT"  # the Baton worker that started the engine (it
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SHUTDOWN_S = 5.0  # vLLM's own shutdown gets this long; then its processes are killed
 WATCH_S = 0.5  # while a call waits on the engine, its processes are checked this often
+SHM_LIST = "shared_memory.txt"  # in the engine's folder: the shared memory its processes map
 _SHM_PREFIXES = ("psm_", "sem.mp-")  # Python's shared memory and semaphore names (multiprocessing)
 _ENGINES: list[Engine] = []  # this process's running engines (kill_all)
 
@@ -68,12 +71,16 @@ def plugin() -> None:
         log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
     if os.getppid() == 1:  # the parent died before the request
         os._exit(1)
+    # Slurm's warning before preemption is the Baton worker's to act on (it checkpoints, then ends
+    # the engine); by default SIGUSR2 would end an engine process at once
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def kill_all() -> None:
     """Kill every engine process of this process now (its hard exit: no time for vLLM's shutdown)."""
     for engine in list(_ENGINES):
         engine.kill()
+        shutil.rmtree(engine.spec.folder, ignore_errors=True)  # the weights: a whole policy in shared memory
 
 
 class EngineLost(RuntimeError):
@@ -136,16 +143,28 @@ class Engine:
             kwargs["enable_sleep_mode"] = True
         os.environ[PARENT_ENV] = str(os.getpid())
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        with _visible(spec.devices):
-            self.llm: Any = LLM(**kwargs)
+        try:
+            with _visible(spec.devices):
+                self.llm: Any = LLM(**kwargs)
+        except BaseException:  # what it started before failing ends here, with its shared memory
+            end_processes([p for p in psutil.Process().children(recursive=True) if p.pid not in before])
+            raise
         self.children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        # the engine's own processes (their titles), not helpers such as multiprocessing's resource tracker
+        self.watched = [p for p in self.children if _title(p).startswith("VLLM")] or self.children
+        self.shm = shared_memory(self.children)  # what they map: removed after them, even once they died
+        (Path(spec.folder) / SHM_LIST).write_text("".join(f"{name}\n" for name in sorted(self.shm)))
         self.asleep = False
         _ENGINES.append(self)
 
     # --- calls ---------------------------------------------------------------------------------
     def _alive(self) -> None:
-        for p in self.children:
-            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+        for p in self.watched:
+            try:
+                gone = not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
                 raise EngineLost(f"vLLM engine process {p.pid} is gone")
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -214,7 +233,7 @@ class Engine:
         """End the engine (vLLM's shutdown, for at most ``SHUTDOWN_S``); then kill any of its
         processes still running (by pid: this process's own), and remove the shared memory they
         mapped when it began (Slurm may end them meanwhile, before they remove it)."""
-        left = shared_memory(self.children)
+        left = shared_memory(self.children) | self.shm
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None:
             done = threading.Thread(target=_quietly, args=(core.shutdown,), daemon=True, name="vllm-shutdown")
@@ -225,7 +244,7 @@ class Engine:
     def kill(self, left: set[str] | None = None) -> None:
         """Kill the engine's processes and remove the shared memory they left (``left``: what
         they mapped earlier, besides what they map now)."""
-        removed = end_processes(self.children, left)
+        removed = end_processes(self.children, (left or set()) | self.shm)
         if removed:
             log.info("removed %d shared-memory file(s) the vLLM engine left: %s", len(removed), ", ".join(removed))
         if self in _ENGINES:
@@ -241,6 +260,10 @@ def _visible(devices: Sequence[int]) -> Iterator[None]:
         return
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     mine = old.split(",") if old else [str(i) for i in range(max(devices) + 1)]
+    if max(devices) >= len(mine):
+        raise RuntimeError(f"generator.tp: a vLLM replica runs on {len(devices)} GPUs from its first rank's "
+                           f"(device {devices[0]}), but that process sees {len(mine)} (CUDA_VISIBLE_DEVICES "
+                           f"{old!r}); give each generator node at least generator.tp GPUs, all visible to its tasks")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine[d] for d in devices)
     try:
         yield
@@ -305,6 +328,23 @@ def _remove(paths: set[str]) -> list[str]:
         except FileNotFoundError:  # the engine's own shutdown removed it
             pass
     return removed
+
+
+def remove_listed(folder: str | os.PathLike[str]) -> list[str]:
+    """A dead worker's engine: remove the shared memory its folder lists (``SHM_LIST``) that no
+    live process maps; the names removed."""
+    try:
+        names = set((Path(folder) / SHM_LIST).read_text().split())
+    except OSError:
+        return []
+    return _remove(names - shared_memory(psutil.process_iter()))
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
 
 
 def _quietly(fn: Any) -> None:

@@ -7,8 +7,8 @@ use their devices). Colocated, the leaders are trainer processes; split, the gen
 
 Weight syncs reuse Baton's plan (core.flows.reshard, run by core.model.gpt.rollout.WeightLink):
 a leader holds every global tensor of the policy whole, in the trainer's dtype (``stage``:
-its targets, sized from the trainer's slices; in host memory, or on its GPU when split on GPUs,
-where the bridge is NCCL), which the plan fills bucket by bucket; then
+its targets, sized from the trainer's slices; on its GPU when it has one, as NCCL receives into
+GPU memory only, else in host memory), which the plan fills bucket by bucket; then
 ``synced`` renames them to the model family's Hugging Face tensors (core.hf.layout.to_hf, the
 exporter's mapping), writes them as one safetensors file in shared memory and has the engine
 reload it (core.model.gpt.vllm_engine). The first sync starts the engine on that folder: an
@@ -99,9 +99,8 @@ class VLLMRollout:
         if not self.leader:
             return gen_calls.HeldSlices()
         if [s for s, _ in self.staged] != list(req.tensors):
-            # split on GPUs the bridge is NCCL, which receives into GPU memory only; else host memory
-            device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda and self.cfg.generator.split \
-                else torch.device("cpu")
+            # on GPUs syncs run over NCCL (the default group, or the bridge), which receives into GPU memory only
+            device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
             self.staged = [(s, torch.empty(s.global_shape, dtype=sync.DTYPES[s.dtype], device=device))
                            for s in req.tensors]
         return gen_calls.HeldSlices(targets=tuple(s for s, _ in self.staged))
@@ -215,7 +214,8 @@ def _sweep_orphans(where: str | None) -> None:
     for folder in root.glob(f"{SHM_PREFIX}*-*"):
         pid = folder.name[len(SHM_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not _running(int(pid)):
-            log.info("removing %s: its worker (pid %s) is gone", folder, pid)
+            log.info("removing %s and the shared memory its engine left: its worker (pid %s) is gone", folder, pid)
+            engine_mod.remove_listed(folder)
             shutil.rmtree(folder, ignore_errors=True)
 
 
