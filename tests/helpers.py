@@ -110,6 +110,18 @@ def baton(*args: str, cwd: Path | None = None, timeout: float = 600,
                           cwd=cwd or REPO, env=env, timeout=timeout)
 
 
+def refused_at_submit(tmp_path: Path, experiment: Path, *overrides: str) -> str:
+    """``baton submit`` of ``experiment`` refused as bad input: exit 2, one line on stderr, no run
+    folder written; the line without its ``baton: error:`` prefix."""
+    res = baton("submit", str(experiment), "--backend", "local", f"runs_root={tmp_path / 'runs'}", *overrides,
+                cwd=tmp_path, timeout=120)
+    line = res.stderr.strip()
+    assert res.returncode == 2 and "\n" not in line, res.stdout + res.stderr
+    assert line.startswith("baton: error: "), line
+    assert not (tmp_path / "runs").exists()
+    return line.removeprefix("baton: error: ")
+
+
 def scrape(address: str) -> dict[str, list[Any]]:
     """{sample name: [samples]} of one Prometheus scrape, parsed by prometheus_client itself."""
     import urllib.request

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import baton
+from tests.helpers import refused_at_submit
 
 GRPO = Path(__file__).resolve().parents[2] / "experiments" / "grpo_tiny.yaml"
 FILE_TASK = ("rl.task=file", "model.vocab_size=300", "rl.prompt_length=8")
@@ -27,13 +27,7 @@ PROMPT_FILES = [  # (file name, its bytes, what the one line says after "rl.prom
 
 
 def _refused(tmp_path: Path, *overrides: str) -> str:
-    res = baton("submit", str(GRPO), "--backend", "local", f"runs_root={tmp_path / 'runs'}", *overrides,
-                cwd=tmp_path, timeout=120)
-    line = res.stderr.strip()
-    assert res.returncode == 2 and "\n" not in line, res.stdout + res.stderr
-    assert line.startswith("baton: error: "), line
-    assert not (tmp_path / "runs").exists()
-    return line.removeprefix("baton: error: ")
+    return refused_at_submit(tmp_path, GRPO, *overrides)
 
 
 @pytest.mark.parametrize(("name", "raw", "says"), PROMPT_FILES, ids=[p[0] for p in PROMPT_FILES])

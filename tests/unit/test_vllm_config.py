@@ -12,7 +12,7 @@ import pytest
 from core.config import run as config
 from core.config.genplan import format_generator, plan_generator
 from core.config.plan import GIB, make_plan
-from tests.helpers import REPO, baton
+from tests.helpers import REPO, baton, refused_at_submit
 
 VLLM_TINY = REPO / "experiments" / "grpo_vllm_tiny.yaml"
 GRPO_TINY = REPO / "experiments" / "grpo_tiny.yaml"
@@ -86,14 +86,7 @@ def test_a_kv_cache_smaller_than_one_sequence_does_not_fit() -> None:
     assert "less than one sequence of model.seq_length + 1 = 17" in g.fix
 
 
-def _refused(tmp_path: Path, experiment: Path, *overrides: str) -> str:
-    res = baton("submit", str(experiment), "--backend", "local", f"runs_root={tmp_path / 'runs'}", *overrides,
-                cwd=tmp_path, timeout=120)
-    line = res.stderr.strip()
-    assert res.returncode == 2 and "\n" not in line, res.stdout + res.stderr
-    assert line.startswith("baton: error: "), line
-    assert not (tmp_path / "runs").exists()
-    return line.removeprefix("baton: error: ")
+_refused = refused_at_submit
 
 
 FAMILY = ("model.normalization=rmsnorm", "model.activation=swiglu", "model.position_embedding=rope",
