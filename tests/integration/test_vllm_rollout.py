@@ -173,7 +173,7 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     once the recovered workers have recorded another RL step, the worker holding the new
     engine is SIGKILLed; the run goes on to its end. What was seen along the way."""
     r = Submitted(tmp_path_factory.mktemp("vllm-faults"), ["trainer.steps=40"], experiment=EXPERIMENT, common=FAST)
-    seen: dict[str, Any] = {"workers": set()}
+    seen: dict[str, Any] = {"workers": set(), "segments_before": set(Path("/dev/shm").glob("psm_*"))}
     try:
         wait_for(lambda: _rl_steps(r.run_dir) >= 1, 300, "a first RL step", interval_s=0.2)
         pid, procs = _worker_with_engine(r, 0)
@@ -228,6 +228,20 @@ def test_a_killed_engine_is_recovered_as_a_lost_worker_and_the_run_completes(fau
     assert left == [], left
     shm = [p for w in workers for p in Path("/dev/shm").glob(f"baton-vllm-{w}-*")]
     assert shm == [], shm
+    # nor the shared memory the killed engines' processes mapped (vLLM's queues, Python's psm_*)
+    segments = set(Path("/dev/shm").glob("psm_*")) - faulted["segments_before"]
+    assert not [s for s in segments if not _mapped(s)], segments
+
+
+def _mapped(path: Path) -> bool:
+    """Whether a live process maps ``path`` (another run's engine may be using it)."""
+    for p in psutil.process_iter():
+        try:
+            if any(m.path == str(path) for m in p.memory_maps()):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
 
 
 def test_a_killed_worker_takes_its_engine_processes_with_it(faulted: dict[str, Any]) -> None:
