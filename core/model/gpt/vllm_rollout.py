@@ -82,7 +82,7 @@ class VLLMRollout:
         self.engine: engine_mod.Engine | None = None
         self.folder: Path | None = None
         self.link: Any = None  # the WeightLink whose syncs fill ``staged`` (set by the role)
-        self.model = None  # no Megatron model: the role's SETUP info counts ``staged``
+        self.model = None  # no Megatron model (SETUP reports none: the engine starts at the first sync)
 
     @property
     def dtype(self) -> str:
