@@ -20,7 +20,9 @@ tokens long in every engine (checked), whatever the weights.
                   SamplingParams, one LLM.generate call per step, timed around that call.
   baton megatron  the same run with ``generator.engine: megatron`` (Baton's exact reference engine).
 Tokens/s = response tokens / seconds, medians over the RL steps after the first 2 (the first
-generate of an engine warms it up). The goal: Baton's vLLM rollout >= 0.9x the direct
+generate of an engine warms it up); Baton's vLLM run and the direct engine's alternate
+``--rounds`` times (default 3) and the ratio is the median of the rounds' ratios, as a shared
+machine's speed drifts by more than the goal's margin between runs. The goal: Baton's vLLM rollout >= 0.9x the direct
 engine's tokens/s. Every process runs with OMP_NUM_THREADS=1 (as Baton's local workers do).
 fp32 on a CPU; ``--device cuda`` (benchmarks/gpu_check.sh): on one GPU, bf16 (the GPU's
 default parameter dtype) and CUDA graphs in both vLLM engines.
@@ -127,6 +129,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="shared-memory writes and reloads timed")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the runs on one GPU (trainer.device=cuda: bf16 parameters, CUDA graphs in vLLM)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="Baton's vLLM run and the direct engine's, alternating, this many times: the ratio is the "
+                         "median of the rounds' ratios (a shared machine's speed drifts between runs)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="config overrides for both Baton runs")
     args = ap.parse_args()
@@ -142,17 +147,24 @@ def main() -> int:
         make_model(folder, QUICK if args.quick else FULL)
         vcfg = run_config(folder, root, steps, "vllm")
         rows = vcfg["rl"]["prompts_per_step"] * vcfg["rl"]["n"]
-        vrecs = baton_run(vcfg, root, overrides)
-        direct = direct_run(vcfg, folder, root, [r["step"] for r in vrecs], args)
+        rounds = []
+        for _ in range(args.rounds):
+            vrecs = baton_run(vcfg, root, overrides)
+            direct = direct_run(vcfg, folder, root, [r["step"] for r in vrecs], args)
+            rounds.append((vrecs, direct))
         mrecs = baton_run(run_config(folder, root, steps, "megatron"), root, overrides)
-    baton_tps, n = _rate(vrecs, rows)
-    mega_tps, n_mega = _rate(mrecs, rows)
-    assert set(direct["tokens"]) == {n} == {n_mega}, (direct["tokens"], n, n_mega)
-    direct_tps = statistics.median(t / s for t, s in zip(direct["tokens"], direct["generate_s"], strict=True))
-    ratio = baton_tps / direct_tps
+    mega_tps, n = _rate(mrecs, rows)
+    baton_all, direct_all = [], []
+    for vrecs, direct in rounds:
+        tps, n_vllm = _rate(vrecs, rows)
+        assert set(direct["tokens"]) == {n} == {n_vllm}, (direct["tokens"], n, n_vllm)
+        baton_all.append(tps)
+        direct_all.append(statistics.median(t / s for t, s in zip(direct["tokens"], direct["generate_s"], strict=True)))
+    ratios = [b / d for b, d in zip(baton_all, direct_all, strict=True)]
+    ratio, baton_tps, direct_tps = statistics.median(ratios), statistics.median(baton_all), statistics.median(direct_all)
     sync_s = statistics.median(r["phase_s"]["sync"] for r in vrecs)
     print(f"\nRollout of {rows} rows x {n // rows} new tokens ({direct['dtype']} on {args.device}; medians over "
-          f"{len(vrecs)} steps)")
+          f"{len(vrecs)} steps, then over {args.rounds} alternating rounds of Baton's vLLM run and the direct engine)")
     print(f"{'engine':<18}{'tokens/s':>10}{'x direct':>10}")
     for name, tps in (("direct vllm", direct_tps), ("baton vllm", baton_tps), ("baton megatron", mega_tps)):
         print(f"{name:<18}{tps:>10.0f}{tps / direct_tps:>10.2f}")
@@ -160,11 +172,12 @@ def main() -> int:
     print(f"\nweight sync of {mb:.1f} MiB: Baton's sync {sync_s * 1e3:.1f} ms; safetensors to /dev/shm "
           f"{direct['shm_write_s'] * 1e3:.1f} ms, + the plain engine's reload_weights {direct['reload_s'] * 1e3:.1f} ms")
     ok = ratio >= 0.9
-    print(f"Baton's vLLM rollout / direct engine: {ratio:.2f} (goal >= 0.9): {'met' if ok else 'MISSED'}")
+    print(f"Baton's vLLM rollout / direct engine: {ratio:.2f}, the median of the rounds' "
+          f"{', '.join(f'{r:.2f}' for r in ratios)} (goal >= 0.9): {'met' if ok else 'MISSED'}")
     if args.json:
         args.json.write_text(json.dumps({
             "rows": rows, "new_tokens": n // rows, "direct_tokens_s": direct_tps, "baton_vllm_tokens_s": baton_tps,
-            "baton_megatron_tokens_s": mega_tps, "ratio": ratio, "sync_s": sync_s, "shm_write_s": direct["shm_write_s"],
+            "baton_megatron_tokens_s": mega_tps, "ratio": ratio, "round_ratios": ratios, "sync_s": sync_s, "shm_write_s": direct["shm_write_s"],
             "direct_reload_s": direct["reload_s"], "sync_bytes": direct["bytes"], "device": args.device,
             "dtype": direct["dtype"], "generate_s": {"baton_vllm": [r["phase_s"]["generate"] for r in vrecs],
                                                      "direct_vllm": direct["generate_s"],
