@@ -93,12 +93,9 @@ class WeightLink:
         self.version = req.version
         if self.staging is not None:
             self.staging.synced(req.version)
-        targets = self._targets()
+        targets = self._targets()  # a vLLM leader's are the trainer's dtype, which is its engine's
         return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0,
-                                dtype=self._dtype() or (targets[0][0].dtype if targets else ""))
-
-    def _dtype(self) -> str:
-        return "" if self.staging is None else self.staging.dtype
+                                dtype=targets[0][0].dtype if targets else "")
 
 
 class Rollout:
