@@ -50,7 +50,12 @@ token mean), ``seq-mean-token-sum-norm`` (Dr. GRPO: the token sums over response
 or the order of the rows. ``entropy_coef``: an entropy bonus, the loss less coef × the
 aggregated entropy of the actor's distribution (0: not computed in the update). The
 updates run with dropout off, and the old log-probs are scored in the update's micro-batches
-(the first epoch's ratio is exactly 1).
+(the first epoch's ratio is exactly 1). A micro-batch is ``training.micro_batch_size`` rows
+in order, or with ``max_tokens_per_micro_batch`` (verl's dynamic batch size) rows grouped by
+length, longest first, as many as keep rows × the longest within that many tokens (a row
+longer than it alone); either way each micro-batch is padded to its own longest row, not to
+``model.seq_length``, and the log-probs and entropy take ``LOGIT_CHUNK_TOKENS`` positions
+at a time (core.model.gpt.logprobs).
 Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
 entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
 ``temperature``, before top-k / top-p truncation (as verl computes them).
@@ -108,6 +113,9 @@ PLAIN_REWARDS = ("counting", "count_to", "exact_match")  # built-ins of the stan
 TEXT_REWARDS = ("exact_match", "math")  # read the response's text and the record's answer: rl.task: file
 # apply_chat_template's own parameters: never template variables (core.data.hf_tokenizer.RESERVED_VARIABLES)
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
+# Positions (a micro-batch's rows × width) whose fp32 logits the log-prob and entropy take at a
+# time (core.model.gpt.logprobs); the plan sizes that pass's temporaries with it.
+LOGIT_CHUNK_TOKENS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +169,8 @@ class RLConfig:
     top_p: float = bounded(1.0, gt=0, le=1)
     ppo_epochs: int = bounded(1, gt=0, le=2**10)
     mini_batch_size: int | None = bounded(None, gt=0, le=2**30)  # rows per optimizer step; None: the step's all
+    # padded tokens (rows × longest row) per micro-batch of the updates and scoring; 0: training.micro_batch_size rows
+    max_tokens_per_micro_batch: int = bounded(0, ge=0, le=2**40)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = bounded(0.0, ge=0, le=1e3)  # the loss less coef × the entropy; 0: none computed
     clip_low: float = bounded(0.2, ge=0, le=1)

@@ -268,6 +268,8 @@ def _check_rl(cfg: RunConfig) -> None:
         raise ConfigError(f"rl.n: {rl.n} under program: grpo leaves each prompt a group of one response, whose "
                           "advantage is always 0 (nothing to normalise by); set rl.n >= 2, or use program: ppo")
     rows, dp, micro = rl.prompts_per_step * rl.n, cfg.dims.dp, cfg.training.micro_batch_size
+    if rl.max_tokens_per_micro_batch:  # the updates' micro-batches are by tokens: any row count splits
+        micro = "auto"
     if rows % dp or (micro != "auto" and (rows // dp) % micro):
         raise ConfigError(f"rl.prompts_per_step: prompts_per_step × n = {rows} responses do not split into "
                           f"{dp} data-parallel replica(s) of whole micro-batches of {micro} "

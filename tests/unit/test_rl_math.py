@@ -205,7 +205,7 @@ def test_the_entropy_bonus_keeps_one_logits_sized_tensor_for_backward(tmp_path) 
 def test_an_rl_update_splits_its_rows_into_whole_micro_batches() -> None:
     """micro_batch_size auto may resolve to a size that does not divide a replica's rows: the
     update takes the largest size below it that does, so no response is left out."""
-    from core.model.gpt.policy import micro_size
+    from core.model.gpt.microbatch import micro_size
 
     assert [micro_size(m, 16) for m in (6, 8, 32, 1)] == [4, 8, 16, 1]
     assert micro_size(5, 7) == 1 and micro_size(3, 3) == 3

@@ -14,7 +14,8 @@ loads into another layout as the actor does; a load of the actor's weights alone
 transformer; the head keeps its initialisation (normal(0, init_method_std) from the run's
 seed, bias 0), never tied to the embeddings. ``critic_step`` is one optimizer step on one
 mini-batch of the clipped value loss through the same pipeline schedule as the actor's
-update, aggregated as the actor's loss is (``rl.loss_agg_mode`` over the whole mini-batch).
+update, aggregated as the actor's loss is (``rl.loss_agg_mode`` over the whole mini-batch), in
+the actor's micro-batches (core.model.gpt.microbatch: each padded to its own longest row).
 """
 from __future__ import annotations
 
@@ -77,10 +78,10 @@ def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
     """One optimizer step of the critic (``ctx``: its model and optimizer) on this replica's
     share of a mini-batch; this rank's metrics (loss owners: the mini-batch's)."""
-    rows, p, seq = len(batch.sequences), batch.prompt_length, ctx.cfg.model.seq_length
-    arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
-    arrays.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "ret", "oldv")})
-    arrays["pads"] = pad_counts(batch.pads, rows)
+    rows, p, width = len(batch.sequences), batch.prompt_length, max(len(row) - 1 for row in batch.sequences)
+    arrays = {k: np.zeros((rows, width), dtype=np.int64) for k in ("tokens", "labels")}
+    arrays.update({k: np.zeros((rows, width), dtype=np.float32) for k in ("mask", "ret", "oldv")})
+    arrays["pads"], arrays["lengths"] = pad_counts(batch.pads, rows), np.zeros(rows, dtype=np.int64)
     for i, (row, ret, old) in enumerate(zip(batch.sequences, batch.returns, batch.old_values, strict=True)):
         n = fill_row(arrays, i, row, p)
         arrays["ret"][i, p - 1:n], arrays["oldv"][i, p - 1:n] = ret, old

@@ -4,15 +4,16 @@ reduction, the optimizer; tensor-parallel log-probs from the vocab-parallel cros
 
 Every log-prob and entropy here is at the sampling temperature T = ``rl.temperature``: of
 softmax(logits / T), the distribution the rollout drew from before top-k / top-p truncation
-(as verl scores them). ``logprobs_at`` is the one computation: the update and ``score_rows``
-both take the model's logits and call it, and ``score_rows`` micro-batches the rows as the
-update does (each mini-batch's rows in the same micro-batches), so the old policy's
-log-probs and the update's first-epoch ones are the same arithmetic on the same shapes (the
-first epoch's ratio is exactly 1).
+(as verl scores them). ``logprobs_at`` (core.model.gpt.logprobs: in chunks of positions) is
+the one computation: the update and ``score_rows`` both take the model's logits and call it,
+and ``score_rows`` micro-batches the rows as the update does (core.model.gpt.microbatch: each
+mini-batch's rows in the same micro-batches, each padded to its own longest row), so the old
+policy's log-probs and the update's first-epoch ones are the same arithmetic on the same
+shapes (the first epoch's ratio is exactly 1).
 
-A row is prompt + response. The model reads ``row[:-1]`` padded to ``model.seq_length``
-and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1`` on. A prompt
-left-padded by ``pads[i]`` tokens is read with those keys masked out and positions counted
+A row is prompt + response. The model reads ``row[:-1]``, padded to its micro-batch's
+longest row, and scores ``row[1:]``: the response's tokens are labels ``prompt_length - 1``
+on. A prompt left-padded by ``pads[i]`` tokens is read with those keys masked out and positions counted
 over its real tokens (core.model.gpt.padding): its numbers are those of the prompt alone.
 Per response token the row carries its advantage and the old policy's log-prob. The loss
 is ``core.model.gpt.rl_loss.policy_loss``, plus ``kl_coef`` × the KL estimate to the
@@ -22,7 +23,8 @@ mode), less ``rl.entropy_coef`` × the entropy (computed only when the coefficie
 ``rl_loss.aggregate``: the batch's ``LossAgg`` counts every replica's rows): a micro-batch
 returns its share times micro-batches × dp, which Megatron's schedule divides by the
 micro-batch count and DDP averages over dp. Summed, the gradient is that of the whole
-mini-batch's loss whatever ``micro_batch_size``, dp or the order of the rows.
+mini-batch's loss whatever ``micro_batch_size``, ``rl.max_tokens_per_micro_batch``, dp or
+the order of the rows (a replica's micro-batch count is its own).
 
 The update's forward runs with dropout off: in eval mode when the model has dropout (then
 the first epoch's new log-probs are the old ones exactly, as ``score_rows`` computes them;
@@ -42,23 +44,27 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from core.job import process
-from core.model.gpt import activations, padding, rl_loss
+from core.model.gpt import activations, microbatch, padding, rl_loss
+from core.model.gpt.logprobs import logprobs_at
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
 from core.wire import rl_calls
 
 
-def _arrays(batch: rl_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
-    """Padded inputs, labels, mask, advantages and old log-probs, rows x seq_length."""
+def _arrays(batch: rl_calls.PolicyBatch) -> dict[str, np.ndarray]:
+    """Inputs, labels, mask, advantages and old log-probs, rows x the longest row (zero
+    padded), with each row's pads and ``lengths`` (what the model reads of it)."""
     rows, p = len(batch.sequences), batch.prompt_length
-    out = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
-    out.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "adv", "old", "ref")})
+    width = max(len(row) - 1 for row in batch.sequences)
+    out = {k: np.zeros((rows, width), dtype=np.int64) for k in ("tokens", "labels")}
+    out.update({k: np.zeros((rows, width), dtype=np.float32) for k in ("mask", "adv", "old", "ref")})
     refs = batch.ref_logprobs or ((),) * rows
     out["pads"] = pad_counts(batch.pads, rows)
+    out["lengths"] = np.zeros(rows, dtype=np.int64)
     for i, (row, adv, old, ref) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, refs,
                                                  strict=True)):
         n = fill_row(out, i, row, p)
@@ -69,10 +75,11 @@ def _arrays(batch: rl_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
 
 
 def fill_row(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -> int:
-    """Row ``i``'s inputs, labels and response mask (labels ``p - 1`` .. ``n - 1``); ``n``."""
+    """Row ``i``'s inputs, labels, response mask (labels ``p - 1`` .. ``n - 1``) and length; ``n``."""
     n = len(row) - 1
     out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
     out["mask"][i, p - 1:n] = 1.0
+    out["lengths"][i] = n
     return n
 
 
@@ -83,49 +90,13 @@ def pad_counts(pads: tuple[int, ...], rows: int) -> np.ndarray:
     return np.asarray(pads or (0,) * rows, dtype=np.int64)
 
 
-def micro_size(micro_batch_size: int, rows: int) -> int:
-    """The largest micro-batch of at most ``micro_batch_size`` rows that splits ``rows`` into
-    whole micro-batches (``micro_batch_size: auto`` may resolve to one that does not: no row
-    is ever left out of a step)."""
-    return next(m for m in range(min(micro_batch_size, rows), 0, -1) if rows % m == 0)
-
-
-def logprobs_at(logits: torch.Tensor, labels: torch.Tensor, temperature: float, *,
-                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[b, s]`` log-probs of ``labels`` under softmax(``logits`` / ``temperature``) (and,
-    with ``entropy``, that distribution's entropy per position), from this rank's
-    vocab-parallel ``[b, s, vocab / tp]`` logits by Megatron's vocab-parallel cross entropy.
-
-    Works in place: the scaled logits are the fp32 logits themselves where they are already
-    fp32 (the division needs none of its input for its gradient), and the cross entropy
-    overwrites them with the softmax (its own saved state); the entropy is taken before.
-    So the caller's ``logits`` are spent."""
-    scaled = logits.float()  # bf16: the one fp32 copy the cross entropy would make anyway
-    if temperature != 1.0:
-        scaled = scaled.div_(temperature)
-    ent = rl_loss.vocab_parallel_entropy(scaled, parallel_state.get_tensor_model_parallel_group()) if entropy else None
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels), ent
-
-
-def _micro(arrays: dict[str, np.ndarray], micro: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    rows, seq = arrays["tokens"].shape
-    for start in range(0, rows, micro):
-        mb = {k: torch.from_numpy(v[start:start + micro]).to(device) for k, v in arrays.items()}
-        pads = mb.pop("pads")
-        mb["position_ids"] = padding.positions(pads, seq)
-        mask = padding.prefill_mask(pads, seq)
-        if mask is not None:  # else the model's own causal mask (no row of the micro-batch padded)
-            mb["attention_mask"] = mask
-        yield mb
-
-
 def policy_step(ctx: StepContext, batch: rl_calls.PolicyBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
     """One optimizer step of the actor on this replica's share of a mini-batch; this rank's
     metrics (loss owners: the mini-batch's, every replica's together).
     ``before_update``: as for a training step (an async checkpoint's fence)."""
     rl, agg = ctx.cfg.rl, batch.agg
-    arrays = _arrays(batch, ctx.cfg.model.seq_length)
+    arrays = _arrays(batch)
 
     def loss_of(_model: torch.nn.Module, logits: torch.Tensor,
                 mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -171,8 +142,8 @@ def _replicas_total(out_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, lr: float | None, loss_of: LossOf, *,
                    before_update: Callable[[], None] | None) -> tuple[dict[str, Any], dict[str, float] | None]:
-    """One optimizer step of ``ctx``'s model on ``arrays`` (rows x seq_length) through the
-    pipeline schedule, dropout off (see the module's docstring). ``loss_of(model, output,
+    """One optimizer step of ``ctx``'s model on ``arrays`` (rows x width, with each row's
+    ``lengths``) in its micro-batches (core.model.gpt.microbatch) through the pipeline schedule, dropout off (see the module's docstring). ``loss_of(model, output,
     micro-batch)`` gives a micro-batch's share of the mini-batch's loss (the output: the
     model's, logits or values) and its numbers; the share is scaled by micro-batches × dp
     here, which the schedule and DDP divide back. At ``lr`` (None: the schedule's); (this
@@ -191,9 +162,9 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
         chunk.zero_grad_buffer()
         chunk.train(not dropout)
     ctx.optimizer.zero_grad()
-    rows = arrays["tokens"].shape[0]
-    micro = micro_size(int(cfg.training.micro_batch_size), rows)
-    scale = rows // micro * parallel_state.get_data_parallel_world_size()
+    groups = microbatch.groups(arrays["lengths"].tolist(), micro_batch_size=int(cfg.training.micro_batch_size),
+                               max_tokens=cfg.rl.max_tokens_per_micro_batch)
+    scale = len(groups) * parallel_state.get_data_parallel_world_size()
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
         mb = next(data)
@@ -209,12 +180,13 @@ def optimizer_step(ctx: StepContext, arrays: dict[str, np.ndarray], step: int, l
         return output, loss_func
 
     t_data = time.perf_counter()
-    batches = list(_micro(arrays, micro, ctx.device))
+    batches = list(microbatch.batches(arrays, groups, ctx.device))
     data_wait = time.perf_counter() - t_data
-    with reduction(ctx) as synced:
+    width, most = microbatch.shape(arrays, groups)
+    with reduction(ctx) as synced, microbatch.shapes_vary(ctx.model_chunks):
         out_mb = get_forward_backward_func()(
             forward_step_func=forward, data_iterator=iter(batches), model=ctx.model_chunks,
-            num_microbatches=rows // micro, seq_length=cfg.model.seq_length, micro_batch_size=micro, forward_only=False)
+            num_microbatches=len(groups), seq_length=width, micro_batch_size=most, forward_only=False)
     if before_update is not None:
         before_update()
     update_ok, grad_norm, _ = ctx.optimizer.step()
@@ -233,14 +205,18 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
     reference's, this rank's pipeline stage) at ``rl.temperature``, dropout off (the actor:
     with the entropy at that temperature; the critic: its values); on loss owners. The rows
     are micro-batched as the update micro-batches each of ``req.mini_batch`` rows: the same
-    rows share a micro-batch in both, so their numbers are the same arithmetic."""
+    rows share a micro-batch in both, each padded to the same width, so their numbers are the
+    same arithmetic."""
     cfg = ctx.cfg
-    rows, p, seq = len(req.sequences), req.prompt_length, cfg.model.seq_length
-    arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
-    arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
-    arrays["pads"] = pad_counts(req.pads, rows)
-    ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
-    micro = micro_size(int(cfg.training.micro_batch_size), req.mini_batch or rows)  # the update's micro-batches
+    rows, p, width = len(req.sequences), req.prompt_length, max(len(row) - 1 for row in req.sequences)
+    arrays = {k: np.zeros((rows, width), dtype=np.int64) for k in ("tokens", "labels")}
+    arrays["mask"] = np.zeros((rows, width), dtype=np.float32)
+    arrays["pads"], arrays["lengths"] = pad_counts(req.pads, rows), np.zeros(rows, dtype=np.int64)
+    for i, row in enumerate(req.sequences):
+        fill_row(arrays, i, row, p)
+    groups = microbatch.scoring_groups(arrays["lengths"].tolist(), mini_batch=req.mini_batch,  # the update's
+                                       micro_batch_size=int(cfg.training.micro_batch_size),
+                                       max_tokens=cfg.rl.max_tokens_per_micro_batch)
     entropy = req.model == "actor"
 
     def forward(data: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module) -> tuple[Any, Any]:
@@ -263,14 +239,18 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
 
     for chunk in chunks:
         chunk.eval()
-    with torch.no_grad():
+    longest, most = microbatch.shape(arrays, groups)
+    with torch.no_grad(), microbatch.shapes_vary(chunks):
         out_mb = get_forward_backward_func()(
-            forward_step_func=forward, data_iterator=_micro(arrays, micro, ctx.device), model=chunks,
-            num_microbatches=rows // micro, seq_length=seq, micro_batch_size=micro, forward_only=True)
+            forward_step_func=forward, data_iterator=microbatch.batches(arrays, groups, ctx.device), model=chunks,
+            num_microbatches=len(groups), seq_length=longest, micro_batch_size=most, forward_only=True)
     if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
         return rl_calls.RowScores()
-    logp = torch.cat([d["logp"] for d in out_mb]).cpu().numpy()
-    per_row = tuple(tuple(float(x) for x in logp[i, p - 1:n]) for i, n in enumerate(ends))
+    logp: list[np.ndarray] = [np.empty(0)] * rows
+    for group, d in zip(groups, out_mb, strict=True):
+        for i, scores in zip(group, d["logp"].cpu().numpy(), strict=True):
+            logp[i] = scores[p - 1:arrays["lengths"][i]]
+    per_row = tuple(tuple(float(x) for x in scores) for scores in logp)
     if req.model == "critic":
         return rl_calls.RowScores(values=per_row, tokens=int(arrays["mask"].sum()))
     return rl_calls.RowScores(
