@@ -11,8 +11,8 @@ each response token and the entropy of softmax(logits / 0.7), untruncated.
 - SCORE_ROWS (the old policy) gives the same log-probs and the same entropy.
 - POLICY_STEP with those as the old log-probs: the first epoch's ratio is exactly 1 and
   nothing is clipped (the update's log-probs are score_rows' arithmetic).
-- ``policy.logprobs_at`` (their one computation, in place on this rank's vocabulary part)
-  has plain torch's values and gradient.
+- ``policy.logprobs_at`` (their one computation, in chunks of positions on this rank's
+  vocabulary part) has plain torch's values and gradient, bit for bit the unchunked form's.
 
 Layouts: tp1 (generator tp1), and an actor in tp2 (its vocabulary split: the entropy and
 log-probs are vocab-parallel) with a generator in tp1 on two replicas.
@@ -131,14 +131,17 @@ def test_the_first_epochs_ratio_is_exactly_one(group: RankGroup) -> None:
     assert all(o["ratio_max"] > 1.0 for o in later), later
 
 
-def _logprobs_at_against_autograd(task: Any, temperature: float) -> tuple[float, float, float]:
-    """This rank's part of random logits through ``policy.logprobs_at`` with the entropy (in
-    place, as the update runs it with an entropy bonus) and the gradient of a weighted sum
-    of both; (the largest log-prob gap, entropy gap, gradient gap) to plain torch autograd of
-    log_softmax(logits / T) and its entropy over the whole vocabulary."""
+def _logprobs_at_against_autograd(task: Any, temperature: float, chunk: int) -> tuple[float, float, float, bool]:
+    """This rank's part of random logits through ``policy.logprobs_at`` with the entropy,
+    ``chunk`` positions at a time, and the gradient of a weighted sum of both; (the largest
+    log-prob gap, entropy gap, gradient gap) to plain torch autograd of log_softmax(logits /
+    T) and its entropy over the whole vocabulary, and whether values and gradient are bit
+    for bit those of the unchunked form (Megatron's vocab-parallel cross entropy and
+    ``rl_loss.vocab_parallel_entropy`` on the whole tensor)."""
     import torch
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
+    from core.model.gpt import rl_loss
     from core.model.gpt.policy import logprobs_at
 
     gen = torch.Generator().manual_seed(3)
@@ -147,19 +150,29 @@ def _logprobs_at_against_autograd(task: Any, temperature: float) -> tuple[float,
     w_logp, w_ent = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
     rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     part = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
-    logp, ent = logprobs_at(part.clone(), labels, temperature, entropy=True)  # a copy: like a model's output
+    logp, ent = logprobs_at(part * 1, labels, temperature, entropy=True, chunk=chunk)  # * 1: like a model's output
     ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    whole = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    scaled = whole.float() / temperature
+    old_ent = rl_loss.vocab_parallel_entropy(scaled, parallel_state.get_tensor_model_parallel_group())
+    old = -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels)
+    ((old * w_logp).sum() + (old_ent * w_ent).sum()).backward()
+    same = torch.equal(logp, old) and torch.equal(ent, old_ent) and torch.equal(part.grad, whole.grad)
     plain = full.double().requires_grad_()
     logp_all = torch.log_softmax(plain / temperature, dim=-1)
     ref = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     ref_ent = -(logp_all.exp() * logp_all).sum(dim=-1)
     ((ref * w_logp).sum() + (ref_ent * w_ent).sum()).backward()
     return (float((logp - ref).abs().max()), float((ent - ref_ent).abs().max()),
-            float((part.grad - plain.grad.chunk(tp, dim=-1)[rank]).abs().max()))
+            float((part.grad - plain.grad.chunk(tp, dim=-1)[rank]).abs().max()), same)
 
 
 @pytest.mark.parametrize("temperature", [T, 1.0])
 def test_logprobs_at_has_plain_torchs_values_and_gradient(group: RankGroup, temperature: float) -> None:
-    """The update's log-probs and entropy bonus: values and gradient (each rank its own part)."""
-    for logp_gap, ent_gap, grad_gap in group.apply(_logprobs_at_against_autograd, temperature=temperature):
-        assert logp_gap <= 1e-5 and ent_gap <= 1e-5 and grad_gap <= 1e-6, (logp_gap, ent_gap, grad_gap)
+    """The update's log-probs and entropy bonus: values and gradient (each rank its own
+    part), in one chunk and in chunks of 3 positions, bit for bit the unchunked form's."""
+    for chunk in (1024, 3):
+        for logp_gap, ent_gap, grad_gap, same in group.apply(_logprobs_at_against_autograd, temperature=temperature,
+                                                             chunk=chunk):
+            assert logp_gap <= 1e-5 and ent_gap <= 1e-5 and grad_gap <= 1e-6, (chunk, logp_gap, ent_gap, grad_gap)
+            assert same, chunk

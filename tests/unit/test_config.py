@@ -250,6 +250,9 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     assert _grpo("rl.kl.coef=0.01", "rl.kl.target=0.01").rl.kl.target == 0.01
     assert (cfg.rl.mini_batch_size, cfg.rl.loss_agg_mode, cfg.rl.entropy_coef) == (None, "token-mean", 0.0)
     assert _grpo("rl.mini_batch_size=16", "rl.loss_agg_mode=seq-mean-token-sum-norm").rl.mini_batch_size == 16
+    assert cfg.rl.max_tokens_per_micro_batch == 0
+    # by tokens, micro_batch_size no longer splits the rows: a mini-batch it would not split is fine
+    assert _grpo("rl.mini_batch_size=8", "rl.max_tokens_per_micro_batch=4096").rl.max_tokens_per_micro_batch == 4096
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -264,6 +267,7 @@ def test_the_grpo_experiment_loads_and_pretrain_stays_the_default() -> None:
     (["rl.mini_batch_size=1"], r"^rl.mini_batch_size: 1 does not split evenly over 2 data-parallel replica\(s\); "),
     (["rl.mini_batch_size=8"], r"^rl.mini_batch_size: 8 / dp = 4 is not whole micro-batches of 8 "),
     (["rl.mini_batch_size=0"], r"^rl.mini_batch_size: 0"),
+    (["rl.max_tokens_per_micro_batch=-1"], r"^rl.max_tokens_per_micro_batch: -1"),
     (["rl.loss_agg_mode=seq-mean"], r"^rl.loss_agg_mode: 'seq-mean' is not "),
     (["rl.entropy_coef=-1"], r"^rl.entropy_coef: -1"),
     (["training.recompute=full", "model.hidden_dropout=0.1"],

@@ -12,7 +12,9 @@ The field's formulas (verl's ``core_algos``), so that the same settings train th
 - ``entropy``: of the full distribution, from logits (``logsumexp - sum p logit``).
 - ``vocab_parallel_entropy``: the same from logits whose vocabulary is split over a
   tensor-parallel group (three all-reduces; no rank gathers the vocabulary; backward keeps
-  the softmax alone).
+  the softmax alone), over the whole tensor at once. The RL passes take it, with the
+  log-probs, in chunks of positions (core.model.gpt.logprobs: the same arithmetic per
+  position, no fp32 tensor the size of the logits).
 - ``aggregate``: a micro-batch's share of a loss aggregated over the whole RL mini-batch
   (``rl.loss_agg_mode``, verl's ``agg_loss`` with global counts): ``token-mean`` Σ terms /
   the mini-batch's response tokens; ``seq-mean-token-mean`` Σ over rows of each row's token
