@@ -26,9 +26,10 @@ pipeline stage:
 
 Measured against the real update by ``benchmarks/rl_memory.py`` (2,560-token rows, a 32k
 vocabulary: the head dominates): the plan is within 15 % of the peak. The assumption, which
-that benchmark checks: the log-prob and entropy work on chunks of ``LOGIT_CHUNK_TOKENS``
-positions where ``core.config.rl`` defines that constant (the chunked update), else on the
-micro-batch's whole ``T`` positions at once; the logits and their gradient stay whole.
+that benchmark checks: where ``core.config.rl`` defines ``LOGIT_CHUNK_TOKENS`` the update
+computes the log-probs and the entropy over chunks of that many positions (a chunk's fp32
+softmax and entropy temporaries at once, the logits' gradient whole in the compute dtype);
+where it does not, over a micro-batch's whole ``T`` positions at once (as above).
 """
 from __future__ import annotations
 
