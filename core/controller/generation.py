@@ -174,7 +174,7 @@ class GeneratorFlow:
         """The largest KV cache a replica allocated in the generations since the last call, in
         MiB (the step record's ``gen_kv_cache_mb``); None without one."""
         held, self._kv_cache_bytes = self._kv_cache_bytes, 0
-        return round(held / 2**20, 3) if held else None
+        return round(held / 2**20, 6) if held else None
 
     def rollout(self, req: gen_calls.Generate) -> list[Sample]:
         """Continue ``req.prompts`` (spread over the replicas); (tokens, log-probs) per prompt, in order."""
