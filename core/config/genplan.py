@@ -13,7 +13,8 @@ largest generation, ``n`` their length, ``b`` the rows it continues at once):
 - logits: Megatron's engine, each row's last prompt position (a static batch materialises
   only the last token's logits), vocab-parallel in fp32: ``b · vocab / tp · 4``;
 - prefill: the attention probabilities of the prefill (Megatron's unfused local attention,
-  scores and softmax at once): ``2 · b · heads / tp · prompt length² `` in the parameter dtype.
+  scores and softmax at once) of at most ``b`` prompts (a chunk prefills each distinct prompt
+  once: an upper bound): ``2 · b · heads / tp · prompt length²`` in the parameter dtype.
 
 ``r`` and ``n``: under ``grpo``/``ppo`` the rollout, every response of a step on the
 generator's data replicas (``rl.prompts_per_step · rl.n / dp``) of ``rl.prompt_length +
