@@ -27,9 +27,12 @@ pipeline stage:
 Measured against the real update by ``benchmarks/rl_memory.py`` (2,560-token rows, a 32k
 vocabulary: the head dominates): the plan is within 15 % of the peak. The assumption, which
 that benchmark checks: where ``core.config.rl`` defines ``LOGIT_CHUNK_TOKENS`` the update
-computes the log-probs and the entropy over chunks of that many positions (a chunk's fp32
-softmax and entropy temporaries at once, the logits' gradient whole in the compute dtype);
-where it does not, over a micro-batch's whole ``T`` positions at once (as above).
+computes the log-probs and the entropy over chunks of that many positions
+(core.model.gpt.logprobs: the logits' gradient whole, written into the logits in the compute
+dtype; in the loss's backward ``CHUNK_SOFTMAXES`` chunks' fp32 softmax, a chunk's and the one
+before it, which is freed only when the loop rebinds its name, and with the entropy its
+``ENTROPY_TEMPORARIES``, chunk-sized); where it does not, over a micro-batch's whole ``T``
+positions at once (as above). Measured with that update merged: 0.98-0.99.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from core.config.rl import RL_PROGRAMS
 from core.config.run import RunConfig
 
 ENTROPY_TEMPORARIES = 3  # fp32 [positions, vocab / tp] tensors the entropy adds at its peak
+CHUNK_SOFTMAXES = 2  # chunked: a chunk's fp32 softmax beside the last chunk's (freed once its name is rebound)
 NO_DROPOUT_ATTENTION = 2  # bytes per attention score an update keeps: the softmax (2-byte units)
 
 
@@ -89,7 +93,7 @@ def head_bytes(cfg: RunConfig, *, rows: int, row_tokens: int, chunk: int | None)
     # at once, else in the compute dtype beside a chunk's fp32 softmax
     gradient = positions * width * (4 if chunk is None else dtype)
     entropy = ENTROPY_TEMPORARIES * at_once * width * 4 if cfg.rl.entropy_coef else 0
-    in_loss = (0 if chunk is None else at_once * width * 4) + entropy
+    in_loss = (0 if chunk is None else CHUNK_SOFTMAXES * at_once * width * 4) + entropy
     # the output layer's backward: a 16-bit copy of the fp32 gradient, and with rows > 1 the
     # gradient copied from [rows, positions] into [positions, rows] order
     in_output = positions * width * ((dtype if dtype < 4 and chunk is None else 0) + (dtype if rows > 1 else 0))

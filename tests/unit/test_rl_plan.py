@@ -78,8 +78,10 @@ def test_the_rl_updates_head_follows_tp_bf16_and_chunks() -> None:
     bf16 = _update_cfg()  # a GPU plan: bf16 logits
     assert head_bytes(bf16, rows=1, row_tokens=s, chunk=None) == s * v * 4 + s * v * 2  # fp32 softmax + bf16 gradient
     chunked = _update_cfg(FP32, "rl.entropy_coef=0.01")
-    # the gradient whole, a chunk's fp32 softmax and the entropy's three temporaries
-    assert head_bytes(chunked, rows=1, row_tokens=s, chunk=1024) == s * v * 4 + (1 + 3) * 1024 * v * 4
+    # the gradient whole, two chunks' fp32 softmax (the last one's still bound) and the entropy's three temporaries
+    assert head_bytes(chunked, rows=1, row_tokens=s, chunk=1024) == s * v * 4 + (2 + 3) * 1024 * v * 4
+    two = _update_cfg(FP32)  # two rows: the output layer's reordered copy of the gradient is the larger peak
+    assert head_bytes(two, rows=2, row_tokens=s, chunk=1024) == 2 * (2 * s * v * 4)
     assert head_bytes(chunked, rows=1, row_tokens=s, chunk=1024) < head_bytes(chunked, rows=1, row_tokens=s, chunk=None)
 
 
