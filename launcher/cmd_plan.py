@@ -11,6 +11,7 @@ from core.config.genplan import format_generator, plan_generator
 from core.config.inputs import arg_number
 from core.config.plan import make_plan
 from core.config.planview import format_plan
+from core.config.rlplan import format_rl_update, plan_rl_update
 from core.errors import ExitCode, UserError
 from core.hf import families
 from launcher.plan_check import run_check
@@ -22,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "plan", help="show the parallel layout, parameter count and per-GPU memory estimate",
         description="Show who holds which layers (rank, node slot, tp/pp/dp), the parameter count and a "
                     "per-GPU memory estimate with and without the distributed optimizer and activation "
-                    "recompute. Exit code 1 when the configured run is estimated not to fit.",
+                    "recompute; under grpo/ppo the RL update's (its logits at the rollout's lengths) and the "
+                    "generator's (its KV cache). Exit code 1 when the configured run is estimated not to fit.",
     )
     p.add_argument("config", nargs="?", help="the run's YAML config")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tp=2")
@@ -55,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, args.overrides)
     plan = make_plan(cfg, gpu_mem_gb=args.gpu_mem_gb)
     gen = plan_generator(cfg, plan)
+    update = plan_rl_update(cfg, plan)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "generator": gen and dataclasses.asdict(gen)}, indent=2))
+        print(json.dumps({**plan.to_dict(), "generator": gen and dataclasses.asdict(gen),
+                          "rl_update": update and dataclasses.asdict(update)}, indent=2))
     else:
-        print(_source(cfg) + format_plan(plan) + ("" if gen is None else "\n" + format_generator(gen)))
-    return ExitCode.FAILED if plan.fits is False or (gen is not None and gen.fits is False) else ExitCode.OK
+        print(_source(cfg) + format_plan(plan) + ("" if update is None else "\n" + format_rl_update(update))
+              + ("" if gen is None else "\n" + format_generator(gen)))
+    fits = (plan.fits, None if gen is None else gen.fits, None if update is None else update.fits)
+    return ExitCode.FAILED if False in fits else ExitCode.OK

@@ -1,19 +1,27 @@
 """The generator group's plan: where it runs, its layout and its memory per rank.
 
 Pure arithmetic beside ``core.config.plan`` (the trainer's), for ``baton plan``. Per generator
-rank (bytes; ``P`` its parameters after tensor parallelism, ``b`` the rows its replica
-continues at once, ``n`` their length):
+rank (bytes; ``P`` its parameters after tensor parallelism, ``r`` the rows of its replica's
+largest generation, ``n`` their length, ``b`` the rows it continues at once):
 
 - weights: ``P`` in the parameter dtype (2 bytes under bf16/fp16, else 4), nothing else;
 - KV cache, per token: ``2 · layers · num_query_groups / tp · head size`` in the same dtype (a
   key and a value per key/value head: grouped-query attention holds ``num_query_groups``);
-  Baton's Megatron engine holds ``b · n`` tokens (a static cache);
-- logits: Megatron's engine, the gathered fp32 logits of the prefill, ``b · prompt length · vocab · 4``.
+  Baton's Megatron engine holds ``b · n`` tokens (a static cache per chunk of rows), with
+  ``b = min(r, generator.max_batch_tokens // n)`` (at least one row): a replica's rows are
+  continued in chunks of at most that many tokens (core.model.gpt.generate);
+- logits: Megatron's engine, each row's last prompt position (a static batch materialises
+  only the last token's logits), vocab-parallel in fp32: ``b · vocab / tp · 4``;
+- prefill: the attention probabilities of the prefill (Megatron's unfused local attention,
+  scores and softmax at once) of at most ``b`` prompts (a chunk prefills each distinct prompt
+  once: an upper bound): ``2 · b · heads / tp · prompt length²`` in the parameter dtype.
 
-``b`` and ``n``: under ``grpo``/``ppo`` the rollout, every response of a step on the
+``r`` and ``n``: under ``grpo``/``ppo`` the rollout, every response of a step on the
 generator's data replicas (``rl.prompts_per_step · rl.n / dp``) of ``rl.prompt_length +
 rl.max_response_length`` tokens; otherwise the generator's own ``num_prompts / dp`` of
-``prompt_length + max_new_tokens`` (its continuations at checkpoints).
+``prompt_length + max_new_tokens`` (its continuations at checkpoints). ``baton plan --check``
+compares the KV cache with the largest one a replica allocated (``gen_kv_cache_mb`` in
+metrics.jsonl).
 
 A vLLM engine (``generator.engine: vllm``) takes ``generator.gpu_memory_utilization`` of the
 GPU, its weights included: its KV cache is that share less the weights (and less the
@@ -38,6 +46,10 @@ from core.config.rl import RL_PROGRAMS
 from core.config.roles import plan_roles
 from core.config.run import RunConfig
 
+# generator.max_batch_tokens' default (core.config.generator): read through getattr where the
+# key may be missing, as in a config section of a Baton before it
+DEFAULT_MAX_BATCH_TOKENS = 65536
+
 
 @dataclass(frozen=True, kw_only=True)
 class GeneratorPlan:
@@ -48,9 +60,12 @@ class GeneratorPlan:
     weights_bytes: int
     kv_cache_bytes: int  # vllm by gpu_memory_utilization without a GPU size: 0 (unknown)
     kv_bytes_per_token: int
-    kv_tokens: int  # the tokens the KV cache holds per replica
+    kv_tokens: int  # the tokens the KV cache holds per replica (megatron: one chunk of rows)
     rollout_tokens: int  # the tokens of the largest generation per replica (rows × their length)
+    rows: int  # the rows of that generation per replica
+    chunk_rows: int  # megatron: the rows continued at once (generator.max_batch_tokens); vllm: rows
     logits_bytes: int  # vllm: 0 (its activations are inside its share, measured by vLLM at start)
+    prefill_bytes: int  # megatron: the prefill's attention probabilities; vllm: 0
     total_bytes: int  # per generator rank
     with_trainer_bytes: int  # colocated: plus the trainer's worst rank; split: the same as total_bytes
     fits: bool | None  # None when no GPU memory was given
@@ -69,24 +84,53 @@ def plan_generator(cfg: RunConfig, trainer: Plan) -> GeneratorPlan | None:
     m = cfg.model
     weights = size * rank_params(cfg, tp=dims.tp, first=True, last=True, n_layers=m.num_layers)
     rows, prompt, new = _rollout(cfg)
-    batch = ceil_div(rows, dims.dp)
-    # a key and a value per layer of the rank's key/value heads
-    per_token = 2 * m.num_layers * ceil_div(m.query_groups, dims.tp) * m.head_size * size
+    batch, row = ceil_div(rows, dims.dp), prompt + new
     gpu = None if trainer.gpu_mem_gb is None else int(trainer.gpu_mem_gb * GIB)
     common: dict[str, Any] = dict(
         placement=g.placement, engine=g.engine, dims=dims, first_rank=role.first_rank, weights_bytes=weights,
-        kv_bytes_per_token=per_token, rollout_tokens=batch * (prompt + new))
+        kv_bytes_per_token=kv_bytes_per_token(cfg, tp=dims.tp, dtype_bytes=size), rollout_tokens=batch * row,
+        rows=batch)
     if g.engine == "vllm":
         return _vllm(cfg, trainer, gpu, common)
-    kv = per_token * batch * (prompt + new)  # Megatron's static KV cache: every row's every position
-    logits = batch * prompt * m.vocab_size * 4
-    total = weights + kv + logits
+    chunk = chunk_rows(cfg, batch, row)
+    kv = common["kv_bytes_per_token"] * chunk * row  # Megatron's static KV cache: a chunk's every position
+    logits = chunk * ceil_div(m.vocab_size, dims.tp) * 4
+    prefill = 2 * chunk * ceil_div(m.num_attention_heads, dims.tp) * prompt * prompt * size
+    total = weights + kv + logits + prefill
     together = total if g.split else total + trainer.memory.total_bytes
-    return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=batch * (prompt + new), logits_bytes=logits,
-                         total_bytes=total, with_trainer_bytes=together,
+    return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=chunk * row, chunk_rows=chunk, logits_bytes=logits,
+                         prefill_bytes=prefill, total_bytes=total, with_trainer_bytes=together,
                          fits=None if gpu is None else together <= gpu,
-                         fix=("lower rl.prompts_per_step × rl.n or the lengths, or raise generator.tp or its replicas"
-                              if cfg.program in RL_PROGRAMS else "lower generator.num_prompts or raise generator.tp"))
+                         fix=_megatron_fix(cfg, chunk, batch))
+
+
+def _megatron_fix(cfg: RunConfig, chunk: int, rows: int) -> str:
+    """What lowers a Megatron engine's memory: fewer rows at once, else shorter rows or more tp."""
+    if chunk > 1 and chunk == rows:
+        fewer = "rl.prompts_per_step × rl.n" if cfg.program in RL_PROGRAMS else "generator.num_prompts"
+        return f"lower {fewer} or generator.max_batch_tokens (the tokens a replica continues at once), or raise generator.tp"
+    if chunk > 1:
+        return "lower generator.max_batch_tokens (the tokens a replica continues at once), or raise generator.tp"
+    return "one row alone does not fit: lower the prompt and response lengths, or raise generator.tp"
+
+
+def kv_bytes_per_token(cfg: RunConfig, *, tp: int, dtype_bytes: int) -> int:
+    """A key and a value per layer of a rank's key/value heads (grouped-query attention:
+    ``num_query_groups`` of them, split over ``tp``), each ``head_size`` wide."""
+    m = cfg.model
+    return 2 * m.num_layers * ceil_div(m.query_groups, tp) * m.head_size * dtype_bytes
+
+
+def max_batch_tokens(cfg: RunConfig) -> int:
+    """``generator.max_batch_tokens``: the most tokens (rows × their length) a replica holds in
+    its KV cache at once."""
+    return int(getattr(cfg.generator, "max_batch_tokens", DEFAULT_MAX_BATCH_TOKENS))
+
+
+def chunk_rows(cfg: RunConfig, rows: int, row_tokens: int) -> int:
+    """The rows of ``row_tokens`` tokens a replica continues at once, of its ``rows``: as many
+    as ``generator.max_batch_tokens`` holds, at least one (submit refuses a budget under one row)."""
+    return max(1, min(rows, max_batch_tokens(cfg) // row_tokens))
 
 
 def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]) -> GeneratorPlan:
@@ -120,8 +164,8 @@ def _vllm(cfg: RunConfig, trainer: Plan, gpu: int | None, common: dict[str, Any]
                    f"model.seq_length + 1 = {sequence} ({_size(sequence * per_token)}); raise it")
         elif gpu is not None and together > gpu:
             fix = _over_gpu_fix(cfg, trainer_bytes + staged, weights, gpu)
-    return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=kv // per_token, logits_bytes=0,
-                         total_bytes=total, with_trainer_bytes=together, fits=fits, fix=fix)
+    return GeneratorPlan(**common, kv_cache_bytes=kv, kv_tokens=kv // per_token, chunk_rows=common["rows"],
+                         logits_bytes=0, prefill_bytes=0, total_bytes=total, with_trainer_bytes=together, fits=fits, fix=fix)
 
 
 def _over_gpu_fix(cfg: RunConfig, trainer_bytes: int, weights: int, gpu: int) -> str:
@@ -169,7 +213,9 @@ def format_generator(p: GeneratorPlan) -> str:
                 f"{_size(p.weights_bytes)}, {kv}; activations inside, measured by vLLM at start)")
     else:
         line = (f"generator: {p.dims.describe()}, {where}; per rank {_size(p.total_bytes)} (weights "
-                f"{_size(p.weights_bytes)}, KV cache {_size(p.kv_cache_bytes)}, logits {_size(p.logits_bytes)})")
+                f"{_size(p.weights_bytes)}, KV cache {_size(p.kv_cache_bytes)}: {p.chunk_rows} of {p.rows} rows at once, "
+                f"{p.kv_tokens:,} tokens of {p.kv_bytes_per_token:,} bytes, logits {_size(p.logits_bytes)}, "
+                f"prefill {_size(p.prefill_bytes)})")
     if p.placement != "split":
         line += f"; with the trainer's worst rank {_size(p.with_trainer_bytes)}"
         if p.engine == "vllm":

@@ -189,14 +189,18 @@ def _rank_table(cfg: RunConfig, dims: ParallelDims) -> tuple[RankPlan, ...]:
     return tuple(rows)
 
 
-def _layer_activation_bytes(cfg: RunConfig, recompute: str, micro_batch: int) -> int:
+def layer_activation_bytes(cfg: RunConfig, recompute: str, micro_batch: int, *, seq: int | None = None,
+                           attention: int = 5) -> int:
+    """One layer's activations of a micro-batch of ``seq`` tokens a row (None: the model's), in
+    2-byte units; ``attention``: bytes per attention score kept (5: the softmax, the dropout mask
+    and its output; 2 without dropout, the softmax alone)."""
     m, t = cfg.model, cfg.parallel.tp
-    s, b, h = m.seq_length, micro_batch, m.hidden_size
+    s, b, h = seq or m.seq_length, micro_batch, m.hidden_size
     if recompute == "full":
         return 2 * s * b * h
     # s·b·(10h + (8h + 4f)/t) + 5·a·s²·b/t (f = ffn: 24h/t for GELU's 4h; SwiGLU keeps 8f: gate, up, SiLU, product)
     selective = s * b * (10 * h + (8 * h + (8 if m.activation == "swiglu" else 4) * m.ffn) // t)
-    return selective + (recompute != "selective") * 5 * (m.num_attention_heads // t) * s * s * b
+    return selective + (recompute != "selective") * attention * (m.num_attention_heads // t) * s * s * b
 
 
 def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, recompute: str,
@@ -208,13 +212,13 @@ def _stage_activation_bytes(cfg: RunConfig, dims: ParallelDims, *, stage: int, r
     m, per_stage = cfg.model, cfg.model.num_layers // dims.pp
     width = 1 if cfg.training.activation_storage == "int8" else DTYPE_BYTES[
         cfg.training.mixed_precision.resolved(on_cuda=True)[0]]
-    acts = per_stage * _layer_activation_bytes(cfg, recompute, micro_batch) * in_flight * width // 2
+    acts = per_stage * layer_activation_bytes(cfg, recompute, micro_batch) * in_flight * width // 2
     last = stage == dims.pp - 1
     return acts, last * m.seq_length * micro_batch * (ceil_div(m.vocab_size, dims.tp) * min(4, 2 * width)
                                                      + 2 * m.hidden_size * width)
 
 
-def _static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:
+def stage_static_bytes(cfg: RunConfig, params: int, dp: int, distributed_optimizer: bool) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes for ``params`` parameters on one rank; an RL
     program's other models on the trainer's ranks too: a critic like the actor (ppo), the
     reference's weights (rl.kl)."""
@@ -240,7 +244,7 @@ def _estimate(cfg: RunConfig, dims: ParallelDims, ranks: tuple[RankPlan, ...], *
     for r in ranks:
         if r.tp or r.dp:  # every tp and dp replica of a stage needs the same memory
             continue
-        weights, grads, optim = _static_bytes(cfg, r.params, dims.dp, distributed_optimizer)
+        weights, grads, optim = stage_static_bytes(cfg, r.params, dims.dp, distributed_optimizer)
         acts, logits = _stage_activation_bytes(cfg, dims, stage=r.pp, recompute=recompute,
                                                micro_batch=micro_batch,
                                                in_flight=min(dims.pp - r.pp, num_micro))
@@ -279,7 +283,7 @@ def memory_per_sample(cfg: RunConfig) -> int:
 def static_bytes(cfg: RunConfig) -> int:
     """Weights + gradients + optimizer bytes of the rank holding the most of them."""
     dims = cfg.dims
-    return max(sum(_static_bytes(cfg, r.params, dims.dp, cfg.parallel.distributed_optimizer))
+    return max(sum(stage_static_bytes(cfg, r.params, dims.dp, cfg.parallel.distributed_optimizer))
                for r in _rank_table(cfg, dims) if r.tp == 0 and r.dp == 0)
 
 

@@ -54,6 +54,7 @@ class GeneratorFlow:
         self._plan: list[reshard.Piece] | None = None
         self._prompts: tuple[tuple[int, ...], ...] = ()
         self.version = -1
+        self._kv_cache_bytes = 0  # the largest KV cache a replica allocated since take_kv_cache_mb
         # init_from hf:PATH with a tokenizer in the folder: the samples' stop tokens and text
         self.tokenizer: Any = None
         self.stop: tuple[int, ...] = () if cfg.generator.eos is None else (cfg.generator.eos,)
@@ -164,7 +165,16 @@ class GeneratorFlow:
             pads = tuple(req.pads[i] for i in indices) if req.pads else ()
             shares.append(dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices,
                                               pads=pads))
-        return self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
+        parts = self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
+        # Generated.kv_cache_bytes: the largest KV cache the replica allocated in the call (0: none measured)
+        self._kv_cache_bytes = max(self._kv_cache_bytes, *(getattr(p, "kv_cache_bytes", 0) for p in parts))
+        return parts
+
+    def take_kv_cache_mb(self) -> float | None:
+        """The largest KV cache a replica allocated in the generations since the last call, in
+        MiB (the step record's ``gen_kv_cache_mb``); None without one."""
+        held, self._kv_cache_bytes = self._kv_cache_bytes, 0
+        return round(held / 2**20, 6) if held else None
 
     def rollout(self, req: gen_calls.Generate) -> list[Sample]:
         """Continue ``req.prompts`` (spread over the replicas); (tokens, log-probs) per prompt, in order."""

@@ -218,6 +218,8 @@ class Program:
                     log.warning("a stop was requested: the validation of step %d runs when the run resumes", done)
                 else:
                     record = self._validate(done, record)
+            if self.flow is not None:  # the generations' KV cache (baton plan --check compares it)
+                record = dataclasses.replace(record, gen_kv_cache_mb=self.flow.take_kv_cache_mb())
             step_records.append(self.run.metrics, record)
             if self.sync is not None:
                 self.record.append(*self.sync.observe(done, request, record))

@@ -4,6 +4,7 @@ the layouts and options the plan accounts for (six runs between them). A measure
 reported and exits 1; a run folder without a measurement is refused in one line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -51,3 +52,22 @@ def test_a_measurement_the_plan_misses_exits_1_and_a_run_without_one_is_refused(
     (run / "memory.json").unlink()
     res = baton("plan", "--check", str(run))
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "memory.json: missing" in res.stderr, res.stderr
+
+
+def test_a_rollouts_measured_kv_cache_is_the_plans(tmp_path: Path) -> None:
+    """GRPO with no warm start (no plain step: no memory.json): each step records the largest
+    KV cache a generator replica allocated, 4 rows of 12 tokens at once under
+    generator.max_batch_tokens=48 of its 16 rows; plan --check finds the plan's figure for it
+    within 15 %, and the step records show the cache bounded by the chunk, not the rollout."""
+    from core.flows.calls import Generated
+
+    if "kv_cache_bytes" not in {f.name for f in dataclasses.fields(Generated)}:
+        pytest.skip("this Baton's rollout does not report its KV cache (Generated.kv_cache_bytes)")
+    run = submit_local("experiments/grpo_tiny.yaml", f"runs_root={tmp_path}", "trainer.steps=2", "rl.warmup_steps=0",
+                       "generator.max_batch_tokens=48")
+    assert not (run / "memory.json").exists()
+    recorded = [json.loads(line).get("gen_kv_cache_mb") for line in (run / "metrics.jsonl").read_text().splitlines()]
+    per_token = 2 * 2 * 4 * 16 * 4  # k and v, 2 layers, 4 heads of 16, fp32 on this CPU
+    assert recorded == [per_token * 4 * 12 / 2**20] * 2
+    res = baton("plan", "--check", str(run))
+    assert res.returncode == 0 and re.search(r"^\s+KV cache\s+\S+\s+\S+\s+1\.000$", res.stdout, re.M), res.stdout

@@ -270,15 +270,20 @@ def test_the_generator_plan_counts_its_weights_kv_cache_and_logits_per_rank() ->
     assert g is not None and (g.placement, g.first_rank, g.dims.describe()) == ("split", 4, "tp1pp1dp2")
     assert g.weights_bytes == 2 * count_params(cfg).total  # tp1: the whole model, bf16 on a GPU
     assert g.kv_cache_bytes == 2 * 4 * 2 * (8 + 8) * 64 * 2  # k and v, 4 layers, 2 prompts per replica, hidden 64
-    assert g.logits_bytes == 2 * 8 * 128 * 4  # the prefill's fp32 logits over the whole vocabulary
+    assert g.logits_bytes == 2 * 128 * 4  # each row's last prompt position, fp32, the rank's vocabulary
+    assert g.prefill_bytes == 2 * 2 * 4 * 8 * 8 * 2  # scores and softmax, 2 rows, 4 heads, 8 x 8 positions, bf16
     assert g.with_trainer_bytes == g.total_bytes and g.fits
     colocated = plan_generator(config_mod.load(Path(__file__).resolve().parents[2] / "experiments" /
                                                "tiny_gpt_generate.yaml", ["generator.num_prompts=100000"]), trainer)
     assert colocated is not None and colocated.with_trainer_bytes == colocated.total_bytes + trainer.memory.total_bytes
+    # 25,000 rows per replica in chunks of 4,096 (generator.max_batch_tokens 65,536 / 16 tokens): 64 MiB of KV
+    # cache, over 0.05 GiB beside the trainer's 1.7 MiB, which fits alone
     out = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "experiments/tiny_gpt_generate.yaml",
-                          "generator.num_prompts=100000", "--gpu-mem-gb", "0.2"], capture_output=True, text=True,
+                          "generator.num_prompts=100000", "--gpu-mem-gb", "0.05"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
-    assert out.returncode == 1 and "generator: tp1pp1dp4, colocated" in out.stdout and "DOES NOT FIT" in out.stdout
+    assert out.returncode == 1 and "generator: tp1pp1dp4, colocated" in out.stdout, out.stdout
+    assert "of 0.05 GiB: fits" in out.stdout and "4096 of 25000 rows at once" in out.stdout
+    assert "DOES NOT FIT: lower generator.max_batch_tokens" in out.stdout
 
 
 def test_an_rl_program_plans_memory_for_its_reference_and_its_critic() -> None:
@@ -379,7 +384,7 @@ def test_an_rl_runs_generator_plan_holds_a_whole_rollout_of_prompt_and_response_
     rows = -(-16 * 8 // g.dims.dp)  # this replica's share of the step's 128 responses
     m = cfg.model
     assert g.kv_cache_bytes == 2 * m.num_layers * rows * (4 + 12) * m.hidden_size // g.dims.tp * 2  # bf16
-    assert g.logits_bytes == rows * 4 * m.vocab_size * 4
+    assert g.chunk_rows == rows and g.logits_bytes == rows * m.vocab_size * 4  # 64 rows of 16 tokens: one chunk
     gqa = config.load(base, ["rl.prompts_per_step=16", "rl.n=8", "rl.prompt_length=4", "rl.max_response_length=12",
                              "model.seq_length=16", "model.num_query_groups=1"])
     g1 = plan_generator(gqa, make_plan(gqa, gpu_mem_gb=80))
