@@ -81,7 +81,8 @@ def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "ret", "oldv")})
     arrays["pads"] = pad_counts(batch.pads, rows)
-    for i, (row, ret, old) in enumerate(zip(batch.sequences, batch.returns, batch.old_values, strict=True)):
+    for i, (row, ret, old) in enumerate(zip(batch.sequences.rows(), batch.returns.rows(), batch.old_values.rows(),
+                                            strict=True)):
         n = fill_row(arrays, i, row, p)
         arrays["ret"][i, p - 1:n], arrays["oldv"][i, p - 1:n] = ret, old
     clip, agg = ctx.cfg.rl.critic.value_clip, batch.agg

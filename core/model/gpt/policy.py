@@ -50,6 +50,7 @@ from core.model.gpt import activations, padding, rl_loss
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
 from core.wire import rl_calls
+from core.wire.ragged import FLOATS, Ragged
 
 
 def _arrays(batch: rl_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
@@ -57,18 +58,18 @@ def _arrays(batch: rl_calls.PolicyBatch, seq: int) -> dict[str, np.ndarray]:
     rows, p = len(batch.sequences), batch.prompt_length
     out = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     out.update({k: np.zeros((rows, seq), dtype=np.float32) for k in ("mask", "adv", "old", "ref")})
-    refs = batch.ref_logprobs or ((),) * rows
+    refs = batch.ref_logprobs.rows() if batch.ref_logprobs else [None] * rows
     out["pads"] = pad_counts(batch.pads, rows)
-    for i, (row, adv, old, ref) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, refs,
-                                                 strict=True)):
+    for i, (row, adv, old, ref) in enumerate(zip(batch.sequences.rows(), batch.advantages.rows(),
+                                                 batch.old_logprobs.rows(), refs, strict=True)):
         n = fill_row(out, i, row, p)
         out["adv"][i, p - 1:n], out["old"][i, p - 1:n] = adv, old
-        if ref:
+        if ref is not None:
             out["ref"][i, p - 1:n] = ref
     return out
 
 
-def fill_row(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -> int:
+def fill_row(out: dict[str, np.ndarray], i: int, row: np.ndarray, p: int) -> int:
     """Row ``i``'s inputs, labels and response mask (labels ``p - 1`` .. ``n - 1``); ``n``."""
     n = len(row) - 1
     out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
@@ -239,7 +240,7 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
     arrays = {k: np.zeros((rows, seq), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, seq), dtype=np.float32)
     arrays["pads"] = pad_counts(req.pads, rows)
-    ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences)]
+    ends = [fill_row(arrays, i, row, p) for i, row in enumerate(req.sequences.rows())]
     micro = micro_size(int(cfg.training.micro_batch_size), req.mini_batch or rows)  # the update's micro-batches
     entropy = req.model == "actor"
 
@@ -270,7 +271,7 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
     if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
         return rl_calls.RowScores()
     logp = torch.cat([d["logp"] for d in out_mb]).cpu().numpy()
-    per_row = tuple(tuple(float(x) for x in logp[i, p - 1:n]) for i, n in enumerate(ends))
+    per_row = Ragged.of([logp[i, p - 1:n] for i, n in enumerate(ends)], FLOATS)  # float32, as computed
     if req.model == "critic":
         return rl_calls.RowScores(values=per_row, tokens=int(arrays["mask"].sum()))
     return rl_calls.RowScores(
