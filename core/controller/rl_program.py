@@ -17,7 +17,10 @@
             epochs (POLICY_STEP per mini-batch: each data replica its share of it)
 
 An epoch is one optimizer step per mini-batch (``rl.mini_batch_size`` responses in the
-order they were generated; all of them without it), the same for the critic. Each step's
+order they were generated; all of them without it), the same for the critic. The rows,
+log-probs, advantages, values and returns are arrays throughout (``core.wire.ragged``: int32
+tokens, float32 numbers, what the workers compute in; advantages and GAE are computed in
+float64 and cast once), each mini-batch's requests built once and sent every epoch. Each step's
 request carries the whole mini-batch's counts (``rl_calls.LossAgg``: response tokens, rows,
 the horizon), so the workers aggregate the loss over all of it (``rl.loss_agg_mode``) and
 the gradient does not depend on the micro-batching or dp. The step's record takes the last
