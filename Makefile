@@ -45,6 +45,7 @@ test-integration: venv
 
 bench: venv
 	$(PY) benchmarks/control_plane.py --quick
+	$(PY) benchmarks/rl_payload.py --quick
 	$(PY) benchmarks/checkpoint.py --quick
 	$(PY) benchmarks/recovery.py --quick
 	$(PY) benchmarks/weight_sync.py --quick

@@ -30,6 +30,7 @@ from core.model.gpt.policy import policy_step, score_rows  # noqa: E402
 from core.model.gpt.task import GPTTask  # noqa: E402
 from core.rl import advantages, rewards, tasks  # noqa: E402
 from core.wire import calls, rl_calls  # noqa: E402
+from core.wire.ragged import FLOATS, TOKENS, Ragged  # noqa: E402
 from core.worker.task import WorkerContext  # noqa: E402
 
 
@@ -51,7 +52,7 @@ def rl_step(task: GPTTask, step: int, reward: rewards.RewardFn) -> dict[str, flo
     scores = [rewards.score(reward, prompts[i], tokens[i], asked[i // rl.n][1], index=i // rl.n)
               for i in range(len(prompts))]
     t["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
-    rows = tuple(tuple(prompts[i]) + tuple(tokens[i]) for i in range(len(prompts)))
+    rows = Ragged.of([tuple(prompts[i]) + tuple(tokens[i]) for i in range(len(prompts))], TOKENS)
     old = score_rows(ctx, rl_calls.ScoreRows(model="actor", prompt_length=rl.prompt_length, sequences=rows),
                      ctx.model_chunks).logprobs
     t["old"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -62,7 +63,8 @@ def rl_step(task: GPTTask, step: int, reward: rewards.RewardFn) -> dict[str, flo
     agg = rl_calls.LossAgg(mode=rl.loss_agg_mode, tokens=sum(map(len, tokens)), rows=len(rows),
                            horizon=rl.max_response_length)
     batch = rl_calls.PolicyBatch(step=step, agg=agg, prompt_length=rl.prompt_length, sequences=rows,
-                                  advantages=tuple((float(adv[i]),) * len(tokens[i]) for i in range(len(rows))),
+                                  advantages=Ragged.of([(float(adv[i]),) * len(tokens[i]) for i in range(len(rows))],
+                                                       FLOATS),
                                   old_logprobs=old, ref_logprobs=ref, kl_coef=float(rl.kl.coef))
     for _ in range(rl.ppo_epochs):
         policy_step(ctx, batch)

@@ -47,6 +47,7 @@ from core.model.gpt import memory  # noqa: E402
 from core.model.gpt.policy import policy_step  # noqa: E402
 from core.model.gpt.task import GPTTask  # noqa: E402
 from core.wire import calls, rl_calls  # noqa: E402
+from core.wire.ragged import FLOATS, TOKENS, Ragged  # noqa: E402
 from core.worker.task import WorkerContext  # noqa: E402
 
 EXP = REPO / "experiments" / "grpo_tiny.yaml"
@@ -84,11 +85,11 @@ def _batch(cfg: config_mod.RunConfig) -> rl_calls.PolicyBatch:
     """``ROWS`` rows of whole responses (the longest rows the config allows), random tokens."""
     rl, rng = cfg.rl, np.random.default_rng(0)
     p, r = rl.prompt_length, rl.max_response_length
-    seqs = tuple(tuple(int(t) for t in rng.integers(0, cfg.model.vocab_size, p + r)) for _ in range(ROWS))
+    seqs = Ragged.of([rng.integers(0, cfg.model.vocab_size, p + r) for _ in range(ROWS)], TOKENS)
     return rl_calls.PolicyBatch(
         step=0, agg=rl_calls.LossAgg(mode="token-mean", tokens=ROWS * r, rows=ROWS, horizon=r), prompt_length=p,
-        sequences=seqs, advantages=tuple(tuple(float(x) for x in rng.normal(0, 1, r)) for _ in range(ROWS)),
-        old_logprobs=tuple((-10.0,) * r for _ in range(ROWS)), ref_logprobs=(), kl_coef=0.0)
+        sequences=seqs, advantages=Ragged.of([rng.normal(0, 1, r) for _ in range(ROWS)], FLOATS),
+        old_logprobs=Ragged.of([np.full(r, -10.0) for _ in range(ROWS)], FLOATS))
 
 
 def _variants(base: config_mod.RunConfig) -> dict[str, list[str]]:

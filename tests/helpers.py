@@ -394,3 +394,27 @@ def fill_up(folder: Path, leave_bytes: int = 0) -> Path:
     with open(filler, "wb") as f:
         f.write(bytes(size))
     return filler
+
+
+# --- the RL calls' rows (core.wire.ragged) --------------------------------------------------------
+def ints(rows: Any) -> Any:
+    """Token rows (sequences of ints) as a request's int32 ``Ragged``."""
+    from core.wire.ragged import TOKENS, Ragged
+
+    return Ragged.of(list(rows), TOKENS)
+
+
+def floats(rows: Any) -> Any:
+    """Per-token numbers (sequences of floats) as a request's float32 ``Ragged``."""
+    from core.wire.ragged import FLOATS, Ragged
+
+    return Ragged.of(list(rows), FLOATS)
+
+
+def as_rows(result: dict[str, Any]) -> dict[str, Any]:
+    """A result as plain data (RankGroup.call's) with its rows (``Ragged``: values and lengths)
+    as lists of tuples of Python numbers."""
+    from core.wire.ragged import Ragged
+
+    return {k: Ragged(**v).tolist() if isinstance(v, dict) and v.keys() == {"values", "lengths"} else v
+            for k, v in result.items()}

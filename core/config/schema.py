@@ -8,7 +8,8 @@ YAML key is not a Python identifier (``async``) declares it with ``metadata={"ke
 
 Types understood: bool, int, float, str, None, ``Any`` (taken as it is), Literal, enums
 (by value), unions, ``list[X]`` and ``tuple[X, ...]`` (both built as tuples),
-``dict[str, X]`` and nested dataclasses.
+``dict[str, X]``, nested dataclasses, and any other class as it is (``np.ndarray`` in a
+message: an instance of it, taken without a copy; its dataclass checks the rest).
 
 User input (configs, sweep files) is built with ``finite=True``: NaN and the infinities
 are refused in every float. Records and messages keep them (a diverged loss, the grad norm
@@ -88,6 +89,8 @@ def _describe(tp: Any) -> str:
         return "null"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
+    if isinstance(tp, type) and tp.__module__ != "builtins" and not issubclass(tp, enum.Enum):
+        return f"a {tp.__module__.split('.')[0]}.{tp.__name__}"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -168,6 +171,9 @@ def _convert(tp: Any, value: Any, path: str, error: ErrorType = ConfigError, fin
             return number
     elif tp is str:
         if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and tp.__module__ != "builtins":  # a value class of its own (a numpy array)
+        if isinstance(value, tp):
             return value
     else:  # pragma: no cover - a schema bug, not user input
         raise TypeError(f"unsupported schema type {tp!r} at {path}")

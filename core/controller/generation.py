@@ -29,6 +29,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from core.checkpoint.spec import TensorSlice
 from core.config import tokvocab
 from core.config.run import RunConfig
@@ -39,10 +41,31 @@ from core.errors import UserError
 from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.record.runfolder import RunFolder
+from core.wire.ragged import TOKENS, Ragged, gathered
 
 log = logging.getLogger(__name__)
 
-Sample = tuple[tuple[int, ...], tuple[float, ...]]  # a continuation's tokens and their log-probs
+
+
+@dataclasses.dataclass(frozen=True)
+class Responses:
+    """Each prompt's continuation, in prompt order: its tokens (int32 rows) and their
+    log-probs at the sampling temperature (float32 rows), as GENERATE answers them."""
+
+    tokens: Ragged
+    logprobs: Ragged
+
+    def until(self, stop: Sequence[int]) -> Responses:
+        """Each response up to and including its first stop token (what follows it is padding):
+        the policy is trained to emit the stop token, the reward's text ends before it."""
+        if not stop:
+            return self
+        ends = []
+        for row in self.tokens.rows():
+            hits = np.flatnonzero(np.isin(row, stop))
+            ends.append(int(hits[0]) + 1 if hits.size else len(row))
+        return Responses(*(Ragged.of([r[:e] for r, e in zip(x.rows(), ends, strict=True)], x.values.dtype)
+                           for x in (self.tokens, self.logprobs)))
 
 
 class GeneratorFlow:
@@ -138,12 +161,12 @@ class GeneratorFlow:
         rows: list[dict[str, Any]] = []
         for sample in range(1 + g.samples_per_prompt):
             greedy = sample == 0
-            req = gen_calls.Generate(prompts=self._prompts, max_new_tokens=g.max_new_tokens,
+            req = gen_calls.Generate(prompts=Ragged.of(self._prompts, TOKENS), max_new_tokens=g.max_new_tokens,
                                      temperature=0.0 if greedy else g.temperature, top_k=g.top_k, top_p=g.top_p,
                                      eos=self.stop, seed=(self.cfg.seed * 7919 + step) * 1009 + sample)
             for part in self._generate(req):
-                for index, tokens, logps in zip(range(part.replica, len(self._prompts), self.dims.dp), part.tokens,
-                                                part.logprobs, strict=True):
+                for index, tokens, logps in zip(range(part.replica, len(self._prompts), self.dims.dp),
+                                                part.tokens.tolist(), part.logprobs.tolist(), strict=True):
                     rows.append({"step": step, "version": part.version, "kind": "greedy" if greedy else "sampled",
                                  "sample": sample, "index": index, "replica": part.replica,
                                  "prompt": list(self._prompts[index]), "tokens": list(tokens),
@@ -160,11 +183,9 @@ class GeneratorFlow:
         """GENERATE on every replica, each with its share of the prompts: every ``dp``-th, from
         its own index on; one answer per replica."""
         shares = []
-        for replica in range(self.dims.dp):
-            indices = tuple(range(replica, len(req.prompts), self.dims.dp))
+        for indices in self._shares(len(req.prompts)):
             pads = tuple(req.pads[i] for i in indices) if req.pads else ()
-            shares.append(dataclasses.replace(req, prompts=tuple(req.prompts[i] for i in indices), indices=indices,
-                                              pads=pads))
+            shares.append(dataclasses.replace(req, prompts=req.prompts.take(indices), indices=indices, pads=pads))
         parts = self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
         # Generated.kv_cache_bytes: the largest KV cache the replica allocated in the call (0: none measured)
         self._kv_cache_bytes = max(self._kv_cache_bytes, *(getattr(p, "kv_cache_bytes", 0) for p in parts))
@@ -176,14 +197,15 @@ class GeneratorFlow:
         held, self._kv_cache_bytes = self._kv_cache_bytes, 0
         return round(held / 2**20, 6) if held else None
 
-    def rollout(self, req: gen_calls.Generate) -> list[Sample]:
-        """Continue ``req.prompts`` (spread over the replicas); (tokens, log-probs) per prompt, in order."""
-        out: list[Sample] = [((), ())] * len(req.prompts)
-        for part in self._generate(req):
-            for index, tokens, logps in zip(range(part.replica, len(req.prompts), self.dims.dp), part.tokens,
-                                            part.logprobs, strict=True):
-                out[index] = (tuple(tokens), tuple(logps))
-        return out
+    def _shares(self, rows: int) -> list[tuple[int, ...]]:
+        """Each replica's prompts: every ``dp``-th, from its own index on."""
+        return [tuple(range(replica, rows, self.dims.dp)) for replica in range(self.dims.dp)]
+
+    def rollout(self, req: gen_calls.Generate) -> Responses:
+        """Continue ``req.prompts`` (spread over the replicas); each prompt's tokens and log-probs, in order."""
+        parts = self._generate(req)  # one per replica, in replica order (Collect.OWNERS)
+        shares = self._shares(len(req.prompts))
+        return Responses(gathered([p.tokens for p in parts], shares), gathered([p.logprobs for p in parts], shares))
 
 
 def _keep_until(run: RunFolder, step: int) -> None:

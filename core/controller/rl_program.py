@@ -17,7 +17,10 @@
             epochs (POLICY_STEP per mini-batch: each data replica its share of it)
 
 An epoch is one optimizer step per mini-batch (``rl.mini_batch_size`` responses in the
-order they were generated; all of them without it), the same for the critic. Each step's
+order they were generated; all of them without it), the same for the critic. The rows,
+log-probs, advantages, values and returns are arrays throughout (``core.wire.ragged``: int32
+tokens, float32 numbers, what the workers compute in; advantages and GAE are computed in
+float64 and cast once), each mini-batch's requests built once and sent every epoch. Each step's
 request carries the whole mini-batch's counts (``rl_calls.LossAgg``: response tokens, rows,
 the horizon), so the workers aggregate the loss over all of it (``rl.loss_agg_mode``) and
 the gradient does not depend on the micro-batching or dp. The step's record takes the last
@@ -73,9 +76,9 @@ from core.rl.reward_pool import Scorer
 from core.rl.rewards import Sample
 from core.wire import rl_calls
 from core.wire.contract import NO_ARGS
+from core.wire.ragged import TOKENS, Ragged, gathered, joined
 
 T = TypeVar("T")
-Row = tuple[tuple[int, ...], tuple[float, ...]]  # prompt + response, its advantage per response token
 
 
 class RLStep:
@@ -101,8 +104,8 @@ class RLStep:
             self.prompts = prompts.read_prompts(cfg.rl.prompts or "", key=cfg.rl.prompt_key,
                                                 tokenizer=self.tokenizer, length=cfg.rl.prompt_length,
                                                 template_variables=cfg.rl.chat_template_kwargs)
-        self.validation = Validation(cfg, generator, self._held_out(), score=self.rewards,
-                                     until=lambda r: _until(r, self.stop), text=self._text, stop=self.stop)
+        self.validation = Validation(cfg, generator, self._held_out(), score=self.rewards, text=self._text,
+                                     stop=self.stop)
         kl = cfg.rl.kl
         coef = advantages.auto_kl_coef(count_params(cfg).total) if kl.coef == "auto" else float(kl.coef)
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
@@ -151,67 +154,67 @@ class RLStep:
                 self.generator.sync(step, probe=False)
         with _timed(phases, "generate"):
             asked = self._ask(step)
-            prompts = [a.tokens for a in asked for _ in range(rl.n)]
+            prompts = Ragged.of([a.tokens for a in asked for _ in range(rl.n)], TOKENS)
             pads = [a.pad for a in asked for _ in range(rl.n)]  # each left-padded prompt's pads, masked out
-            done = [_until(d, self.stop) for d in self.generator.rollout(gen_calls.Generate(
-                prompts=tuple(prompts), max_new_tokens=rl.max_response_length, temperature=rl.temperature,
+            done = self.generator.rollout(gen_calls.Generate(
+                prompts=prompts, max_new_tokens=rl.max_response_length, temperature=rl.temperature,
                 top_k=rl.top_k, top_p=rl.top_p, eos=self.stop, seed=(cfg.seed * 7919 + step) * 1009 + 7,
-                pads=tuple(pads)))]
+                pads=tuple(pads))).until(self.stop)
+        responses = done.tokens.tolist()  # the rewards read Python tokens (and text)
         with _timed(phases, "reward"):
-            scores = self.rewards(asked, [d[0] for d in done], per=rl.n)
-        sequences = [tuple(prompts[i]) + done[i][0] for i in range(len(prompts))]
+            scores = self.rewards(asked, responses, per=rl.n)
+        sequences = joined(prompts, done.tokens)
         with _timed(phases, "old"):
             old, entropy = self._score("actor", sequences, pads)
-        ref: list[tuple[float, ...]] = []
+        ref = None
         if rl.kl.enabled:
             with _timed(phases, "ref"):
                 ref, _ = self._score("reference", sequences, pads)
         critic: dict[str, Any] = {}
+        lengths = done.tokens.lengths
         if cfg.program == "ppo":  # values, GAE and the critic's update
-            rows, critic = self._critic(step, sequences, pads, [len(d[0]) for d in done], scores, phases)
-        else:
-            adv = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
-            rows = [(sequences[i], (float(adv[i]),) * len(done[i][0])) for i in range(len(prompts))]
+            adv, critic = self._critic(step, sequences, pads, lengths, scores, phases)
+        else:  # every response token its response's advantage (float32: what the workers compute in)
+            per_row = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
+            adv = Ragged(values=np.repeat(per_row.astype(np.float32), lengths), lengths=lengths)
         with _timed(phases, "update"):
-            kl_now, results, steps = self._update(step, rows, pads, old, ref)
+            kl_now, results, steps = self._update(step, sequences, adv, pads, old, ref)
         owners = self.trainer.owners(results)
         coef = self.kl.value
         if kl_now is not None:
-            self.kl.update(kl_now, len(rows))
+            self.kl.update(kl_now, len(sequences))
         extra = dict(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
-                     **_lengths([d[0] for d in done], self.stop), policy_version=step,
+                     **_lengths(responses, self.stop), policy_version=step,
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
-                     optimizer_steps=steps,
-                     sync_logprob_maxdiff=max(abs(a - b) for o, d in zip(old, done, strict=True)
-                                              for a, b in zip(o, d[1], strict=True)))
+                     optimizer_steps=steps, sync_logprob_maxdiff=_max_gap(old, done.logprobs))
         return results, extra
 
-    def _critic(self, step: int, sequences: list[tuple[int, ...]], pads: list[int], lengths: list[int],
-                scores: list[float], phases: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
+    def _critic(self, step: int, sequences: Ragged, pads: list[int], lengths: np.ndarray, scores: list[float],
+                phases: dict[str, float]) -> tuple[Ragged, dict[str, Any]]:
         """PPO: the critic's values, GAE advantages and returns (the score on a response's last
-        token), ``ppo_epochs`` critic updates; the actor's rows and the step's critic numbers."""
+        token), ``ppo_epochs`` critic updates; the actor's advantages and the step's critic numbers."""
         rl = self.cfg.rl
         if step == rl.warmup_steps:  # the RL phase begins: the critic starts as the actor
             self.trainer.call(rl_calls.CRITIC_INIT, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
         with _timed(phases, "values"):
             values, _ = self._score("critic", sequences, pads)
-        mask = np.zeros((len(lengths), max(lengths)))
+        mask = np.zeros((len(lengths), int(lengths.max())))
         reward, old = np.zeros_like(mask), np.zeros_like(mask)
-        for i, n in enumerate(lengths):
-            mask[i, :n], reward[i, n - 1], old[i, :n] = 1.0, scores[i], values[i]
+        for i, n in enumerate(lengths.tolist()):
+            mask[i, :n], reward[i, n - 1] = 1.0, scores[i]
+        response = mask > 0  # row-major: the rows' tokens in the order of a Ragged's values
+        old[response] = values.values
         adv, returns = advantages.gae(reward, old, mask, gamma=rl.gamma, lam=rl.lam)
-        targets = [tuple(float(x) for x in returns[i, :n]) for i, n in enumerate(lengths)]
+        targets = Ragged(values=returns[response].astype(np.float32), lengths=lengths)
         batches = []
         for part in self._mini_batches(len(sequences)):
-            agg = self._agg(targets[part])
-            batches.append([rl_calls.CriticBatch(step=step, agg=agg, prompt_length=rl.prompt_length,
-                                                 sequences=tuple(seqs), returns=tuple(rets), old_values=tuple(vals),
-                                                 pads=tuple(pad))
-                            for seqs, rets, vals, pad in zip(*(self._split(x[part]) for x in (sequences, targets,
-                                                                                                values, pads)),
-                                                             strict=True)])
+            rows = np.arange(len(sequences))[part]
+            batches.append([rl_calls.CriticBatch(step=step, agg=self._agg(lengths[part]), prompt_length=rl.prompt_length,
+                                                 sequences=sequences.take(share), returns=targets.take(share),
+                                                 old_values=values.take(share), pads=tuple(pads[i] for i in share))
+                            for share in self._split(rows)])
         first: list[float] = []
         with _timed(phases, "critic"):
             for epoch in range(rl.ppo_epochs):
@@ -219,8 +222,8 @@ class RLStep:
                     answers = self.trainer.call_each(rl_calls.CRITIC_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
                     if epoch == 0:
                         first.append(self.trainer.owners(answers)[0].value_loss or 0.0)
-        rows = [(sequences[i], tuple(float(x) for x in adv[i, :n])) for i, n in enumerate(lengths)]
-        return rows, dict(value_loss=statistics.fmean(first), values_mean=float(old[mask > 0].mean()))
+        return (Ragged(values=adv[response].astype(np.float32), lengths=lengths),
+                dict(value_loss=statistics.fmean(first), values_mean=float(old[response].mean())))
 
     def _ask(self, step: int) -> list[tasks.Asked]:
         cfg, rl = self.cfg, self.cfg.rl
@@ -268,22 +271,23 @@ class RLStep:
             return meta
         return {**meta, "response_text": text_before_stop(self.tokenizer, self.stop, response)}
 
-    def _update(self, step: int, rows: list[Row], pads: list[int], old: list[tuple[float, ...]],
-                ref: list[tuple[float, ...]]) -> tuple[float | None, list[rl_calls.PolicyResult], int]:
+    def _update(self, step: int, sequences: Ragged, adv: Ragged, pads: list[int], old: Ragged, ref: Ragged | None
+                ) -> tuple[float | None, list[rl_calls.PolicyResult], int]:
         """``ppo_epochs`` actor epochs of one optimizer step per mini-batch; (the first epoch's
         KL to the reference, a token mean over every response (None without a reference), the
-        last epoch's results by rank merged over its mini-batches, the optimizer steps taken)."""
+        last epoch's results by rank merged over its mini-batches, the optimizer steps taken).
+        Each mini-batch's requests are built once and sent every epoch (one encoding per replica)."""
         rl = self.cfg.rl
         coef = self.kl.value if ref else 0.0
         batches = []
-        for part in self._mini_batches(len(rows)):
-            agg = self._agg([r[1] for r in rows[part]])
-            batches.append([rl_calls.PolicyBatch(step=step, agg=agg, prompt_length=rl.prompt_length,
-                                                 sequences=tuple(r[0] for r in share), kl_coef=coef,
-                                                 advantages=tuple(r[1] for r in share), old_logprobs=tuple(olds),
-                                                 ref_logprobs=tuple(refs), pads=tuple(pad))
-                            for share, olds, refs, pad in zip(*(self._split(x[part]) for x in (rows, old, ref, pads)),
-                                                              strict=True)])
+        for part in self._mini_batches(len(sequences)):
+            rows = np.arange(len(sequences))[part]
+            batches.append([rl_calls.PolicyBatch(step=step, agg=self._agg(adv.lengths[part]),
+                                                 prompt_length=rl.prompt_length, sequences=sequences.take(share),
+                                                 kl_coef=coef, advantages=adv.take(share), old_logprobs=old.take(share),
+                                                 ref_logprobs=ref.take(share) if ref else Ragged.empty(),
+                                                 pads=tuple(pads[i] for i in share))
+                            for share in self._split(rows)])
         epochs = [[self.trainer.call_each(rl_calls.POLICY_STEP, shares, timeout_s=self.cfg.timeouts.step_s)
                    for shares in batches] for _ in range(rl.ppo_epochs)]
         kl = None
@@ -298,25 +302,22 @@ class RLStep:
         size = self.cfg.rl.mini_batch_size or rows
         return [slice(start, start + size) for start in range(0, rows, size)]
 
-    def _agg(self, per_row: Sequence[Sequence[float]]) -> rl_calls.LossAgg:
-        """A mini-batch's loss aggregation: its counts (one number per response token and row)."""
+    def _agg(self, lengths: np.ndarray) -> rl_calls.LossAgg:
+        """A mini-batch's loss aggregation: its counts (``lengths``: each response's tokens)."""
         rl = self.cfg.rl
-        return rl_calls.LossAgg(mode=rl.loss_agg_mode, tokens=sum(map(len, per_row)), rows=len(per_row),
+        return rl_calls.LossAgg(mode=rl.loss_agg_mode, tokens=int(lengths.sum()), rows=len(lengths),
                                 horizon=rl.max_response_length)
 
-    def _score(self, model: str, sequences: list[tuple[int, ...]], pads: list[int]
-               ) -> tuple[list[tuple[float, ...]], float]:
+    def _score(self, model: str, sequences: Ragged, pads: list[int]) -> tuple[Ragged, float]:
         """Per response its tokens' log-probs under ``model`` (the critic: values), in order;
         the actor's entropy (token mean over every response)."""
         mini_batch = (self.cfg.rl.mini_batch_size or 0) // self.trainer.dims.dp  # each replica's, as updated
-        shares = [rl_calls.ScoreRows(model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
-                                     sequences=tuple(part), pads=tuple(pad), mini_batch=mini_batch)
-                  for part, pad in zip(self._split(sequences), self._split(pads), strict=True)]
-        answers = self.trainer.call_each(rl_calls.SCORE_ROWS, shares, timeout_s=self.cfg.timeouts.step_s)
-        out: list[tuple[float, ...]] = [()] * len(sequences)
-        dp = self.trainer.dims.dp
-        for replica, part in enumerate(answers):
-            out[replica::dp] = part.values if model == "critic" else part.logprobs
+        shares = self._split(np.arange(len(sequences)))
+        requests = [rl_calls.ScoreRows(model=model, prompt_length=self.cfg.rl.prompt_length,  # type: ignore[arg-type]
+                                       sequences=sequences.take(share), pads=tuple(pads[i] for i in share),
+                                       mini_batch=mini_batch) for share in shares]
+        answers = self.trainer.call_each(rl_calls.SCORE_ROWS, requests, timeout_s=self.cfg.timeouts.step_s)
+        out = gathered([part.values if model == "critic" else part.logprobs for part in answers], shares)
         entropy = sum(part.entropy_sum for part in answers)
         tokens = sum(part.tokens for part in answers)
         return out, entropy / max(tokens, 1)
@@ -344,13 +345,12 @@ def _merged(calls: list[list[rl_calls.PolicyResult]]) -> list[rl_calls.PolicyRes
     return merged
 
 
-def _until(generated: tuple[tuple[int, ...], tuple[float, ...]], stop: tuple[int, ...]
-           ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """A response up to and including its first stop token (what follows it is padding): the
-    policy is trained to emit the stop token, the reward's text ends before it."""
-    tokens, logps = generated
-    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
-    return tokens[:end], logps[:end]
+def _max_gap(old: Ragged, rollout: Ragged) -> float:
+    """The largest difference between the actor's and the rollout's log-prob of a response
+    token (both float32; the difference in float64, exact)."""
+    if not np.array_equal(old.lengths, rollout.lengths):
+        raise ValueError("the actor scored other responses than the rollout's")
+    return float(np.max(np.abs(old.values.astype(np.float64) - rollout.values.astype(np.float64))))
 
 
 def _lengths(responses: Sequence[tuple[int, ...]], stop: tuple[int, ...]) -> dict[str, float]:

@@ -27,20 +27,20 @@ from core.config.run import RunConfig
 from core.controller.generation import GeneratorFlow
 from core.flows import calls as gen_calls
 from core.rl import tasks
+from core.wire.ragged import TOKENS, Ragged
 
 Response = tuple[tuple[int, ...], tuple[float, ...]]  # a response's tokens (up to its stop token), log-probs
 # the reward of every response: (the prompt each answers, the responses) -> scores
 ScoreFn = Callable[[Sequence[tasks.Asked], Sequence[tuple[int, ...]]], list[float]]
-Until = Callable[[Response], Response]  # a generated row cut after its first stop token
 Texter = Callable[[tuple[int, ...]], dict[str, str]]  # a response's text for samples.jsonl (a file task's)
 KINDS = ("greedy", "sampled")
 
 
 class Validation:
     def __init__(self, cfg: RunConfig, generator: GeneratorFlow, held_out: list[tasks.Asked], *, score: ScoreFn,
-                 until: Until, text: Texter, stop: tuple[int, ...]) -> None:
+                 text: Texter, stop: tuple[int, ...]) -> None:
         self.cfg, self.generator, self.held_out = cfg, generator, held_out
-        self.score, self.until, self.text, self.stop = score, until, text, stop
+        self.score, self.text, self.stop = score, text, stop  # a response ends after its first stop token
 
     def due(self, done: int) -> bool:
         """Whether the policy after ``done`` steps is validated."""
@@ -74,8 +74,9 @@ class Validation:
         for chunk, first in enumerate(range(0, len(self.held_out), size)):
             part = self.held_out[first:first + size]
             seed = (((cfg.seed * 7919 + done) * 1009 + 503) * 65537 + chunk) % 2**62
-            out += [self.until(r) for r in self.generator.rollout(gen_calls.Generate(
-                prompts=tuple(a.tokens for a in part), max_new_tokens=rl.max_response_length,
+            done = self.generator.rollout(gen_calls.Generate(
+                prompts=Ragged.of([a.tokens for a in part], TOKENS), max_new_tokens=rl.max_response_length,
                 temperature=0.0 if greedy else rl.temperature, top_k=rl.top_k, top_p=rl.top_p, eos=self.stop,
-                seed=seed, pads=tuple(a.pad for a in part)))]
+                seed=seed, pads=tuple(a.pad for a in part))).until(self.stop)
+            out += zip(done.tokens.tolist(), done.logprobs.tolist(), strict=True)
         return out

@@ -19,11 +19,13 @@ trainer (its updates and scoring passes) are ``core.wire.rl_calls``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.checkpoint.spec import TensorSlice
+from core.errors import ProtocolError
 from core.flows.reshard import Piece
 from core.wire.contract import Collect, Dispatch, Method, NoArgs
+from core.wire.ragged import FLOATS, TOKENS, Ragged, matches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +56,7 @@ class Probe:
 
 @dataclass(frozen=True, kw_only=True)
 class Generate:
-    prompts: tuple[tuple[int, ...], ...]  # one length (left-padded: ``pads``)
+    prompts: Ragged  # int32 rows of one length (left-padded: ``pads``)
     max_new_tokens: int
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
@@ -64,6 +66,12 @@ class Generate:
     indices: tuple[int, ...] = ()  # each prompt's index in the run's prompt set (default 0, 1, ...)
     pads: tuple[int, ...] = ()  # each prompt's leading pad tokens, masked out (default: none)
 
+    def __post_init__(self) -> None:
+        self.prompts.expect(TOKENS, "Generate.prompts")
+        for name, per_row in (("indices", self.indices), ("pads", self.pads)):
+            if per_row and len(per_row) != len(self.prompts):
+                raise ProtocolError(f"Generate.{name}: {len(per_row)} for {len(self.prompts)} prompts")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Generated:
@@ -71,8 +79,14 @@ class Generated:
 
     replica: int = -1
     version: int = -1  # the policy version that generated
-    tokens: tuple[tuple[int, ...], ...] = ()
-    logprobs: tuple[tuple[float, ...], ...] = ()  # at the sampling temperature, untruncated (greedy: 1)
+    tokens: Ragged = field(default_factory=lambda: Ragged.empty(TOKENS))  # int32: per prompt, its response
+    logprobs: Ragged = field(default_factory=Ragged.empty)  # float32, per token: at the sampling temperature,
+    #                                                         untruncated (greedy: 1)
+
+    def __post_init__(self) -> None:
+        self.tokens.expect(TOKENS, "Generated.tokens")
+        self.logprobs.expect(FLOATS, "Generated.logprobs")
+        matches(self.logprobs, self.tokens.lengths, "Generated.logprobs", "tokens")
 
 
 @dataclass(frozen=True, kw_only=True)

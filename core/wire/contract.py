@@ -102,7 +102,12 @@ class Method(Generic[Req, Res]):
             return decode_empty
 
         def decode(kwargs: dict[str, Any]) -> Req:
-            return build(cls, kwargs, where, error=ProtocolError)
+            try:
+                return build(cls, kwargs, where, error=ProtocolError)
+            except ProtocolError as exc:  # a dataclass's own check (rows and lengths that disagree): say where
+                if str(exc).startswith(where):
+                    raise
+                raise ProtocolError(f"{where}: {exc}") from None
 
         return decode
 
@@ -117,7 +122,12 @@ class Method(Generic[Req, Res]):
             return decode_none
 
         def decode(value: Any) -> Res:
-            return convert(tp, value, where, error=ProtocolError)  # type: ignore[no-any-return]
+            try:
+                return convert(tp, value, where, error=ProtocolError)  # type: ignore[no-any-return]
+            except ProtocolError as exc:
+                if str(exc).startswith(where):
+                    raise
+                raise ProtocolError(f"{where}: {exc}") from None
 
         return decode
 

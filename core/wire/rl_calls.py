@@ -6,18 +6,26 @@
     CRITIC_STEP   CriticBatch → CriticResult one critic update on the clipped value loss (PPO)
     CRITIC_INIT   NoArgs      → None         the critic's transformer becomes the actor's (PPO's first RL step)
 
-Both updates report ``core.wire.calls.Timings`` as a training step does. A prompt shorter
-than ``prompt_length`` is left-padded: ``pads`` gives each row's pad count, and the model
-never sees those tokens (core.model.gpt.padding). The generator's
+Both updates report ``core.wire.calls.Timings`` as a training step does. Rows and their
+per-token numbers travel as arrays (``core.wire.ragged.Ragged``): ``sequences`` int32 rows of
+prompt + response, every per-response-token field (advantages, log-probs, values, returns)
+float32 rows of each row's response length, which the request checks when it is built (on
+the worker: when it is decoded; a mismatch is a ``ProtocolError`` naming the field). A
+prompt shorter than ``prompt_length`` is left-padded: ``pads`` gives each row's pad count,
+and the model never sees those tokens (core.model.gpt.padding). The generator's
 calls are ``core.flows.calls``; the workers' side is ``core.model.gpt.roles`` (actor, critic).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
+from core.errors import ProtocolError
 from core.wire.calls import Timings
 from core.wire.contract import Collect, Dispatch, Method, NoArgs
+from core.wire.ragged import FLOATS, TOKENS, Ragged, matches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,12 +53,17 @@ class PolicyBatch:
     step: int
     agg: LossAgg
     prompt_length: int
-    sequences: tuple[tuple[int, ...], ...]
-    advantages: tuple[tuple[float, ...], ...]
-    old_logprobs: tuple[tuple[float, ...], ...]
-    ref_logprobs: tuple[tuple[float, ...], ...] = ()
+    sequences: Ragged  # int32 rows
+    advantages: Ragged  # float32, per response token
+    old_logprobs: Ragged  # float32, per response token
+    ref_logprobs: Ragged = field(default_factory=Ragged.empty)  # float32, per response token; no rows: none
     kl_coef: float = 0.0
     pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
+
+    def __post_init__(self) -> None:
+        responses = checked_rows("PolicyBatch", self.sequences, self.prompt_length, self.pads)
+        per_token("PolicyBatch", responses, advantages=self.advantages, old_logprobs=self.old_logprobs,
+                  ref_logprobs=self.ref_logprobs or None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,19 +74,26 @@ class ScoreRows:
 
     model: Literal["actor", "reference", "critic"]
     prompt_length: int
-    sequences: tuple[tuple[int, ...], ...]
+    sequences: Ragged  # int32 rows
     pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
     mini_batch: int = 0  # rows of each update mini-batch in this share (0: all): micro-batched as the update is
+
+    def __post_init__(self) -> None:
+        checked_rows("ScoreRows", self.sequences, self.prompt_length, self.pads)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RowScores:
     """On loss owners (one per data replica); empty elsewhere."""
 
-    logprobs: tuple[tuple[float, ...], ...] = ()  # per row, its response tokens'
-    values: tuple[tuple[float, ...], ...] = ()  # the critic's, per row, per response token
+    logprobs: Ragged = field(default_factory=Ragged.empty)  # float32: per row, its response tokens'
+    values: Ragged = field(default_factory=Ragged.empty)  # float32: the critic's, per row, per response token
     entropy_sum: float = 0.0  # the actor's entropy summed over the response tokens
     tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.logprobs.expect(FLOATS, "RowScores.logprobs")
+        self.values.expect(FLOATS, "RowScores.values")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,10 +121,14 @@ class CriticBatch:
     step: int
     agg: LossAgg
     prompt_length: int
-    sequences: tuple[tuple[int, ...], ...]
-    returns: tuple[tuple[float, ...], ...]
-    old_values: tuple[tuple[float, ...], ...]
+    sequences: Ragged  # int32 rows
+    returns: Ragged  # float32, per response token
+    old_values: Ragged  # float32, per response token
     pads: tuple[int, ...] = ()  # per row, its prompt's leading pad tokens (masked out); () none
+
+    def __post_init__(self) -> None:
+        responses = checked_rows("CriticBatch", self.sequences, self.prompt_length, self.pads)
+        per_token("CriticBatch", responses, returns=self.returns, old_values=self.old_values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +139,26 @@ class CriticResult(Timings):
     value_clip_frac: float | None = None  # fraction of the mini-batch's tokens where the clipped term was taken
     grad_norm: float | None = None
     lr: float | None = None
+
+
+def checked_rows(where: str, sequences: Ragged, prompt_length: int, pads: tuple[int, ...]) -> np.ndarray:
+    """Refuse (``ProtocolError`` naming the field) rows that are not int32, shorter than a
+    prompt, or whose pad counts do not match; each row's response length."""
+    sequences.expect(TOKENS, f"{where}.sequences")
+    if pads and len(pads) != len(sequences):
+        raise ProtocolError(f"{where}.pads: {len(pads)} pad counts for {len(sequences)} rows")
+    if len(sequences) and int(sequences.lengths.min()) < prompt_length:
+        raise ProtocolError(f"{where}.sequences: a row of {int(sequences.lengths.min())} tokens, shorter than "
+                            f"prompt_length = {prompt_length}")
+    return sequences.lengths - np.int32(prompt_length)  # type: ignore[no-any-return]
+
+
+def per_token(where: str, responses: np.ndarray, **fields: Ragged | None) -> None:
+    """Refuse per-response-token ``fields`` that are not float32 rows of the ``responses``' lengths."""
+    for name, rows in fields.items():
+        if rows is not None:
+            rows.expect(FLOATS, f"{where}.{name}")
+            matches(rows, responses, f"{where}.{name}", "response tokens")
 
 
 POLICY_STEP = Method("policy_step", PolicyBatch, PolicyResult, dispatch=Dispatch.REPLICAS)

@@ -209,6 +209,29 @@ def test_dispatch_and_collect_modes_declared_with_the_method(group) -> None:
     assert len(back) == 4 and all(np.array_equal(b.a, arr) for b in back)
 
 
+def test_a_request_for_every_rank_of_a_replica_is_encoded_once(group, monkeypatch) -> None:
+    """tp2 x dp2 over the same four workers: one encoding per replica's request (its arrays'
+    frames sent to both its ranks), and one for a request every rank gets."""
+    g, _ = group
+    replicas = RoleGroup(g.workers, RolePlan(name="trainer", first_rank=0, dims=ParallelDims(tp=2, pp=1, dp=2),
+                                             placement="own", component=1, nodes=1, models=("toy",)))
+    calls: list[str] = []
+    plain = protocol.encode
+
+    def counting(msg: protocol.Message, **kw: int) -> list[bytes | memoryview]:
+        if isinstance(msg, protocol.Call):  # not the heartbeats, sent from another thread meanwhile
+            calls.append(msg.method)
+        return plain(msg, **kw)
+
+    monkeypatch.setattr(protocol, "encode", counting)
+    shares = [Echo(a=np.arange(6, dtype=np.int32) + 10 * d) for d in range(2)]
+    back = replicas.call_each(ECHO_REPLICAS, shares)
+    assert calls == ["echo", "echo"]  # 4 ranks, 2 replicas
+    assert [b.rank for b in back] == [0, 2] and all(np.array_equal(b.a, s.a) for b, s in zip(back, shares, strict=True))
+    calls.clear()
+    assert [b.rank for b in replicas.call(ECHO, Echo(a=np.zeros(3)))] == [0, 1, 2, 3] and calls == ["echo"]
+
+
 def test_remote_errors_carry_rank_and_traceback(group) -> None:
     g, _ = group
     with pytest.raises(RemoteError) as info:

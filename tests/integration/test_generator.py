@@ -15,6 +15,7 @@ from core.checkpoint.spec import TensorSlice
 from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.wire.contract import NO_ARGS
+from tests.helpers import as_rows, ints
 from tests.integration.gpt_harness import RankGroup, gpt_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -54,8 +55,8 @@ def _plain_greedy(task: Any, prompts: tuple[tuple[int, ...], ...], new: int) -> 
 
 
 def _generate(g: RankGroup, prompts: tuple[tuple[int, ...], ...] = PROMPTS, **kw: Any) -> list[dict[str, Any]]:
-    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=prompts, **kw))
-    return [r for r in g.call("generate", **req) if r.get("tokens")]
+    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=ints(prompts), **kw))
+    return [r for r in map(as_rows, g.call("generate", **req)) if r.get("tokens")]
 
 
 @pytest.mark.parametrize("gen_tp", [1, 2], ids=["tp2pp2-to-tp1dp4", "tp2pp2-to-tp2dp2"])

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from core.wire import rl_calls
+from tests.helpers import as_rows, floats, ints
 from tests.integration.gpt_harness import RankGroup, gpt_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -185,9 +186,9 @@ def _scores(g: RankGroup, model: str, mini_batch: int = 0) -> list[tuple[float, 
     (``mini_batch``: the rows of each update mini-batch, as the controller says it)."""
     dp = g.world_size
     shares = [rl_calls.SCORE_ROWS.encode_request(rl_calls.ScoreRows(
-        model=model, prompt_length=P, sequences=SEQUENCES[d::dp], mini_batch=mini_batch // dp))  # type: ignore[arg-type]
+        model=model, prompt_length=P, sequences=ints(SEQUENCES[d::dp]), mini_batch=mini_batch // dp))  # type: ignore[arg-type]
         for d in range(dp)]
-    answers = g.call_each("score_rows", shares)
+    answers = [as_rows(a) for a in g.call_each("score_rows", shares)]
     out: list[tuple[float, ...]] = [()] * ROWS
     for d in range(dp):
         out[d::dp] = answers[d]["values" if model == "critic" else "logprobs"]
@@ -202,12 +203,12 @@ def _step(g: RankGroup, model: str, mode: str, old: Any, ref: Any) -> list[dict[
     dp, agg = g.world_size, rl_calls.LossAgg(mode=mode, tokens=sum(LENGTHS), rows=ROWS, horizon=HORIZON)
     if model == "actor":
         shares = [rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-            step=0, agg=agg, prompt_length=P, sequences=SEQUENCES[d::dp], advantages=ADV[d::dp],
-            old_logprobs=old[d::dp], ref_logprobs=ref[d::dp], kl_coef=KL_COEF)) for d in range(dp)]
+            step=0, agg=agg, prompt_length=P, sequences=ints(SEQUENCES[d::dp]), advantages=floats(ADV[d::dp]),
+            old_logprobs=floats(old[d::dp]), ref_logprobs=floats(ref[d::dp]), kl_coef=KL_COEF)) for d in range(dp)]
         return g.call_each("policy_step", shares)
     shares = [rl_calls.CRITIC_STEP.encode_request(rl_calls.CriticBatch(
-        step=0, agg=agg, prompt_length=P, sequences=SEQUENCES[d::dp], returns=RETURNS[d::dp],
-        old_values=old[d::dp])) for d in range(dp)]
+        step=0, agg=agg, prompt_length=P, sequences=ints(SEQUENCES[d::dp]), returns=floats(RETURNS[d::dp]),
+        old_values=floats(old[d::dp]))) for d in range(dp)]
     return g.call_each("critic_step", shares)
 
 
@@ -269,8 +270,8 @@ def test_two_mini_batches_take_two_optimizer_steps_and_the_second_is_clipped(gro
         seqs, adv, olds = SEQUENCES[part], ADV[part], old[part]
         agg = rl_calls.LossAgg(tokens=sum(LENGTHS[part]), rows=half, horizon=HORIZON)
         shares = [rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-            step=0, agg=agg, prompt_length=P, sequences=seqs[d::dp], advantages=adv[d::dp],
-            old_logprobs=olds[d::dp])) for d in range(dp)]
+            step=0, agg=agg, prompt_length=P, sequences=ints(seqs[d::dp]), advantages=floats(adv[d::dp]),
+            old_logprobs=floats(olds[d::dp]))) for d in range(dp)]
         group.apply(_set_lr, lr=0.1)
         results.append([r for r in group.call_each("policy_step", shares) if "loss" in r][0])
         weights.append(group.apply(_actor_weights)[0])
@@ -310,7 +311,8 @@ def test_with_dropout_the_first_epoch_sees_every_ratio_exactly_1(tmp_path: Any) 
         g.apply(_snapshot)
         agg = rl_calls.LossAgg(tokens=sum(LENGTHS), rows=ROWS, horizon=HORIZON)
         (result,) = g.call("policy_step", **rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-            step=0, agg=agg, prompt_length=P, sequences=SEQUENCES, advantages=ADV, old_logprobs=old)))
+            step=0, agg=agg, prompt_length=P, sequences=ints(SEQUENCES), advantages=floats(ADV),
+            old_logprobs=floats(old))))
         assert result["ratio_max"] == 1.0 and result["clip_frac"] == 0.0, result
         assert g.apply(_weights_changed) == [True]
 
@@ -349,8 +351,8 @@ def test_scoring_micro_batches_the_rows_the_update_micro_batches_together(group:
     group.apply(_snapshot)
     agg = rl_calls.LossAgg(tokens=sum(LENGTHS[:half]), rows=half, horizon=HORIZON)
     results = group.call_each("policy_step", [rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-        step=0, agg=agg, prompt_length=P, sequences=SEQUENCES[:half][d::dp], advantages=ADV[:half][d::dp],
-        old_logprobs=old[:half][d::dp])) for d in range(dp)])
+        step=0, agg=agg, prompt_length=P, sequences=ints(SEQUENCES[:half][d::dp]),
+        advantages=floats(ADV[:half][d::dp]), old_logprobs=floats(old[:half][d::dp]))) for d in range(dp)])
     updated = group.apply(_record_micro_batches, on=False)
     group.apply(_grads_and_restore, model="actor")
     group.apply(_set_micro, micro=8)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from core.wire import rl_calls
+from tests.helpers import as_rows, floats, ints
 from tests.integration.gpt_harness import RankGroup, gpt_config, logits_on_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -69,8 +70,8 @@ def _grads_and_restore(task: Any, saved: bool) -> list[np.ndarray]:
 
 
 def _score(g: RankGroup) -> dict[str, Any]:
-    req = rl_calls.SCORE_ROWS.encode_request(rl_calls.ScoreRows(model="actor", prompt_length=P, sequences=SEQUENCES))
-    return next(r for r in g.call("score_rows", **req) if r.get("tokens"))  # the loss owner
+    req = rl_calls.SCORE_ROWS.encode_request(rl_calls.ScoreRows(model="actor", prompt_length=P, sequences=ints(SEQUENCES)))
+    return as_rows(next(r for r in g.call("score_rows", **req) if r.get("tokens")))  # the loss owner
 
 
 def test_scoring_with_a_token_budget_through_two_stages_is_each_row_alone(group: RankGroup) -> None:
@@ -91,7 +92,7 @@ def test_scoring_with_a_token_budget_through_two_stages_is_each_row_alone(group:
 def _step(g: RankGroup, old: Any) -> dict[str, Any]:
     agg = rl_calls.LossAgg(tokens=sum(LENGTHS), rows=len(LENGTHS), horizon=HORIZON)
     req = rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-        step=0, agg=agg, prompt_length=P, sequences=SEQUENCES, advantages=ADV, old_logprobs=tuple(map(tuple, old))))
+        step=0, agg=agg, prompt_length=P, sequences=ints(SEQUENCES), advantages=floats(ADV), old_logprobs=floats(old)))
     return next(r for r in g.call("policy_step", **req) if "loss" in r)
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from core.flows import calls as gen_calls
 from core.wire import rl_calls
+from tests.helpers import as_rows, floats, ints
 from tests.integration.gpt_harness import RankGroup, gpt_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -53,8 +54,8 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _generate(g: RankGroup, prompts: tuple[tuple[int, ...], ...], **kw: Any) -> dict[str, Any]:
-    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=prompts, max_new_tokens=8, **kw))
-    (answer,) = [r for r in g.call("generate", **req) if r.get("tokens")]  # one replica
+    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=ints(prompts), max_new_tokens=8, **kw))
+    (answer,) = [r for r in map(as_rows, g.call("generate", **req)) if r.get("tokens")]  # one replica
     return answer
 
 
@@ -75,8 +76,8 @@ def test_a_left_padded_prompt_generates_what_it_generates_alone(group: RankGroup
 def _score(g: RankGroup, model: str, prompt_length: int, rows: tuple[tuple[int, ...], ...],
            pads: tuple[int, ...] = ()) -> dict[str, Any]:
     req = rl_calls.SCORE_ROWS.encode_request(rl_calls.ScoreRows(model=model,  # type: ignore[arg-type]
-                                                                prompt_length=prompt_length, sequences=rows, pads=pads))
-    (answer,) = [r for r in g.call("score_rows", **req) if r.get("tokens")]  # the loss owner
+                                                                prompt_length=prompt_length, sequences=ints(rows), pads=pads))
+    (answer,) = [r for r in map(as_rows, g.call("score_rows", **req)) if r.get("tokens")]  # the loss owner
     return answer
 
 
@@ -123,9 +124,9 @@ def _policy_step(g: RankGroup, prompt_length: int, row: tuple[int, ...], pads: t
     g.apply(_snapshot)
     n = len(old)
     req = rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
-        step=0, agg=rl_calls.LossAgg(tokens=n, rows=1, horizon=8), prompt_length=prompt_length, sequences=(row,),
-        advantages=(tuple(np.linspace(-1, 1, n)),),
-        old_logprobs=(tuple(x - 0.1 for x in old),), pads=pads))  # ratio e^0.1: inside the clip
+        step=0, agg=rl_calls.LossAgg(tokens=n, rows=1, horizon=8), prompt_length=prompt_length,
+        sequences=ints([row]), advantages=floats([np.linspace(-1, 1, n)]),
+        old_logprobs=floats([tuple(x - 0.1 for x in old)]), pads=pads))  # ratio e^0.1: inside the clip
     g.call("policy_step", **req)
     return g.apply(_grads_and_restore)
 

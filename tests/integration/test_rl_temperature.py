@@ -28,6 +28,7 @@ from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.wire import rl_calls
 from core.wire.contract import NO_ARGS
+from tests.helpers import as_rows, floats, ints
 from tests.integration.gpt_harness import RankGroup, gpt_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -64,8 +65,8 @@ def _rollout(g: RankGroup, temperature: float) -> tuple[list[tuple[int, ...]], n
     """Rows (prompt + response) and the rollout's per-token log-probs, from the synced generator."""
     _sync(g)
     req = gen_calls.GENERATE.encode_request(gen_calls.Generate(
-        prompts=PROMPTS, max_new_tokens=NEW, temperature=temperature, top_k=TOP_K, top_p=TOP_P, seed=11))
-    answer = next(r for r in g.call("generate", **req) if r.get("tokens"))  # every replica answers alike
+        prompts=ints(PROMPTS), max_new_tokens=NEW, temperature=temperature, top_k=TOP_K, top_p=TOP_P, seed=11))
+    answer = next(r for r in map(as_rows, g.call("generate", **req)) if r.get("tokens"))  # every replica answers alike
     rows = [p + tuple(t) for p, t in zip(PROMPTS, answer["tokens"], strict=True)]
     return rows, np.asarray(answer["logprobs"], dtype=np.float64)
 
@@ -90,8 +91,8 @@ def _plain(task: Any, rows: list[tuple[int, ...]], temperature: float) -> dict[s
 
 def _score(g: RankGroup, rows: list[tuple[int, ...]]) -> dict[str, Any]:
     req = rl_calls.SCORE_ROWS.encode_request(rl_calls.ScoreRows(model="actor", prompt_length=P,
-                                                                sequences=tuple(rows)))
-    return next(r for r in g.call("score_rows", **req) if r.get("tokens"))  # the loss owner
+                                                                sequences=ints(rows)))
+    return next(r for r in map(as_rows, g.call("score_rows", **req)) if r.get("tokens"))  # the loss owner
 
 
 def test_the_rollouts_log_probs_are_log_softmax_of_the_logits_over_the_temperature(group: RankGroup) -> None:
@@ -123,7 +124,7 @@ def test_the_first_epochs_ratio_is_exactly_one(group: RankGroup) -> None:
     adv = tuple(tuple(float(a) for a in _rng.normal(size=NEW)) for _ in rows)
     req = rl_calls.POLICY_STEP.encode_request(rl_calls.PolicyBatch(
         step=0, agg=rl_calls.LossAgg(tokens=len(rows) * NEW, rows=len(rows), horizon=NEW), prompt_length=P,
-        sequences=tuple(rows), advantages=adv, old_logprobs=tuple(map(tuple, old))))
+        sequences=ints(rows), advantages=floats(adv), old_logprobs=floats(old)))
     owners = group.loss_owner_results(group.call("policy_step", **req))
     assert owners and all(o["ratio_max"] == 1.0 and o["clip_frac"] == 0.0 for o in owners), owners
     # A second epoch on the same old log-probs moves off 1: the ratio is measured, not assumed.

@@ -17,12 +17,13 @@ from core.flows import calls as gen_calls
 from core.model import toy
 from core.wire import calls, protocol, rl_calls
 from core.wire.contract import Method
+from core.wire.ragged import FLOATS, TOKENS, Ragged
 
 METHODS: list[Method[Any, Any]] = [
     calls.SETUP, calls.TRAIN_STEP, calls.EVAL_STEP, calls.LOAD_WEIGHTS, calls.SAVE_WEIGHTS,
     ckpt_calls.CKPT_SAVE, ckpt_calls.CKPT_POLL, ckpt_calls.CKPT_WAIT, ckpt_calls.CKPT_LOAD,
     toy.NOOP, toy.ECHO, toy.FAIL, toy.SLEEP, toy.PID, toy.GET_STATE, toy.SET_STATE,
-    gen_calls.GENERATE, gen_calls.SCORE, rl_calls.POLICY_STEP, rl_calls.SCORE_ROWS,
+    gen_calls.GENERATE, gen_calls.SCORE, rl_calls.POLICY_STEP, rl_calls.SCORE_ROWS, rl_calls.CRITIC_STEP,
     gen_calls.PROBE_BATCH, gen_calls.BRIDGE, gen_calls.GEN_PROMPTS,
 ]
 _text = st.text(max_size=6)
@@ -44,9 +45,47 @@ def values(tp: Any) -> st.SearchStrategy[Any]:
         return st.dictionaries(_text, values(args[1]), max_size=3)
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
+        if Ragged in hints.values():
+            return _with_rows(tp)
         return st.builds(tp, **{f.name: values(hints[f.name]) for f in dataclasses.fields(tp)})
     return {int: st.integers(-2**40, 2**40), float: _float, str: _text, bool: st.booleans(),
             type(None): st.none()}[tp]
+
+
+# The RL calls' rows (core.wire.ragged) agree with each other: token rows of prompt + response,
+# per-token float32 rows of each response's length, one pad count and index per row.
+_RESPONSE_FIELDS = {"advantages", "old_logprobs", "ref_logprobs", "returns", "old_values", "logprobs", "values"}
+
+
+@st.composite
+def _with_rows(draw: st.DrawFn, tp: Any) -> Any:
+    """A message of ``tp`` whose ``Ragged`` fields are rows that agree (as its checks demand)."""
+    hints = typing.get_type_hints(tp)
+    rows = draw(st.integers(0, 3))
+    prompt = draw(st.integers(0, 3))
+    responses = draw(st.lists(st.integers(0, 4), min_size=rows, max_size=rows))
+    token = st.integers(-2**31, 2**31 - 1)
+    number = st.floats(allow_nan=False, width=32)
+
+    def rows_of(element: st.SearchStrategy[Any], lengths: list[int], dtype: Any) -> Ragged:
+        return Ragged.of([draw(st.lists(element, min_size=n, max_size=n)) for n in lengths], dtype)
+
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(tp):
+        if f.name == "prompt_length":
+            kwargs[f.name] = prompt
+        elif f.name in ("sequences", "prompts"):
+            kwargs[f.name] = rows_of(token, [prompt + (n if f.name == "sequences" else 0) for n in responses], TOKENS)
+        elif f.name == "tokens" and hints[f.name] is Ragged:
+            kwargs[f.name] = rows_of(token, responses, TOKENS)
+        elif f.name in _RESPONSE_FIELDS:
+            kwargs[f.name] = rows_of(number, responses, FLOATS) if f.name != "ref_logprobs" or draw(st.booleans()) \
+                else Ragged.empty()
+        elif f.name in ("pads", "indices"):
+            kwargs[f.name] = draw(st.sampled_from([(), tuple(range(rows))]))
+        else:
+            kwargs[f.name] = draw(values(hints[f.name]))
+    return tp(**kwargs)
 
 
 def sample(tp: Any) -> Any:
@@ -62,8 +101,17 @@ def sample(tp: Any) -> Any:
         return {"k": sample(args[1])}
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
+        if Ragged in hints.values():  # one row: a prompt of 1 token (prompt_length 1), a response of 1
+            return tp(**{f.name: _one_row(f.name) if hints[f.name] is Ragged else sample(hints[f.name])
+                         for f in dataclasses.fields(tp)})
         return tp(**{f.name: sample(hints[f.name]) for f in dataclasses.fields(tp)})
     return {int: 1, float: 1.5, str: "s", bool: True, type(None): None}.get(tp, 3)
+
+
+def _one_row(name: str) -> Ragged:
+    if name in _RESPONSE_FIELDS:
+        return Ragged.of([[1.5]], FLOATS)
+    return Ragged.of([[3, 3] if name == "sequences" else [3]], TOKENS)
 
 
 def _over_the_wire(frames: list[Any]) -> protocol.Envelope:

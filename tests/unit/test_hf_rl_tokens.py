@@ -18,13 +18,12 @@ from transformers import AutoTokenizer
 
 from core.config import run as config
 from core.config import tokvocab
-from core.controller.generation import GeneratorFlow
-from core.controller.rl_program import _until
+from core.controller.generation import GeneratorFlow, Responses
 from core.data.prompts import PromptFileError, read_prompts
 from core.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, stop_ids, text_before_stop
 from core.errors import ConfigError
 from core.flows import calls as gen_calls
-from tests.helpers import save_hf_model
+from tests.helpers import floats, ints, save_hf_model
 from tests.hf_tokenizers import chatml_folder, llama3_folder, qwen3_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,11 +146,13 @@ def test_text_after_the_stop_token_never_reaches_the_reward(chatml: Path) -> Non
     later = ref.encode(" café 🎉", add_special_tokens=False)
     for end in stop:
         generated = tuple(answer + [end] + later), tuple(float(-i) for i in range(len(answer) + 1 + len(later)))
-        tokens, logps = _until(generated, stop)
+        cut = Responses(ints([generated[0]]), floats([generated[1]])).until(stop)
+        tokens, logps = cut.tokens.tolist()[0], cut.logprobs.tolist()[0]
         assert tokens == tuple(answer + [end]) and logps == generated[1][: len(answer) + 1]  # the stop token trains
         assert text_before_stop(tok, stop, tokens) == ref.decode(answer) == "Two plus two is four."
         assert text_before_stop(tok, stop, generated[0]) == "Two plus two is four."
-    assert _until((tuple(answer), ()), stop)[0] == tuple(answer)  # no stop: all of it
+    whole = Responses(ints([answer]), floats([[0.0] * len(answer)])).until(stop)
+    assert whole.tokens.tolist() == [tuple(answer)]  # no stop: all of it
     assert text_before_stop(tok, stop, answer + later) == ref.decode(answer + later)
 
 
@@ -238,8 +239,8 @@ class _Generator:
 
     def call_each(self, method: Any, shares: list[Any], timeout_s: float | None = None) -> list[Any]:
         self.requests += shares
-        return [gen_calls.Generated(replica=0, version=3, tokens=tuple(map(tuple, self.tokens)),
-                                    logprobs=tuple((0.0,) * len(t) for t in self.tokens))]
+        return [gen_calls.Generated(replica=0, version=3, tokens=ints(self.tokens),
+                                    logprobs=floats((0.0,) * len(t) for t in self.tokens))]
 
 
 @pytest.mark.parametrize("eos", [None, 7])

@@ -78,11 +78,12 @@ def critic_step(ctx: StepContext, batch: rl_calls.CriticBatch,
                 before_update: Callable[[], None] | None = None) -> dict[str, Any]:
     """One optimizer step of the critic (``ctx``: its model and optimizer) on this replica's
     share of a mini-batch; this rank's metrics (loss owners: the mini-batch's)."""
-    rows, p, width = len(batch.sequences), batch.prompt_length, max(len(row) - 1 for row in batch.sequences)
+    rows, p, width = len(batch.sequences), batch.prompt_length, int(batch.sequences.lengths.max()) - 1
     arrays = {k: np.zeros((rows, width), dtype=np.int64) for k in ("tokens", "labels")}
     arrays.update({k: np.zeros((rows, width), dtype=np.float32) for k in ("mask", "ret", "oldv")})
     arrays["pads"], arrays["lengths"] = pad_counts(batch.pads, rows), np.zeros(rows, dtype=np.int64)
-    for i, (row, ret, old) in enumerate(zip(batch.sequences, batch.returns, batch.old_values, strict=True)):
+    for i, (row, ret, old) in enumerate(zip(batch.sequences.rows(), batch.returns.rows(), batch.old_values.rows(),
+                                            strict=True)):
         n = fill_row(arrays, i, row, p)
         arrays["ret"][i, p - 1:n], arrays["oldv"][i, p - 1:n] = ret, old
     clip, agg = ctx.cfg.rl.critic.value_clip, batch.agg

@@ -53,28 +53,29 @@ from core.model.gpt.logprobs import logprobs_at
 from core.model.gpt.optim import set_lr
 from core.model.gpt.step import StepContext, begin_measures, is_loss_owner, measures, reduction
 from core.wire import rl_calls
+from core.wire.ragged import FLOATS, Ragged
 
 
 def _arrays(batch: rl_calls.PolicyBatch) -> dict[str, np.ndarray]:
     """Inputs, labels, mask, advantages and old log-probs, rows x the longest row (zero
     padded), with each row's pads and ``lengths`` (what the model reads of it)."""
     rows, p = len(batch.sequences), batch.prompt_length
-    width = max(len(row) - 1 for row in batch.sequences)
+    width = int(batch.sequences.lengths.max()) - 1
     out = {k: np.zeros((rows, width), dtype=np.int64) for k in ("tokens", "labels")}
     out.update({k: np.zeros((rows, width), dtype=np.float32) for k in ("mask", "adv", "old", "ref")})
-    refs = batch.ref_logprobs or ((),) * rows
+    refs = batch.ref_logprobs.rows() if batch.ref_logprobs else [None] * rows
     out["pads"] = pad_counts(batch.pads, rows)
     out["lengths"] = np.zeros(rows, dtype=np.int64)
-    for i, (row, adv, old, ref) in enumerate(zip(batch.sequences, batch.advantages, batch.old_logprobs, refs,
-                                                 strict=True)):
+    for i, (row, adv, old, ref) in enumerate(zip(batch.sequences.rows(), batch.advantages.rows(),
+                                                 batch.old_logprobs.rows(), refs, strict=True)):
         n = fill_row(out, i, row, p)
         out["adv"][i, p - 1:n], out["old"][i, p - 1:n] = adv, old
-        if ref:
+        if ref is not None:
             out["ref"][i, p - 1:n] = ref
     return out
 
 
-def fill_row(out: dict[str, np.ndarray], i: int, row: tuple[int, ...], p: int) -> int:
+def fill_row(out: dict[str, np.ndarray], i: int, row: np.ndarray, p: int) -> int:
     """Row ``i``'s inputs, labels, response mask (labels ``p - 1`` .. ``n - 1``) and length; ``n``."""
     n = len(row) - 1
     out["tokens"][i, :n], out["labels"][i, :n] = row[:-1], row[1:]
@@ -208,11 +209,11 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
     rows share a micro-batch in both, each padded to the same width, so their numbers are the
     same arithmetic."""
     cfg = ctx.cfg
-    rows, p, width = len(req.sequences), req.prompt_length, max(len(row) - 1 for row in req.sequences)
+    rows, p, width = len(req.sequences), req.prompt_length, int(req.sequences.lengths.max()) - 1
     arrays = {k: np.zeros((rows, width), dtype=np.int64) for k in ("tokens", "labels")}
     arrays["mask"] = np.zeros((rows, width), dtype=np.float32)
     arrays["pads"], arrays["lengths"] = pad_counts(req.pads, rows), np.zeros(rows, dtype=np.int64)
-    for i, row in enumerate(req.sequences):
+    for i, row in enumerate(req.sequences.rows()):
         fill_row(arrays, i, row, p)
     groups = microbatch.scoring_groups(arrays["lengths"].tolist(), mini_batch=req.mini_batch,  # the update's
                                        micro_batch_size=int(cfg.training.micro_batch_size),
@@ -246,11 +247,11 @@ def score_rows(ctx: StepContext, req: rl_calls.ScoreRows, chunks: list[Any]) -> 
             num_microbatches=len(groups), seq_length=longest, micro_batch_size=most, forward_only=True)
     if not (is_loss_owner() and parallel_state.is_pipeline_last_stage()):
         return rl_calls.RowScores()
-    logp: list[np.ndarray] = [np.empty(0)] * rows
+    logp: list[np.ndarray] = [np.empty(0, dtype=np.float32)] * rows
     for group, d in zip(groups, out_mb, strict=True):
         for i, scores in zip(group, d["logp"].cpu().numpy(), strict=True):
             logp[i] = scores[p - 1:arrays["lengths"][i]]
-    per_row = tuple(tuple(float(x) for x in scores) for scores in logp)
+    per_row = Ragged.of(logp, FLOATS)  # float32, as computed
     if req.model == "critic":
         return rl_calls.RowScores(values=per_row, tokens=int(arrays["mask"].sum()))
     return rl_calls.RowScores(

@@ -29,6 +29,7 @@ from core.model.gpt import model as model_mod
 from core.model.gpt import sync
 from core.model.gpt.state import is_writer, sharded_params, slice_of
 from core.model.gpt.step import label_logprobs
+from core.wire.ragged import FLOATS, TOKENS, Ragged
 
 
 def _groups(all_groups: list[list[int]], rank: int) -> Any:
@@ -142,12 +143,12 @@ class Rollout:
         # One stream per (seed, prompt): the controller keys ``seed`` by run seed, step and
         # sample, so what a prompt draws does not depend on the layout that generates it.
         indices = req.indices or tuple(range(len(req.prompts)))
-        tokens, logps = gen_mod.generate(self.model, req.prompts, how, max_length=self.cfg.model.seq_length,
+        tokens, logps = gen_mod.generate(self.model, req.prompts.tolist(), how, max_length=self.cfg.model.seq_length,
                                          seeds=[(req.seed * 1_000_003 + i) % 2**63 for i in indices], pads=req.pads)
         if self.coords.tp != 0:
             return gen_calls.Generated()
         return gen_calls.Generated(replica=self.coords.dp, version=self.version,
-                                   tokens=tuple(map(tuple, tokens)), logprobs=tuple(map(tuple, logps)))
+                                   tokens=Ragged.of(tokens, TOKENS), logprobs=Ragged.of(logps, FLOATS))
 
 
 def prompts(step_ctx: Any, req: gen_calls.Prompts) -> gen_calls.PromptSet:

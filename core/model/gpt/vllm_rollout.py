@@ -44,6 +44,7 @@ from core.flows import calls as gen_calls
 from core.hf import families, files, layout
 from core.model.gpt import sync
 from core.model.gpt import vllm_engine as engine_mod
+from core.wire.ragged import FLOATS, TOKENS, Ragged
 from core.worker.task import ON_HARD_EXIT
 
 log = logging.getLogger(__name__)
@@ -187,15 +188,16 @@ class VLLMRollout:
         pads = req.pads or (0,) * len(req.prompts)
         # the seed Baton's Megatron engine gives this row's generator (core.model.gpt.rollout)
         requests = [engine_mod.Request(prompt=tuple(p[pad:]), seed=(req.seed * 1_000_003 + i) % 2**63)
-                    for p, pad, i in zip(req.prompts, pads, indices, strict=True)]
+                    for p, pad, i in zip(req.prompts.tolist(), pads, indices, strict=True)]
         n = req.max_new_tokens
         out = self._call(self._engine().generate, requests, max_new_tokens=n, temperature=req.temperature,
                          top_k=req.top_k, top_p=req.top_p, stop=req.eos)
         self._call(self._engine().sleep)  # colocated on a GPU: the update that follows has the GPU
         fill = req.eos[0] if req.eos else 0
-        tokens = tuple(t + (fill,) * (n - len(t)) for t, _ in out)
-        logps = tuple(lp + (0.0,) * (n - len(lp)) for _, lp in out)
-        return gen_calls.Generated(replica=self.coords.dp, version=self.version, tokens=tokens, logprobs=logps)
+        tokens = [tuple(t) + (fill,) * (n - len(t)) for t, _ in out]
+        logps = [tuple(lp) + (0.0,) * (n - len(lp)) for _, lp in out]
+        return gen_calls.Generated(replica=self.coords.dp, version=self.version, tokens=Ragged.of(tokens, TOKENS),
+                                   logprobs=Ragged.of(logps, FLOATS))  # vLLM's sampler computes in float32
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
