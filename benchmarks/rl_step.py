@@ -11,7 +11,8 @@ end-of-text token, the vocabulary's last id) on one worker process, with a small
 prompts × n 4 = 16 rows per step, one replica, one PPO epoch, no warm start (``--quick``: 128
 and 512 tokens). A random model draws the end-of-text id about once per ``vocab_size``
 tokens, so the vocabulary (544; quick 136) sets where responses end: at varied points, a
-mean of about a quarter of the limit, the longest of 16 under the limit in most steps.
+mean of about a third of the limit, the longest of 16 often under it (a static batch decodes
+until its last row ends).
 
 Baton's figures are the controller's per-phase wall times from metrics.jsonl (``phase_s``);
 the plain loop's are the same phases timed in-process. The overhead is Baton's step less its
