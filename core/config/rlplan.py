@@ -29,8 +29,8 @@ vocabulary: the head dominates): the plan is within 15 % of the peak. The assump
 that benchmark checks: where ``core.config.rl`` defines ``LOGIT_CHUNK_TOKENS`` the update
 computes the log-probs and the entropy over chunks of that many positions
 (core.model.gpt.logprobs: the logits' gradient whole, written into the logits in the compute
-dtype; in the loss's backward ``CHUNK_SOFTMAXES`` chunks' fp32 softmax, a chunk's and the one
-before it, which is freed only when the loop rebinds its name, and with the entropy its
+dtype; in the loss's backward ``CHUNK_SOFTMAXES`` chunk's fp32 softmax (the loop frees each
+chunk's temporaries before the next chunk's), and with the entropy its
 ``ENTROPY_TEMPORARIES``, chunk-sized); where it does not, over a micro-batch's whole ``T``
 positions at once (as above). Measured with that update merged: 0.98-0.99.
 """
@@ -44,7 +44,7 @@ from core.config.rl import RL_PROGRAMS
 from core.config.run import RunConfig
 
 ENTROPY_TEMPORARIES = 3  # fp32 [positions, vocab / tp] tensors the entropy adds at its peak
-CHUNK_SOFTMAXES = 2  # chunked: a chunk's fp32 softmax beside the last chunk's (freed once its name is rebound)
+CHUNK_SOFTMAXES = 1  # chunked: one chunk's fp32 softmax at a time (the loop frees each before the next)
 NO_DROPOUT_ATTENTION = 2  # bytes per attention score an update keeps: the softmax (2-byte units)
 
 

@@ -13,6 +13,7 @@ import pytest
 from core.config import run as config
 from core.config.genplan import DEFAULT_MAX_BATCH_TOKENS, format_generator, plan_generator
 from core.config.plan import make_plan, static_bytes
+from core.config.rl import LOGIT_CHUNK_TOKENS
 from core.config.rlplan import ENTROPY_TEMPORARIES, format_rl_update, head_bytes, plan_rl_update
 from core.record import steps as step_records
 from launcher.plan_check import run_check
@@ -78,8 +79,8 @@ def test_the_rl_updates_head_follows_tp_bf16_and_chunks() -> None:
     bf16 = _update_cfg()  # a GPU plan: bf16 logits
     assert head_bytes(bf16, rows=1, row_tokens=s, chunk=None) == s * v * 4 + s * v * 2  # fp32 softmax + bf16 gradient
     chunked = _update_cfg(FP32, "rl.entropy_coef=0.01")
-    # the gradient whole, two chunks' fp32 softmax (the last one's still bound) and the entropy's three temporaries
-    assert head_bytes(chunked, rows=1, row_tokens=s, chunk=1024) == s * v * 4 + (2 + 3) * 1024 * v * 4
+    # the gradient whole, one chunk's fp32 softmax and the entropy's three temporaries
+    assert head_bytes(chunked, rows=1, row_tokens=s, chunk=1024) == s * v * 4 + (1 + 3) * 1024 * v * 4
     two = _update_cfg(FP32)  # two rows: the output layer's reordered copy of the gradient is the larger peak
     assert head_bytes(two, rows=2, row_tokens=s, chunk=1024) == 2 * (2 * s * v * 4)
     assert head_bytes(chunked, rows=1, row_tokens=s, chunk=1024) < head_bytes(chunked, rows=1, row_tokens=s, chunk=None)
@@ -89,18 +90,18 @@ def test_the_rl_update_plan_sums_static_layers_and_head_on_the_last_stage() -> N
     cfg = _update_cfg(FP32, "trainer.n_gpus_per_node=1", "training.global_batch_size=2", "training.micro_batch_size=2",
                       "rl.prompts_per_step=1", "rl.n=2")
     p = plan_rl_update(cfg, make_plan(cfg, gpu_mem_gb=80))
-    assert p is not None and (p.row_tokens, p.micro_rows, p.chunk_tokens) == (2559, 2, 2 * 2559)
+    assert p is not None and (p.row_tokens, p.micro_rows, p.chunk_tokens) == (2559, 2, LOGIT_CHUNK_TOKENS)
     assert p.static_bytes == static_bytes(cfg)
     s, b, h, f, a = 2559, 2, 64, 256, 4  # 2 layers of s·b·(10h + 8h + 4f) + the softmax 2·a·s²·b, fp32 doubles it
     assert p.activations_bytes == 2 * (s * b * (10 * h + 8 * h + 4 * f) + 2 * a * s * s * b) * 4 // 2
-    assert p.logits_bytes == head_bytes(cfg, rows=2, row_tokens=s, chunk=None)
+    assert p.logits_bytes == head_bytes(cfg, rows=2, row_tokens=s, chunk=LOGIT_CHUNK_TOKENS)
     assert p.total_bytes == p.static_bytes + p.activations_bytes + p.logits_bytes and p.fits
     assert "2 row(s) of 2,559 tokens" in format_rl_update(p) and "fits" in format_rl_update(p)
     assert plan_rl_update(config.load(GRPO, ["program=pretrain"]), make_plan(config.load(GRPO, []))) is None
 
 
 def test_baton_plan_prints_the_rl_update_and_exits_1_when_it_does_not_fit() -> None:
-    args = ["plan", str(GRPO), "model.vocab_size=151936", "model.seq_length=5120", "rl.prompt_length=1024",
+    args = ["plan", "--gpu-mem-gb", "24", str(GRPO), "model.vocab_size=151936", "model.seq_length=5120", "rl.prompt_length=1024",
             "rl.max_response_length=4096", "rl.entropy_coef=0.01"]
     out = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 1 and "RL update, worst rank 0:" in out.stdout and "DOES NOT FIT: lower rl." in out.stdout

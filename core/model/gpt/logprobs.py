@@ -108,6 +108,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ctx.temperature != 1.0:
                 grad = grad.div_(ctx.temperature)
             logits[lo:hi] = grad  # this chunk's logits are read for the last time above
+            p = grad = bonus = None  # freed before the next chunk's are made: one chunk's temporaries at a time
         return logits, None, None, None, None, None
 
 
