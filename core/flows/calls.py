@@ -73,6 +73,7 @@ class Generated:
     version: int = -1  # the policy version that generated
     tokens: tuple[tuple[int, ...], ...] = ()
     logprobs: tuple[tuple[float, ...], ...] = ()  # at the sampling temperature, untruncated (greedy: 1)
+    kv_cache_bytes: int = 0  # this rank's part of the largest KV cache the call allocated (0: a vLLM engine's)
 
 
 @dataclass(frozen=True, kw_only=True)
