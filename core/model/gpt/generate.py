@@ -73,18 +73,8 @@ def label_logprobs(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> to
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, group: Any) -> torch.Tensor:
     """log-softmax of ``labels`` over a vocabulary split in order over ``group``'s ranks
     (``logits``: this rank's ``[..., vocab / tp]`` part): a max, a sum of exponentials and
-    the label's logit, each all-reduced."""
-    part = logits.shape[-1]
-    lo = dist.get_rank(group) * part
-    top = logits.max(dim=-1).values
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - top.unsqueeze(-1)
-    total = shifted.exp().sum(dim=-1)
-    dist.all_reduce(total, group=group)
-    inside = (labels >= lo) & (labels < lo + part)
-    picked = shifted.gather(-1, (labels - lo).clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * inside
-    dist.all_reduce(picked, group=group)
-    return picked - total.log()
+    the label's logit, each all-reduced (core.model.gpt.sampling.logprobs)."""
+    return sampling.logprobs(logits, labels, dist.get_rank(group) * logits.shape[-1], group)
 
 
 # --- decoding ------------------------------------------------------------------------------
