@@ -10,8 +10,10 @@ trained a few steps so that the logits are far from flat). The references:
   the order of the logits' fp32 sums, so the tokens agree and the log-probs within 1e-5;
 - the sampler split over the tp2 group beside the same choice over the whole vocabulary on
   one rank, for the same logits: the same tokens;
-- chunks of 1, 2 and 5 rows, and prefills shared by a prompt's samples or not, beside one
-  chunk: the same tokens and log-probs (the distributions themselves: tests/unit/test_device_sampling.py).
+- chunks of 1, 2 and 5 rows, prefills shared by a prompt's samples or not, and ended rows
+  leaving the batch or not, beside one chunk of every row: the same tokens, and log-probs
+  within 1e-6 (another batch size may round the last bit of a sum on this CPU's kernels);
+  the distributions themselves: tests/unit/test_device_sampling.py.
 """
 from __future__ import annotations
 
@@ -56,19 +58,21 @@ def _model(task: Any, which: str) -> Any:
 
 
 def decode_on_rank(task: Any, *, which: str, how: dict[str, Any], prompts: list[Any] = PROMPTS,
-                   pads: list[int] = PADS, max_batch_tokens: int | None = None, share: bool = True) -> dict[str, Any]:
-    """core.model.gpt.generate.decode on this rank's ``which`` model, its forwards counted."""
+                   pads: list[int] = PADS, max_batch_tokens: int | None = None, share: bool = True,
+                   compact: bool = True) -> dict[str, Any]:
+    """core.model.gpt.generate.decode on this rank's ``which`` model, the rows of each forward recorded."""
     from core.model.gpt.generate import Sampling, decode
 
     model = _model(task, which)
-    calls = [0]
-    hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    rows: list[int] = []
+    hook = model.register_forward_hook(lambda _m, args, _out: rows.append(int(args[0].shape[0])))
     try:
         out = decode(model, prompts, Sampling(max_new_tokens=NEW, **how), seeds=SEEDS[:len(prompts)], max_length=32,
-                     pads=pads, max_batch_tokens=max_batch_tokens, share_prefill=share)
+                     pads=pads, max_batch_tokens=max_batch_tokens, share_prefill=share, compact=compact)
     finally:
         hook.remove()
-    return {"tokens": out.tokens, "logprobs": out.logprobs, "kv": out.kv_cache_bytes, "forwards": calls[0]}
+    return {"tokens": out.tokens, "logprobs": out.logprobs, "kv": out.kv_cache_bytes, "forwards": len(rows),
+            "rows": rows}
 
 
 def plain_greedy_on_rank(task: Any, prompts: list[tuple[int, ...]]) -> list[list[int]]:
@@ -159,8 +163,24 @@ def test_decoding_ends_when_every_row_has_ended(group: RankGroup) -> None:
     free = group.apply(decode_on_rank, which="rollout", how=SAMPLED)[0]
     eos = tuple(sorted({row[2] for row in free["tokens"]}))  # every row ends by its third token
     ended = group.apply(decode_on_rank, which="rollout", how={**SAMPLED, "eos": eos})[0]
-    assert ended["forwards"] == 3
+    assert ended["forwards"] == 3 and ended["rows"][:2] == [4, 12]  # 4 distinct prompts' prefill, then every row
     for row, ref, logp in zip(ended["tokens"], free["tokens"], ended["logprobs"], strict=True):
         stop = next(i for i, t in enumerate(ref) if t in eos)
         assert row[:stop + 1] == ref[:stop + 1] and row[stop + 1:] == [eos[0]] * (NEW - stop - 1)
         assert logp[stop + 1:] == [0.0] * (NEW - stop - 1) and all(lp < 0 for lp in logp[:stop + 1])
+
+
+def test_ended_rows_leave_the_batch_and_the_others_draw_the_same(group: RankGroup) -> None:
+    free = group.apply(decode_on_rank, which="rollout", how=SAMPLED)[0]
+    eos = tuple(sorted({free["tokens"][r][3] for r in range(8)}))  # 8 of the 12 rows end by their 4th token
+    stops = [next((i for i, t in enumerate(row) if t in eos), None) for row in free["tokens"]]
+    kept = group.apply(decode_on_rank, which="rollout", how={**SAMPLED, "eos": eos}, compact=False)[0]
+    both = group.apply(decode_on_rank, which="rollout", how={**SAMPLED, "eos": eos})
+    for got in both:  # every tp rank alike; a smaller batch may round the last bit of a sum otherwise
+        assert got["tokens"] == kept["tokens"]
+        assert np.abs(np.subtract(got["logprobs"], kept["logprobs"])).max() <= 1e-6
+    for row, ref, stop in zip(kept["tokens"], free["tokens"], stops, strict=True):
+        assert row == (ref if stop is None else ref[:stop + 1] + [eos[0]] * (NEW - stop - 1))
+    shrunk = both[0]["rows"]
+    assert kept["rows"] == [4] + [12] * (len(kept["rows"]) - 1)  # the prefill: 4 distinct prompts
+    assert shrunk[1] == 12 and shrunk[-1] <= 4 and shrunk[1:] == sorted(shrunk[1:], reverse=True), shrunk

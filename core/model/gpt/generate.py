@@ -8,13 +8,17 @@ at least one row), so the KV cache (``megatron.core.inference.contexts.
 StaticInferenceContext``, one per chunk) is bounded; the samples of a prompt sit in one
 chunk where they fit. In a chunk each distinct prompt (its tokens and pads) is prefilled
 once, and its keys and values are copied to the cache slot of each of its rows before the
-first decode step; then one token per forward for every row of the chunk, until every row
-has ended or ``max_new_tokens``. The logits stay vocab-parallel (each tensor-parallel rank its
+first decode step; then one token per forward for every row of the chunk still decoding,
+until every row has ended or ``max_new_tokens`` (once at most half of those rows have not
+ended, the ended ones leave the batch and the cache: a chunk's time follows its rows'
+lengths, not its longest row's). The logits stay vocab-parallel (each tensor-parallel rank its
 slice; Megatron asserts that an inference forward gathers them, so the output layer is told
 not to, by a forward pre-hook, for the call) and the new tokens and their log-probs are
 chosen on the device by core.model.gpt.sampling: what a row draws is keyed by (its seed, the
 new token's index), so it does not depend on its batch, its chunk, its padding, whether its
-prompt's prefill was shared, nor the layout. A sequence that produced any of the stop ids
+prompt's prefill was shared, nor the layout (up to the rounding of the logits, which a batch
+of another size or another tp may change in the last bit: a token can change at a near tie
+only). A sequence that produced any of the stop ids
 ``eos`` stops (its later positions hold ``eos[0]`` with log-prob 0). The log-prob of each new
 token is log_softmax(logits / T) at the sampling temperature T, before any top-k / top-p
 truncation (greedy: T = 1), which is what the RL trainer's teacher-forced scoring computes
@@ -177,15 +181,14 @@ def _cache_bytes(context: Any) -> int:
     return sum(t.numel() * t.element_size() for kv in context.key_value_memory_dict.values() for t in kv)
 
 
-def _decode_chunk(model: Any, tokens: torch.Tensor, pad: torch.Tensor, chunk: _Chunk, keys: torch.Tensor,
-                  how: Sampling, vocab: _Vocab) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``[rows, steps]`` tokens and log-probs of one chunk (``steps`` <= max_new_tokens: every
-    row has ended after the last), and the bytes of its KV cache."""
+def _prefill(model: Any, tokens: torch.Tensor, pad: torch.Tensor, chunk: _Chunk, how: Sampling,
+             vocab: _Vocab) -> tuple[Any, torch.Tensor, int]:
+    """A chunk's KV cache (each distinct prompt prefilled once, copied to its rows' slots), each
+    row's first logits, and the cache's bytes."""
     device, n = tokens.device, tokens.shape[1]
-    rows, firsts = (torch.tensor(x, dtype=torch.long, device=device) for x in (chunk.rows, chunk.firsts))
-    slots = torch.tensor(chunk.slots, dtype=torch.long, device=device)
-    first_pad, pad, keys, b = pad[firsts], pad[rows], keys[rows], len(chunk.rows)
-    context = StaticInferenceContext(b, n + how.max_new_tokens)
+    firsts = torch.tensor(chunk.firsts, dtype=torch.long, device=device)
+    first_pad = pad[firsts]
+    context = StaticInferenceContext(len(chunk.rows), n + how.max_new_tokens)
     mask = padding.prefill_mask(first_pad, n)
     if mask is None:  # no pads: the causal mask, as always
         mask = _causal(n, device)
@@ -193,39 +196,73 @@ def _decode_chunk(model: Any, tokens: torch.Tensor, pad: torch.Tensor, chunk: _C
         padding.require_mask_support(model)
     logits = _last_logits(model, tokens[firsts], padding.positions(first_pad, n), mask, context, vocab)
     size = _cache_bytes(context)
-    if len(chunk.firsts) < b:
+    slots = torch.tensor(chunk.slots, dtype=torch.long, device=device)
+    if len(chunk.firsts) < len(chunk.rows):
         _spread_prefill(context, slots, n)
-    logits = logits[slots]
     context.increment_sequence_len_offset(n)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    stop = torch.tensor(how.eos, dtype=torch.long, device=device) if how.eos else None
-    out_tokens: list[torch.Tensor] = []
-    out_logp: list[torch.Tensor] = []
+    context.enable_decode_mode()
+    return context, logits[slots], size
+
+
+def _keep_rows(context: Any, keep: torch.Tensor) -> None:
+    """The cache of rows ``keep`` only (the others have ended): their filled positions copied
+    into a smaller cache, the old one freed."""
+    filled = context.sequence_len_offset
+    for layer, pair in list(context.key_value_memory_dict.items()):
+        smaller = []
+        for t in pair:  # [seq, batch, groups, head dim]
+            new = t.new_empty((t.shape[0], len(keep), *t.shape[2:]))
+            new[:filled] = t[:filled, keep]
+            smaller.append(new)
+        context.key_value_memory_dict[layer] = tuple(smaller)
+    context.max_batch_size = len(keep)
+
+
+def _decode_chunk(model: Any, tokens: torch.Tensor, pad: torch.Tensor, chunk: _Chunk, keys: torch.Tensor,
+                  how: Sampling, vocab: _Vocab, out: tuple[torch.Tensor, torch.Tensor], compact: bool) -> int:
+    """One chunk's new tokens and log-probs into ``out`` (whose rows hold ``eos[0]`` and 0
+    beforehand: a row's positions after its stop are left so); the bytes of its KV cache.
+    With ``compact``, once at most half the rows still decoding have not ended, the ended ones
+    leave the batch (and the cache): their tokens are settled, the others' do not depend on them."""
+    n = tokens.shape[1]
+    context, logits, size = _prefill(model, tokens, pad, chunk, how, vocab)
+    live = torch.tensor(chunk.rows, dtype=torch.long, device=tokens.device)  # the request's rows still decoding
+    pad, keys = pad[live], keys[live]
+    done = torch.zeros(len(live), dtype=torch.bool, device=tokens.device)
+    stop = torch.tensor(how.eos, dtype=torch.long, device=tokens.device) if how.eos else None
+    nxt = live
     for i in range(how.max_new_tokens):
         if i:
-            step_in = out_tokens[-1].unsqueeze(1)
             mask = padding.decode_mask(pad, n + i)  # the cache's keys and the new one
-            logits = _last_logits(model, step_in, padding.positions(pad, 1, n + i - 1), mask, context, vocab)
+            logits = _last_logits(model, nxt.unsqueeze(1), padding.positions(pad, 1, n + i - 1), mask, context, vocab)
             context.increment_sequence_len_offset(1)
         nxt, logp = sampling.choose(logits, how, keys=keys, step=i, vocab=vocab.hashes, lo=vocab.lo, group=vocab.group)
         if stop is not None:
             nxt = torch.where(done, torch.full_like(nxt, how.eos[0]), nxt)
             logp = torch.where(done, torch.zeros_like(logp), logp)
             done |= torch.isin(nxt, stop)
-        out_tokens.append(nxt)
-        out_logp.append(logp)
-        if stop is not None and bool(done.all()):  # every row has ended: the rest is padding
+        out[0][live, i] = nxt
+        out[1][live, i] = logp
+        if stop is None:
+            continue
+        left = int((~done).sum())
+        if left == 0:  # every row has ended: the rest is padding
             break
-        context.enable_decode_mode()
-    return torch.stack(out_tokens, dim=1), torch.stack(out_logp, dim=1), size
+        if compact and left <= len(live) // 2:
+            keep = (~done).nonzero().squeeze(1)
+            _keep_rows(context, keep)
+            live, pad, keys, nxt, done = live[keep], pad[keep], keys[keep], nxt[keep], done[keep]
+    return size
 
 
 def decode(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, seeds: Sequence[int], max_length: int,
-           pads: Sequence[int] = (), max_batch_tokens: int | None = None, share_prefill: bool = True) -> Decoded:
+           pads: Sequence[int] = (), max_batch_tokens: int | None = None, share_prefill: bool = True,
+           compact: bool = True) -> Decoded:
     """Each prompt's new tokens and their log-probs; the prompts share one length, prompt i
     left-padded by ``pads[i]`` tokens (none: no pads) that it never sees. Row i's draws are
     keyed by ``seeds[i]`` and the new token's index: they do not depend on the other rows,
-    on ``max_batch_tokens`` (None: one chunk) nor on ``share_prefill``."""
+    on ``max_batch_tokens`` (None: one chunk), ``share_prefill`` nor ``compact`` (ended rows
+    leave the batch)."""
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"one prompt length per batch, not {sorted(lengths)}")
@@ -245,10 +282,7 @@ def decode(model: Any, prompts: Sequence[Sequence[int]], how: Sampling, *, seeds
     largest = 0
     with torch.no_grad(), _vocab_parallel(model):
         for chunk in _chunks(prompts, pads, per_chunk, share_prefill):
-            toks, logp, size = _decode_chunk(model, tokens, pad, chunk, keys, how, vocab)
-            rows = torch.tensor(chunk.rows, dtype=torch.long, device=device)
-            out_tokens[rows, :toks.shape[1]] = toks
-            out_logp[rows, :logp.shape[1]] = logp
+            size = _decode_chunk(model, tokens, pad, chunk, keys, how, vocab, (out_tokens, out_logp), compact)
             largest = max(largest, size)
     return Decoded(tokens=out_tokens.tolist(), logprobs=out_logp.tolist(), kv_cache_bytes=largest)
 
