@@ -68,11 +68,9 @@ def rollout(task: GPTTask, step: int, prompts: list[tuple[int, ...]], stop: tupl
     actor.eval()
     how = gen_mod.Sampling(max_new_tokens=rl.max_response_length, temperature=rl.temperature, top_k=rl.top_k,
                            top_p=rl.top_p, eos=stop)
-    chunking = {}  # a generator that chunks its rows by tokens (generator.max_batch_tokens) chunks here too
-    if getattr(cfg.generator, "max_batch_tokens", None) is not None:
-        chunking["max_batch_tokens"] = cfg.generator.max_batch_tokens
-    return gen_mod.generate(actor, prompts, how, max_length=cfg.model.seq_length,
-                            seeds=[(seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))], **chunking)
+    return gen_mod.generate(actor, prompts, how, max_length=cfg.model.seq_length,  # chunked as the generator is
+                            seeds=[(seed * 1_000_003 + i) % 2**63 for i in range(len(prompts))],
+                            max_batch_tokens=cfg.generator.max_batch_tokens)
 
 
 def _until(tokens: list[int], stop: tuple[int, ...]) -> tuple[int, ...]:

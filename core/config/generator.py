@@ -17,6 +17,10 @@ After every sync the run compares both models' log-probs of a probe batch (at te
 engine in bf16 or fp16: ``VLLM_LOW_PRECISION_TOLERANCE``, 1.0, its kernels round differently
 from Megatron's; see ``tolerance``).
 ``bucket_mb``: the most a weight sync holds in flight per rank.
+``max_batch_tokens`` (default 65536): the Megatron engine decodes a replica's rows in chunks
+of at most this many tokens, rows x (prompt + max new tokens), so its KV cache holds at most
+that many positions; the samples do not depend on it. It must hold one row (checked against
+the lengths the run generates at, by ``core.config.run``).
 ``engine``: ``megatron`` (the default: Baton's own generation loop, exact and
 layout-independent) or ``vllm`` (each replica a vLLM engine with ``tensor_parallel_size =
 tp``, started in the generator's processes, fed the trainer's weights under the model
@@ -60,6 +64,7 @@ class GeneratorConfig:
     eos: int | None = bounded(None, ge=0, le=2**26)
     logprob_tolerance: float | None = bounded(None, gt=0, le=1e3)
     bucket_mb: float = bounded(64.0, gt=0, le=2**20)
+    max_batch_tokens: int = bounded(65536, gt=0, le=2**40)
     engine: Literal["megatron", "vllm"] = "megatron"
     gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
     kv_cache_mb: float | None = bounded(None, gt=0, le=2**30)

@@ -46,10 +46,6 @@ from core.config.rl import RL_PROGRAMS
 from core.config.roles import plan_roles
 from core.config.run import RunConfig
 
-# generator.max_batch_tokens' default (core.config.generator): read through getattr where the
-# key may be missing, as in a config section of a Baton before it
-DEFAULT_MAX_BATCH_TOKENS = 65536
-
 
 @dataclass(frozen=True, kw_only=True)
 class GeneratorPlan:
@@ -124,7 +120,7 @@ def kv_bytes_per_token(cfg: RunConfig, *, tp: int, dtype_bytes: int) -> int:
 def max_batch_tokens(cfg: RunConfig) -> int:
     """``generator.max_batch_tokens``: the most tokens (rows × their length) a replica holds in
     its KV cache at once."""
-    return int(getattr(cfg.generator, "max_batch_tokens", DEFAULT_MAX_BATCH_TOKENS))
+    return int(cfg.generator.max_batch_tokens)
 
 
 def chunk_rows(cfg: RunConfig, rows: int, row_tokens: int) -> int:

@@ -29,8 +29,9 @@ vocabulary: the head dominates): the plan is within 15 % of the peak. The assump
 that benchmark checks: where ``core.config.rl`` defines ``LOGIT_CHUNK_TOKENS`` the update
 computes the log-probs and the entropy over chunks of that many positions
 (core.model.gpt.logprobs: the logits' gradient whole, written into the logits in the compute
-dtype; in the loss's backward ``CHUNK_SOFTMAXES`` chunk's fp32 softmax (the loop frees each
-chunk's temporaries before the next chunk's), and with the entropy its
+dtype; at once, one chunk's fp32 temporaries: in forward ``CHUNK_FORWARD`` (its shifted logits
+and their exp, and with the entropy their product), in backward ``CHUNK_BACKWARD`` (its
+softmax; each loop frees a chunk's before the next chunk's), and with the entropy its
 ``ENTROPY_TEMPORARIES``, chunk-sized); where it does not, over a micro-batch's whole ``T``
 positions at once (as above). Measured with that update merged: 0.98-0.99.
 """
@@ -44,7 +45,8 @@ from core.config.rl import RL_PROGRAMS
 from core.config.run import RunConfig
 
 ENTROPY_TEMPORARIES = 3  # fp32 [positions, vocab / tp] tensors the entropy adds at its peak
-CHUNK_SOFTMAXES = 1  # chunked: one chunk's fp32 softmax at a time (the loop frees each before the next)
+CHUNK_FORWARD = 2  # chunked forward: a chunk's shifted fp32 logits and their exp (the entropy adds one)
+CHUNK_BACKWARD = 1  # chunked backward: a chunk's fp32 softmax (the entropy adds ENTROPY_TEMPORARIES)
 NO_DROPOUT_ATTENTION = 2  # bytes per attention score an update keeps: the softmax (2-byte units)
 
 
@@ -63,18 +65,17 @@ class RLUpdatePlan:
     fits: bool | None  # None when no GPU memory was given
 
 
-def logit_chunk_tokens() -> int | None:
-    """``core.config.rl.LOGIT_CHUNK_TOKENS`` where the update computes log-probs in chunks of
-    that many positions; None where it computes them over a micro-batch at once."""
-    value = getattr(rl_config, "LOGIT_CHUNK_TOKENS", None)
-    return None if value is None else int(value)
+def logit_chunk_tokens() -> int:
+    """``core.config.rl.LOGIT_CHUNK_TOKENS``: the positions the update's log-probs take at once
+    (``head_bytes`` also sizes, with ``chunk=None``, log-probs over a micro-batch at once)."""
+    return int(rl_config.LOGIT_CHUNK_TOKENS)
 
 
 def micro_rows(cfg: RunConfig, row_tokens: int) -> int:
     """The rows of one update micro-batch (see the module's docstring)."""
     rl, dp = cfg.rl, cfg.dims.dp
     per_replica = max(1, (rl.mini_batch_size or rl.prompts_per_step * rl.n) // dp)
-    budget = int(getattr(rl, "max_tokens_per_micro_batch", 0) or 0)
+    budget = int(rl.max_tokens_per_micro_batch)
     if budget:
         return max(1, min(per_replica, budget // row_tokens))
     want = int(cfg.training.micro_batch_size) if cfg.training.micro_batch_size != "auto" else 1
@@ -92,8 +93,11 @@ def head_bytes(cfg: RunConfig, *, rows: int, row_tokens: int, chunk: int | None)
     # the logits' gradient, whole: the fp32 softmax itself where the log-probs take every position
     # at once, else in the compute dtype beside a chunk's fp32 softmax
     gradient = positions * width * (4 if chunk is None else dtype)
-    entropy = ENTROPY_TEMPORARIES * at_once * width * 4 if cfg.rl.entropy_coef else 0
-    in_loss = (0 if chunk is None else CHUNK_SOFTMAXES * at_once * width * 4) + entropy
+    ent = bool(cfg.rl.entropy_coef)
+    if chunk is None:
+        in_loss = ENTROPY_TEMPORARIES * at_once * width * 4 if ent else 0
+    else:  # the larger of a chunk's forward and backward temporaries
+        in_loss = max(CHUNK_FORWARD + ent, CHUNK_BACKWARD + ENTROPY_TEMPORARIES * ent) * at_once * width * 4
     # the output layer's backward: a 16-bit copy of the fp32 gradient, and with rows > 1 the
     # gradient copied from [rows, positions] into [positions, rows] order
     in_output = positions * width * ((dtype if dtype < 4 and chunk is None else 0) + (dtype if rows > 1 else 0))

@@ -190,6 +190,12 @@ def _check_generator(cfg: RunConfig) -> None:
     if gen.prompt_length + gen.max_new_tokens > seq_length:
         raise ConfigError(f"generator.max_new_tokens: {gen.prompt_length} prompt + {gen.max_new_tokens} new tokens "
                           f"exceed model.seq_length = {seq_length}; generate fewer tokens or use shorter prompts")
+    what, row = "generator.prompt_length + generator.max_new_tokens", gen.prompt_length + gen.max_new_tokens
+    if cfg.program in rl_spec.RL_PROGRAMS:  # an RL run's rows: its prompts and responses
+        what, row = "rl.prompt_length + rl.max_response_length", cfg.rl.prompt_length + cfg.rl.max_response_length
+    if gen.engine == "megatron" and gen.max_batch_tokens < row:
+        raise ConfigError(f"generator.max_batch_tokens: {gen.max_batch_tokens} holds no row of {what} = {row} tokens; "
+                          f"raise it to at least {row}")
     if gen.engine == "vllm":
         _check_vllm(cfg)
 

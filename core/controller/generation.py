@@ -188,7 +188,7 @@ class GeneratorFlow:
             shares.append(dataclasses.replace(req, prompts=req.prompts.take(indices), indices=indices, pads=pads))
         parts = self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
         # Generated.kv_cache_bytes: the largest KV cache the replica allocated in the call (0: none measured)
-        self._kv_cache_bytes = max(self._kv_cache_bytes, *(getattr(p, "kv_cache_bytes", 0) for p in parts))
+        self._kv_cache_bytes = max(self._kv_cache_bytes, *(p.kv_cache_bytes for p in parts))
         return parts
 
     def take_kv_cache_mb(self) -> float | None:

@@ -82,6 +82,7 @@ class Generated:
     tokens: Ragged = field(default_factory=lambda: Ragged.empty(TOKENS))  # int32: per prompt, its response
     logprobs: Ragged = field(default_factory=Ragged.empty)  # float32, per token: at the sampling temperature,
     #                                                         untruncated (greedy: 1)
+    kv_cache_bytes: int = 0  # this rank's part of the largest KV cache the call allocated (0: a vLLM engine's)
 
     def __post_init__(self) -> None:
         self.tokens.expect(TOKENS, "Generated.tokens")

@@ -412,3 +412,19 @@ def hf_reads_on_rank(task: Any, folder: str) -> int:
     reader.view = counted  # type: ignore[method-assign]
     task.restore_weights(reader)  # as CKPT_LOAD passes it: each box straight into its parameter
     return count[0]
+
+
+def sync_generator(group: RankGroup, version: int, bucket_bytes: int = 1 << 20) -> list[Any]:
+    """The trainer's weights into the colocated generator, as the controller does it: a plan
+    (core.flows.reshard) from every rank's slices, each rank sent its own pieces."""
+    from core.flows import calls as gen_calls
+    from core.flows import reshard
+    from core.wire.contract import NO_ARGS
+
+    held = [gen_calls.GEN_SLICES.decode_result(h)
+            for h in group.call("gen_slices", **gen_calls.GEN_SLICES.encode_request(NO_ARGS))]
+    pieces = reshard.plan({r: h.sources for r, h in enumerate(held)}, {r: h.targets for r, h in enumerate(held)},
+                          bucket_bytes=bucket_bytes)
+    per_rank = [gen_calls.SYNC_WEIGHTS.encode_request(gen_calls.SyncWeights(
+        pieces=tuple(reshard.for_rank(pieces, r)), version=version)) for r in range(group.world_size)]
+    return group.call_each("sync_weights", per_rank)

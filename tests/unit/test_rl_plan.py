@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from core.config import run as config
-from core.config.genplan import DEFAULT_MAX_BATCH_TOKENS, format_generator, plan_generator
+from core.config.generator import GeneratorConfig
+from core.config.genplan import format_generator, plan_generator
 from core.config.plan import make_plan, static_bytes
 from core.config.rl import LOGIT_CHUNK_TOKENS
 from core.config.rlplan import ENTROPY_TEMPORARIES, format_rl_update, head_bytes, plan_rl_update
@@ -32,7 +33,7 @@ def test_the_generator_continues_a_long_rollout_in_chunks_of_max_batch_tokens_wi
     g = plan_generator(cfg, make_plan(cfg, gpu_mem_gb=80))
     assert g is not None and g.dims.describe() == "tp2pp1dp1"
     row = 1024 + 4096
-    chunk = DEFAULT_MAX_BATCH_TOKENS // row  # 12 rows of 5,120 tokens in 65,536
+    chunk = GeneratorConfig().max_batch_tokens // row  # 12 rows of 5,120 tokens in 65,536
     assert (g.rows, g.chunk_rows, g.rollout_tokens, g.kv_tokens) == (128, chunk, 128 * row, chunk * row)
     # k and v, 2 layers, 2 kv heads over tp 2 = 1, head 256 / 8 = 32 wide, bf16
     assert g.kv_bytes_per_token == 2 * 2 * 1 * 32 * 2
@@ -123,7 +124,7 @@ def _run_folder(tmp_path: Path, kv_mb: list[float | None]) -> Path:
 def test_plan_check_compares_the_generators_recorded_kv_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No memory.json (no plain training step): the largest recorded KV cache alone, beside
     the plan's in the CPU's fp32 (4 bytes a value): exit 0 within 15 %, 1 beyond."""
-    chunk, row = DEFAULT_MAX_BATCH_TOKENS // 5120, 5120
+    chunk, row = GeneratorConfig().max_batch_tokens // 5120, 5120
     planned_mb = 2 * 2 * 1 * 32 * 4 * chunk * row / 2**20
     run = _run_folder(tmp_path / "ok", [planned_mb * 0.5, None, planned_mb * 1.05])
     assert run_check(run) == 0

@@ -143,12 +143,13 @@ class Rollout:
         # One stream per (seed, prompt): the controller keys ``seed`` by run seed, step and
         # sample, so what a prompt draws does not depend on the layout that generates it.
         indices = req.indices or tuple(range(len(req.prompts)))
-        tokens, logps = gen_mod.generate(self.model, req.prompts.tolist(), how, max_length=self.cfg.model.seq_length,
-                                         seeds=[(req.seed * 1_000_003 + i) % 2**63 for i in indices], pads=req.pads)
+        out = gen_mod.decode(self.model, req.prompts.tolist(), how, max_length=self.cfg.model.seq_length,
+                             seeds=[(req.seed * 1_000_003 + i) % 2**63 for i in indices], pads=req.pads,
+                             max_batch_tokens=self.cfg.generator.max_batch_tokens)
         if self.coords.tp != 0:
             return gen_calls.Generated()
-        return gen_calls.Generated(replica=self.coords.dp, version=self.version,
-                                   tokens=Ragged.of(tokens, TOKENS), logprobs=Ragged.of(logps, FLOATS))
+        return gen_calls.Generated(replica=self.coords.dp, version=self.version, kv_cache_bytes=out.kv_cache_bytes,
+                                   tokens=Ragged.of(out.tokens, TOKENS), logprobs=Ragged.of(out.logprobs, FLOATS))
 
 
 def prompts(step_ctx: Any, req: gen_calls.Prompts) -> gen_calls.PromptSet:
