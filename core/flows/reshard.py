@@ -87,7 +87,10 @@ def _tiles(held: Sequence[tuple[int, TensorSlice]], dst: int,
     """``want`` cut into boxes each some source ranks hold whole, with those ranks (by rank):
     the largest boxes first, each kept unless it overlaps one already kept."""
     over: list[tuple[int, TensorSlice, Box]] = []
+    lo, hi = want.offset[0] if want.offset else 0, want.offset[0] + want.shape[0] if want.offset else 1
     for src, have in held:
+        if have.offset and (have.offset[0] >= hi or have.offset[0] + have.shape[0] <= lo):
+            continue  # another layer (a quick test before the whole box's)
         if have.global_shape != want.global_shape:
             raise LayoutError(f"weight sync: {want.name} is {want.global_shape} on target rank {dst} but "
                               f"{have.global_shape} on source rank {src}: the two groups hold different models")
