@@ -110,7 +110,10 @@ def run_plan(plan: list[_Bucket], group: Any = None, *, link: Any = None) -> Mov
     (plan ranks are its ranks), else the default group's ``group``."""
     with torch.no_grad():
         for bucket in plan:
-            _run_bucket(bucket, group) if link is None else _run_linked(bucket, link)
+            if link is None:
+                _run_bucket(bucket, group)
+            else:
+                _run_linked(bucket, link)
     return Moved(received=sum(_nbytes(b.recvs) for b in plan), sent=sum(_nbytes(b.sends) for b in plan))
 
 
