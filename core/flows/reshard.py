@@ -15,9 +15,8 @@ more than one bucket beyond the least loaded copy's, then the least loaded. So e
 replica sends its share, and the choice is a function of the slices alone (deterministic).
 
 Pieces are cut into buckets: a piece larger than a bucket is split along its first axis
-longer than 1 (a layer's box: its second),
-and each bucket holds at most ``bucket_bytes`` sent or received by any one rank (local copies
-use no transfer buffer). Every rank executes its own pieces bucket by bucket, so no rank ever
+longer than 1 (a layer's box: its second), and each bucket holds at most ``bucket_bytes``
+sent or received by any one rank (local copies use no transfer buffer). Every rank executes its own pieces bucket by bucket, so no rank ever
 holds more than one bucket of transfer buffers beside its model, and one bucket's transfers
 between different pairs of ranks run at the same time.
 
