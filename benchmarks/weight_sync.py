@@ -1,24 +1,33 @@
 """Trainer → generator weight sync: Baton's planned, bucketed sync beside a raw transfer.
 
-Two ranks (gloo on CPU, NCCL on GPUs) hold a ~100M-parameter GPT (``--quick``: ~6M) as a
-trainer at tp=2 and a generator colocated in the same processes, either at tp=1 × dp=2
-(each replica needs the whole model: half comes from its own trainer shard, half from the
-other rank) or in the same layout (tp=2: every byte is a local copy). Split: the generator
-on two processes of its own (its own world), every byte over the bridge group that joins
-the four (core.model.gpt.sync.connect). Timed:
+Colocated (the generator in the trainer's processes, gloo on CPU, NCCL on GPUs), a ~100M-
+parameter GPT (``--quick``: ~6M):
+  2 ranks  trainer tp2 → generator tp1 × dp2 (each replica needs the whole model: half comes
+           from its own trainer shard, half from the other rank) or tp2 (every byte local)
+  4 ranks  trainer tp1dp4, tp2dp2 (ZeRO-1 layout: its replicas hold whole model shards) and
+           tp2pp2 → generator tp1dp4: every trainer replica is a source, so tp1dp4 moves
+           nothing over the network and no rank sends more than the model over the trainer's
+           replicas and one bucket (asserted)
+Split: the generator on two processes of its own (its own world), every byte over the bridge
+group that joins the four (core.model.gpt.sync.connect). Timed:
   baton   core.model.gpt.sync.run_plan over the plan core.flows.reshard makes (the controller's
           plan, made once, timed apart), buckets of ``--bucket-mb``
-  raw     the same bytes with the same backend and group: one message per peer (one flat
-          tensor each way) and one copy of the local bytes, into buffers made before
-Both are medians of ``--repeat`` rounds, each ended by a barrier, the time the slowest rank
-took. The sync is checked bit for bit after the timed rounds.
+  raw     the same bytes with the same backend and group: one message per pair of ranks (one
+          flat tensor each way, all posted at once) and one copy of the local bytes, into
+          buffers made before
+  bcast   (4 ranks) one gloo/NCCL broadcast of the whole model from rank 0: what a sync from
+          one source replica sends
+All are medians of ``--repeat`` rounds, each ended by a barrier, the time the slowest rank
+took. After the timed rounds every piece is checked bit for bit (a digest of its bytes on the
+sending and the receiving rank). Goal: raw time / Baton time ≥ 0.5 (asserted without --quick).
 
-    python benchmarks/weight_sync.py [--quick] [--repeat N] [--bucket-mb MB] [--json PATH]
+    python benchmarks/weight_sync.py [--quick] [--repeat N] [--bucket-mb MB] [--ranks 2|4] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -36,14 +45,15 @@ FULL = {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "vocab_
 QUICK = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "vocab_size": 4096, "seq_length": 64}
 
 
-def _config(model: dict[str, int], gen_tp: int, bucket_mb: float, device: str, split: bool = False) -> Any:
+def _config(model: dict[str, int], gen_tp: int, bucket_mb: float, device: str, split: bool = False, *,
+            world: int = 2, tp: int = 2, pp: int = 1) -> Any:
     from core.config import run as config_mod
 
     where = {"placement": "split", "workers": 2} if split else {}
     return config_mod.from_data({
-        "trainer": {"nodes": 1, "n_gpus_per_node": 2, "steps": 1, "device": device},
-        "model": model, "parallel": {"tp": 2, "pp": 1},
-        "training": {"global_batch_size": 2, "micro_batch_size": 1},
+        "trainer": {"nodes": 1, "n_gpus_per_node": world, "steps": 1, "device": device},
+        "model": model, "parallel": {"tp": tp, "pp": pp},
+        "training": {"global_batch_size": 2 * world, "micro_batch_size": 1},
         "generator": {"enabled": True, "tp": gen_tp, "bucket_mb": bucket_mb, "prompt_length": 8, "max_new_tokens": 8,
                       **where},
     })
@@ -61,7 +71,8 @@ def _timed(fn: Any, repeat: int) -> list[float]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dist.barrier()
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                            device="cuda" if torch.cuda.is_available() else "cpu")
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         out.append(float(took))
     return out
@@ -72,20 +83,20 @@ def _raw(pieces: list[Any], rank: int, device: Any) -> Any:
     import torch
     import torch.distributed as dist
 
-    out_bytes = sum(p.nbytes for p in pieces if p.src == rank and p.dst != rank)
-    in_bytes = sum(p.nbytes for p in pieces if p.dst == rank and p.src != rank)
-    local = sum(p.nbytes for p in pieces if p.src == rank and p.dst == rank)
-    peer = 1 - rank
-    send = torch.ones(out_bytes // 4, device=device)
-    recv = torch.empty(in_bytes // 4, device=device)
+    sends: dict[int, int] = {}
+    recvs: dict[int, int] = {}
+    for p in pieces:
+        if p.src != p.dst:
+            mine, peer = (sends, p.dst) if p.src == rank else (recvs, p.src)
+            mine[peer] = mine.get(peer, 0) + p.nbytes
+    out = {peer: torch.ones(n // 4, device=device) for peer, n in sends.items()}
+    inbox = {peer: torch.empty(n // 4, device=device) for peer, n in recvs.items()}
+    local = sum(p.nbytes for p in pieces if p.src == rank == p.dst)
     src, dst = torch.ones(local // 4, device=device), torch.empty(local // 4, device=device)
 
     def run() -> None:
-        ops = []
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, peer))
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, peer))
+        ops = [dist.P2POp(dist.isend, t, peer) for peer, t in out.items()]
+        ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in inbox.items()]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -93,7 +104,43 @@ def _raw(pieces: list[Any], rank: int, device: Any) -> Any:
     return run
 
 
-def _rank(rank: int, port: int, args: Any, gen_tp: int, out: Any) -> None:
+def _model_bytes(targets: Any) -> int:
+    """The bytes of every global tensor the generator holds (one model)."""
+    from core.flows import reshard
+
+    whole = {s.name: reshard.ITEMSIZE[s.dtype] * math.prod(s.global_shape) for ts in targets for s in ts}
+    return sum(whole.values())
+
+
+def _bcast(nbytes: int, device: Any) -> Any:
+    """The whole model broadcast from rank 0: one source replica's traffic."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(nbytes // 4, device=device)
+    return lambda: dist.broadcast(buf, 0)
+
+
+def _digests(pieces: list[Any], rank: int, sources: Any, targets: Any) -> dict[tuple[int, str], str]:
+    """(piece index, end) → a digest of the piece's bytes on this rank's end of it (the source
+    cast to the target's dtype, as it travels)."""
+    import hashlib
+
+    import torch
+
+    from core.model.gpt import sync
+
+    out = {}
+    for i, p in enumerate(pieces):
+        for end, held in (("src", sources), ("dst", targets)):
+            if getattr(p, end) == rank:
+                box = sync._find(held, p).box(p.offset, p.shape).to(sync.DTYPES[p.dtype]).contiguous()
+                out[i, end] = hashlib.blake2b(box.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
+def _rank(rank: int, port: int, args: Any, layout: tuple[int, int, int, int], out: Any) -> None:
+    """One rank of a colocated sync: trainer tp × pp over ``world`` ranks, generator tp ``gen_tp``."""
     warnings.filterwarnings("ignore")
     import torch
 
@@ -111,17 +158,19 @@ def _rank(rank: int, port: int, args: Any, gen_tp: int, out: Any) -> None:
     from core.parallel import cpu_shim
     from core.parallel.megatron import init_megatron
 
+    world, tp, pp, gen_tp = layout
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         cpu_shim.activate_if_needed()
-    cfg = _config(QUICK if args.quick else FULL, gen_tp, args.bucket_mb, "cuda" if on_cuda else "cpu")
-    init_megatron(cfg.dims, rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+    cfg = _config(QUICK if args.quick else FULL, gen_tp, args.bucket_mb, "cuda" if on_cuda else "cpu", world=world,
+                  tp=tp, pp=pp)
+    init_megatron(cfg.dims, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                   backend="nccl" if on_cuda else "gloo", seed=1)
     trainer = model_mod.build_model(model_mod.transformer_config(cfg.model, cfg.parallel, cfg.training,
                                                                  on_cuda=on_cuda), cfg.model, on_cuda=on_cuda)
     gen = Rollout(cfg, plan_run(cfg).generator.dims, rank, on_cuda=on_cuda)
     link = WeightLink(rank, trainer_chunks=[trainer], model=gen.model)
-    held: list[Any] = [None, None]
+    held: list[Any] = [None] * world
     dist.all_gather_object(held, link.held())
     t0 = time.perf_counter()
     pieces = reshard.plan({r: h.sources for r, h in enumerate(held)}, {r: h.targets for r, h in enumerate(held)},
@@ -130,16 +179,25 @@ def _rank(rank: int, port: int, args: Any, gen_tp: int, out: Any) -> None:
     mine = reshard.for_rank(pieces, rank)
     sources, targets = sync.index(link._sources()), sync.index(link._targets())
     prepared = sync.prepare(mine, rank, sources, targets)  # once per plan, as the generator does
+    device = next(trainer.parameters()).device
+    model_bytes = _model_bytes(h.targets for h in held)
     baton = _timed(lambda: sync.run_plan(prepared), args.repeat)
-    raw = _timed(_raw(mine, rank, next(trainer.parameters()).device), args.repeat)
-    exact = all(torch.equal(t.box(p.offset, p.shape), s.box(p.offset, p.shape)) for p in mine if p.src == rank == p.dst
-                for s in [sync._find(sources, p)] for t in [sync._find(targets, p)])
-    moved = sum(p.nbytes for p in pieces if p.dst == rank)
-    params = sum(p.numel() for p in gen.model.parameters())
+    raw = _timed(_raw(mine, rank, device), args.repeat)
+    bcast = _timed(_bcast(model_bytes, device), args.repeat) if world > 2 else [float("nan")]
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _digests(pieces, rank, sources, targets))
     if rank == 0:
-        out.put({"gen_tp": gen_tp, "placement": "colocated", "params": params, "bytes_per_rank": moved, "plan_s": plan_s,
-                 "baton_s": statistics.median(baton), "raw_s": statistics.median(raw), "exact_local": exact,
-                 "buckets": len({p.bucket for p in pieces})})
+        ends = {k: v for d in digests for k, v in d.items()}
+        exact = all(ends[i, "src"] == ends[i, "dst"] for i in range(len(pieces)))
+        sent = reshard.sent_by(pieces)
+        received = {r: sum(p.nbytes for p in pieces if p.dst == r != p.src) for r in range(world)}
+        out.put({"layout": f"tp{tp}{'pp2' if pp > 1 else ''}dp{world // tp // pp} -> tp{gen_tp}dp{world // gen_tp}",
+                 "ranks": world, "placement": "colocated", "params": model_bytes // 4, "model_bytes": model_bytes,
+                 "trainer_replicas": world // tp // pp, "sent_per_rank": [sent.get(r, 0) for r in range(world)],
+                 "received_per_rank": [received[r] for r in range(world)],
+                 "bytes_per_rank": max(received.values()), "plan_s": plan_s, "baton_s": statistics.median(baton),
+                 "raw_s": statistics.median(raw), "bcast_s": statistics.median(bcast), "exact": exact,
+                 "buckets": len({p.bucket for p in pieces}), "bucket_bytes": int(args.bucket_mb * 2**20)})
     dist.barrier()
 
 
@@ -234,15 +292,24 @@ def _split_rank(rank: int, ports: tuple[int, int], args: Any, gen_tp: int, out: 
     pieces = reshard.plan({r: h.sources for r, h in held.items()}, {r: h.targets for r, h in held.items()},
                           bucket_bytes=int(args.bucket_mb * 2**20))
     mine = reshard.for_rank(pieces, rank)
-    prepared = sync.prepare(mine, rank, sync.index(link._sources()), sync.index(link._targets()))
+    sources, targets = sync.index(link._sources()), sync.index(link._targets())
+    prepared = sync.prepare(mine, rank, sources, targets)
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     baton = _timed_on(link.bridge, lambda: sync.run_plan(prepared, link=link.bridge), args.repeat, device)
     raw = _timed_on(link.bridge, _raw_linked(mine, rank, device, link.bridge), args.repeat, device)
+    store.set(f"bench-digests/{rank}", pickle.dumps(_digests(pieces, rank, sources, targets)))
     if rank == 2:
-        out.put({"gen_tp": gen_tp, "placement": "split", "params": sum(p.nbytes for p in mine if p.dst == rank) // 4,  # a generator rank's
-                 "bytes_per_rank": sum(p.nbytes for p in mine if p.dst == rank), "plan_s": float("nan"),
-                 "baton_s": statistics.median(baton), "raw_s": statistics.median(raw), "exact_local": True,
-                 "buckets": len({p.bucket for p in pieces})})
+        ends = {k: v for r in range(4) for k, v in pickle.loads(store.get(f"bench-digests/{r}")).items()}
+        sent = reshard.sent_by(pieces)
+        received = [sum(p.nbytes for p in pieces if p.dst == r) for r in range(4)]
+        out.put({"layout": f"tp2 -> tp{gen_tp}dp{2 // gen_tp}", "ranks": 4, "placement": "split",
+                 "params": _model_bytes(h.targets for h in held.values()) // 4,
+                 "model_bytes": _model_bytes(h.targets for h in held.values()), "trainer_replicas": 1,
+                 "sent_per_rank": [sent.get(r, 0) for r in range(4)], "received_per_rank": received,
+                 "bytes_per_rank": max(received), "plan_s": float("nan"), "baton_s": statistics.median(baton),
+                 "raw_s": statistics.median(raw), "bcast_s": float("nan"),
+                 "exact": all(ends[i, "src"] == ends[i, "dst"] for i in range(len(pieces))),
+                 "buckets": len({p.bucket for p in pieces}), "bucket_bytes": int(args.bucket_mb * 2**20)})
     link.bridge.barrier().wait()
 
 
@@ -252,41 +319,70 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+COLOCATED = {2: ((2, 2, 1, 1), (2, 2, 1, 2)),  # (world, trainer tp, trainer pp, generator tp)
+             4: ((4, 1, 1, 1), (4, 2, 1, 1), (4, 2, 2, 1))}
+
+
+def _run(ctx: Any, target: Any, n: int, args: tuple[Any, ...]) -> dict[str, Any]:
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    row = out.get(timeout=1800)
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    return row
+
+
+def _report(rows: list[dict[str, Any]], *, quick: bool) -> list[str]:
+    """The table, and what misses a goal (the byte bound and exactness always; time without --quick)."""
+    print(f"{'layout':<28}{'params':>12}{'max MB sent':>12}{'max MB in':>10}{'buckets':>8}{'plan s':>8}"
+          f"{'baton s':>9}{'raw s':>9}{'bcast s':>9}{'ratio':>7}{'exact':>7}")
+    missed = []
+    for r in rows:
+        r["ratio"] = r["raw_s"] / r["baton_s"]
+        r["sent_bound"] = r["model_bytes"] // r["trainer_replicas"] + r["bucket_bytes"]
+        name = f"{r['layout']} {r['placement']}"
+        print(f"{name:<28}{r['params']:>12,}{max(r['sent_per_rank']) / 2**20:>12.2f}"
+              f"{r['bytes_per_rank'] / 2**20:>10.2f}{r['buckets']:>8}{r['plan_s']:>8.3f}{r['baton_s']:>9.4f}"
+              f"{r['raw_s']:>9.4f}{r['bcast_s']:>9.4f}{r['ratio']:>7.2f}{str(r['exact']):>7}")
+        if r["placement"] == "colocated" and max(r["sent_per_rank"]) > r["sent_bound"]:
+            missed.append(f"{name}: a rank sends {max(r['sent_per_rank'])} bytes > {r['sent_bound']} (the model over "
+                          "the trainer's replicas and one bucket)")
+        if not r["exact"]:
+            missed.append(f"{name}: a piece arrived with other bytes than it left with")
+        if not quick and r["ratio"] < 0.5:
+            missed.append(f"{name}: raw / Baton time {r['ratio']:.2f} < 0.5")
+    print("ratio = raw time / Baton time (goal >= 0.5); sent: bytes to other ranks (local copies excluded); "
+          "bcast: the model broadcast from rank 0 (one source replica)")
+    return missed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--bucket-mb", type=float, help="default: 64 (--quick: 4, so that a sync needs several)")
+    ap.add_argument("--ranks", type=int, choices=(2, 4), help="only the colocated layouts of this many ranks "
+                    "(default: all, and the split ones)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    args.bucket_mb = args.bucket_mb or (4.0 if args.quick else 64.0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     rows = []
-    for split, gen_tp in ((False, 1), (False, 2), (True, 1), (True, 2)):
-        out = ctx.Queue()
-        ports = (_free_port(), _free_port())
-        procs = [ctx.Process(target=_split_rank, args=(r, ports, args, gen_tp, out)) for r in range(4)] if split else \
-            [ctx.Process(target=_rank, args=(r, ports[0], args, gen_tp, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        rows.append(out.get(timeout=1800))
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-    print(f"{'layout':<30}{'params':>12}{'MB/rank':>10}{'buckets':>9}{'plan s':>9}{'baton s':>10}{'raw s':>9}"
-          f"{'baton GB/s':>12}{'raw GB/s':>10}{'ratio':>8}")
-    for r in rows:
-        layout = ("tp2 -> tp1 x dp2" if r["gen_tp"] == 1 else "tp2 -> tp2 (same)") + f" {r['placement']}"
-        gb = r["bytes_per_rank"] / 1e9
-        print(f"{layout:<30}{r['params']:>12,}{r['bytes_per_rank'] / 2**20:>10.1f}{r['buckets']:>9}{r['plan_s']:>9.3f}"
-              f"{r['baton_s']:>10.4f}{r['raw_s']:>9.4f}{gb / r['baton_s']:>12.2f}{gb / r['raw_s']:>10.2f}"
-              f"{r['raw_s'] / r['baton_s']:>8.2f}")
-        r["ratio"] = r["raw_s"] / r["baton_s"]
-    print("ratio = raw time / Baton time (target >= 0.5); every local piece checked bit for bit:",
-          all(r["exact_local"] for r in rows))
+    for world in (2, 4) if args.ranks is None else (args.ranks,):
+        for layout in COLOCATED[world]:
+            rows.append(_run(ctx, _rank, world, (_free_port(), args, layout)))
+    for gen_tp in (1, 2) if args.ranks is None else ():
+        rows.append(_run(ctx, _split_rank, 4, ((_free_port(), _free_port()), args, gen_tp)))
+    missed = _report(rows, quick=args.quick)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    if missed:
+        sys.exit("goal missed: " + "; ".join(missed))
 
 
 if __name__ == "__main__":

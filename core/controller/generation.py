@@ -75,6 +75,7 @@ class GeneratorFlow:
         self.dims = generator.dims
         self.span = Span(workers, trainer, generator)  # a weight sync's ranks: both groups'
         self._plan: list[reshard.Piece] | None = None
+        self.sent: dict[str, int] = {}  # the last sync's bytes sent, for the step record: the most by a rank, all
         self._prompts: tuple[tuple[int, ...], ...] = ()
         self.version = -1
         self._kv_cache_bytes = 0  # the largest KV cache a replica allocated since take_kv_cache_mb
@@ -131,8 +132,10 @@ class GeneratorFlow:
             timeout_s=self.cfg.timeouts.checkpoint_s)
         gap = self._probe(step) if probe else 0.0
         self.version = step
-        log.log(logging.INFO if probe else logging.DEBUG, "generator synced to version %d: %.1f MB in %.3f s, probe "
-                "log-prob gap %.2e", step, sum(s.bytes_received for s in synced.values()) / 2**20,
+        sent = [s.bytes_sent for s in synced.values()]
+        self.sent = {"sync_bytes_sent_max": max(sent), "sync_bytes_sent_total": sum(sent)}
+        log.log(logging.INFO if probe else logging.DEBUG, "generator synced to version %d: %.1f MB sent (at most "
+                "%.1f MB by one rank) in %.3f s, probe log-prob gap %.2e", step, sum(sent) / 2**20, max(sent) / 2**20,
                 max(s.seconds for s in synced.values()), gap)
         tol = self.cfg.generator.tolerance(next((s.dtype for s in synced.values() if s.dtype), "float32"))
         if gap > tol:

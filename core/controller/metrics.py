@@ -20,6 +20,7 @@ runs apart; ``rank`` labels are worker ranks, ``method`` labels RPC method names
     baton_dispatch_latency_seconds{method} (histogram)
     baton_checkpoint_duration_seconds, baton_checkpoint_gbps, baton_checkpoints_total (counter)
     baton_restarts, baton_goodput_ratio, baton_goodput_useful_seconds, baton_goodput_allocated_seconds
+    baton_weight_sync_bytes_sent_max, baton_weight_sync_bytes_sent_total (the generator's last weight sync)
 
 The recording methods take what the program already has (one ``StepRecord``, a lag, a
 latency) and never raise on an odd value (None, NaN, a wrong type): a metric is
@@ -154,6 +155,9 @@ class Metrics:
         self.rl = {key: Gauge(f"baton_rl_{key}", f"{what} of the last RL step", registry=reg) for key, what in RL_GAUGES}
         self.rl.update({key: Gauge(f"baton_rl_{key}", f"{what} at the last validation (rl.val_every)", registry=reg)
                         for key, what in VAL_GAUGES})
+        self.sync_sent = {key: Gauge(f"baton_weight_{key}", what, registry=reg) for key, what in (
+            ("sync_bytes_sent_max", "Bytes the rank that sent most sent in the last weight sync"),
+            ("sync_bytes_sent_total", "Bytes all ranks sent to other ranks in the last weight sync"))}
         self.rl_phase = Gauge("baton_rl_phase_seconds", "Wall time of one phase of the last RL step", ["phase"],
                               registry=reg)
         self._server: Any = None
@@ -237,10 +241,11 @@ class Metrics:
         self._observe_rl(record)
 
     def _observe_rl(self, record: StepRecord) -> None:
-        for key in self.rl:
-            num = _num(getattr(record, key))
-            if num is not None:
-                self.rl[key].set(num)
+        for gauges in (self.rl, self.sync_sent):
+            for key in gauges:
+                num = _num(getattr(record, key))
+                if num is not None:
+                    gauges[key].set(num)
         for phase, seconds in (record.phase_s or {}).items():
             num = _num(seconds)
             if num is not None:

@@ -210,7 +210,7 @@ class Program:
             done = step + 1
             if self.flow is not None and self.flow.due(done):
                 gap = max(self.flow.sync(done), record.sync_logprob_maxdiff or 0.0)
-                record = dataclasses.replace(record, sync_logprob_maxdiff=gap)
+                record = dataclasses.replace(record, sync_logprob_maxdiff=gap, **self.flow.sent)
                 if self.rl is None:  # an RL program's samples.jsonl holds its validation responses
                     self.flow.generate(done)
             if self.rl is not None and self.rl.validation.due(done):

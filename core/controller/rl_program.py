@@ -149,9 +149,11 @@ class RLStep:
         step's RL numbers."""
         cfg, rl = self.cfg, self.cfg.rl
         phases: dict[str, float] = {}
+        synced: dict[str, int] = {}  # the sync's bytes sent, when this step syncs
         with _timed(phases, "sync"):
             if self.generator.version != step:  # no probe: the gap on this step's responses is recorded
                 self.generator.sync(step, probe=False)
+                synced = self.generator.sent
         with _timed(phases, "generate"):
             asked = self._ask(step)
             prompts = Ragged.of([a.tokens for a in asked for _ in range(rl.n)], TOKENS)
@@ -188,7 +190,7 @@ class RLStep:
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
-                     optimizer_steps=steps, sync_logprob_maxdiff=_max_gap(old, done.logprobs))
+                     optimizer_steps=steps, **synced, sync_logprob_maxdiff=_max_gap(old, done.logprobs))
         return results, extra
 
     def _critic(self, step: int, sequences: Ragged, pads: list[int], lengths: np.ndarray, scores: list[float],

@@ -1,6 +1,6 @@
 """The generator's calls: what the controller asks of a generator group (and its trainer).
 
-    GEN_SLICES    NoArgs      → HeldSlices   the trainer slices this rank owns, the generator slices it needs
+    GEN_SLICES    NoArgs      → HeldSlices   the trainer slices this rank holds, the generator slices it needs
     SYNC_WEIGHTS  SyncWeights → Synced       run this rank's pieces of a weight-sync plan; now at ``version``
     PROBE_BATCH   Probe       → LogProbs     the trainer's probe batch and its log-probs (one rank answers)
     SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
@@ -30,7 +30,7 @@ from core.wire.ragged import FLOATS, TOKENS, Ragged, matches
 
 @dataclass(frozen=True, kw_only=True)
 class HeldSlices:
-    sources: tuple[TensorSlice, ...] = ()  # trainer slices this rank owns (first replica only)
+    sources: tuple[TensorSlice, ...] = ()  # trainer slices this rank holds (every replica's: copies are equal)
     targets: tuple[TensorSlice, ...] = ()  # generator slices this rank holds (all of them)
 
 
@@ -43,8 +43,9 @@ class SyncWeights:
 @dataclass(frozen=True, kw_only=True)
 class Synced:
     version: int
-    bytes_received: int
+    bytes_received: int  # from other ranks (local copies not counted)
     seconds: float
+    bytes_sent: int = 0  # to other ranks
     dtype: str = ""  # the generator's weights' dtype on this rank ("" where it holds none)
 
 

@@ -51,6 +51,8 @@ class StepRecord:
     sync_logprob_maxdiff: float | None = None  # after a generator's weight sync at this step
     gen_kv_cache_mb: float | None = None  # the largest KV cache a generator replica allocated in the step's
     # generations (MiB; baton plan --check compares it with the plan's)
+    sync_bytes_sent_max: int | None = None  # ... the bytes the rank that sent most sent to other ranks
+    sync_bytes_sent_total: int | None = None  # ... and all ranks together (local copies not counted)
     # program: grpo or ppo (core.controller.rl_program), on its RL steps
     reward_mean: float | None = None
     reward_std: float | None = None
@@ -79,7 +81,7 @@ class StepRecord:
 
 _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
-                     "gen_kv_cache_mb",
+                     "gen_kv_cache_mb", "sync_bytes_sent_max", "sync_bytes_sent_total",
                      "reward_mean", "reward_std", "response_length", "response_length_min",
                      "response_length_max", "stopped_frac", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
                      "optimizer_steps", "phase_s", "value_loss", "values_mean", "val_reward_mean", "val_reward_mean_sampled")

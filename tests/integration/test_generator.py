@@ -6,6 +6,7 @@ rank its pieces, as the controller's program does.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -22,18 +23,23 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 PROMPTS = ((3, 4, 5, 6), (20, 21, 22, 23), (50, 51, 52, 53), (7, 9, 11, 13))
 
 
+def _held(g: RankGroup) -> list[gen_calls.HeldSlices]:
+    return [gen_calls.GEN_SLICES.decode_result(h) for h in g.call("gen_slices", **gen_calls.GEN_SLICES.encode_request(NO_ARGS))]
+
+
 def _sync(g: RankGroup, version: int, bucket_bytes: int = 1 << 14) -> list[dict[str, Any]]:
-    held = [gen_calls.GEN_SLICES.decode_result(h) for h in g.call("gen_slices", **gen_calls.GEN_SLICES.encode_request(NO_ARGS))]
+    held = _held(g)
     pieces = reshard.plan({r: h.sources for r, h in enumerate(held)}, {r: h.targets for r, h in enumerate(held)},
                           bucket_bytes=bucket_bytes)
-    assert len({p.bucket for p in pieces}) > 1, "the plan should need several buckets at this size"
+    remote = any(p.src != p.dst for p in pieces)  # local copies need no bucket of buffers
+    assert len({p.bucket for p in pieces}) > 1 or not remote, "the plan should need several buckets at this size"
     per_rank = [gen_calls.SYNC_WEIGHTS.encode_request(gen_calls.SyncWeights(
         pieces=tuple(reshard.for_rank(pieces, r)), version=version)) for r in range(g.world_size)]
     return g.call_each("sync_weights", per_rank)
 
 
 def _weights(task: Any) -> tuple[list[tuple[TensorSlice, np.ndarray]], list[tuple[TensorSlice, np.ndarray]]]:
-    """This rank's trainer slices (first replicas) and generator slices, as arrays."""
+    """This rank's trainer slices (every replica's) and generator slices, as arrays."""
     link = task.rank.link
     return ([(s, p.detach().numpy().copy()) for s, p in link._sources()],
             [(s, p.detach().numpy().copy()) for s, p in link._targets()])
@@ -59,6 +65,46 @@ def _generate(g: RankGroup, prompts: tuple[tuple[int, ...], ...] = PROMPTS, **kw
     return [r for r in map(as_rows, g.call("generate", **req)) if r.get("tokens")]
 
 
+def _assert_synced_exactly(g: RankGroup) -> None:
+    """Bit for bit: every generator slice equals the trainer's global tensor there (and every
+    trainer replica holds the same values: any of them may have sent it)."""
+    parts = g.apply(_weights)
+    full: dict[str, np.ndarray] = {}
+    for sources, _ in parts:
+        for s, a in sources:
+            box = tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))
+            whole = full.setdefault(s.name, np.full(s.global_shape, np.nan, a.dtype))
+            assert np.isnan(whole[box]).all() or np.array_equal(whole[box], a.reshape(s.shape)), s.name
+            whole[box] = a.reshape(s.shape)
+    for rank, (_, targets) in enumerate(parts):
+        for s, a in targets:
+            box = full[s.name][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))]
+            assert np.array_equal(box.reshape(a.shape), a), f"rank {rank}: {s.name} differs after the sync"
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2)],
+                         ids=["tp1dp4-to-tp1dp4", "tp2dp2-zero1-to-tp1dp4", "tp2pp2-tied-to-tp1dp4"])
+def test_every_trainer_replica_sends_its_share_exactly(tmp_path, tp: int, pp: int) -> None:
+    """Colocated, each rank copies what it holds and every data-parallel replica of the
+    trainer sends: no rank sends more than the model over the replicas and one bucket. With
+    a tied embedding over two stages the last stage's copy is a source too (it is equal)."""
+    cfg = gpt_config(tp=tp, pp=pp, world_size=4, parallel={"sharding": "optimizer"}, model={"tie_embeddings": pp > 1},
+                     generator={"enabled": True, "tp": 1})
+    bucket, replicas = 1 << 14, 4 // tp // pp
+    with RankGroup(cfg, world_size=4, run_dir=tmp_path) as g:
+        g.setup()
+        g.train(range(2))
+        model_bytes = sum(4 * math.prod(s.shape) for s in _held(g)[0].targets)  # a tp1 replica: the whole model
+        synced = [gen_calls.SYNC_WEIGHTS.decode_result(s) for s in _sync(g, version=2, bucket_bytes=bucket)]
+        _assert_synced_exactly(g)
+    sent = [s.bytes_sent for s in synced]
+    assert sum(sent) == sum(s.bytes_received for s in synced)
+    if tp == 1:
+        assert sent == [0] * 4  # every byte a local copy
+    else:  # each rank receives what it lacks, from any replica that holds it
+        assert max(sent) <= model_bytes // replicas + bucket and min(sent) > 0, sent
+
+
 @pytest.mark.parametrize("gen_tp", [1, 2], ids=["tp2pp2-to-tp1dp4", "tp2pp2-to-tp2dp2"])
 def test_weights_sync_exactly_and_the_generator_scores_as_the_trainer(tmp_path, gen_tp: int) -> None:
     cfg = gpt_config(tp=2, pp=2, world_size=4, generator={"enabled": True, "tp": gen_tp})
@@ -67,17 +113,7 @@ def test_weights_sync_exactly_and_the_generator_scores_as_the_trainer(tmp_path, 
         g.train(range(3))
         synced = _sync(g, version=3)
         assert {s["version"] for s in synced} == {3}
-        # Bit for bit: every generator slice equals the trainer's global tensor there.
-        parts = g.apply(_weights)
-        full: dict[str, np.ndarray] = {}
-        for sources, _ in parts:
-            for s, a in sources:
-                full.setdefault(s.name, np.zeros(s.global_shape, a.dtype))[
-                    tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))] = a.reshape(s.shape)
-        for rank, (_, targets) in enumerate(parts):
-            for s, a in targets:
-                box = full[s.name][tuple(slice(o, o + n) for o, n in zip(s.offset, s.shape, strict=True))]
-                assert np.array_equal(box.reshape(a.shape), a), f"rank {rank}: {s.name} differs after the sync"
+        _assert_synced_exactly(g)
         batch = [b for b in g.call("probe_batch", step=0) if b.get("tokens")]
         assert len(batch) == 1  # the trainer's last stage, first tp rank of data replica 0 (rank 2)
         first = {r for r in range(4) if r // gen_tp == 0}  # the generator's first replica scores it

@@ -103,7 +103,7 @@ def test_a_tp2pp2_state_of_modern_shapes_resumes_in_a_distributed_optimizer_over
 def test_the_rollout_of_a_modern_shaped_policy_agrees_with_its_actor(tmp_path: Path) -> None:
     """GRPO with the actor in tp2 and the rollout in tp1 (KV cache, rotary positions, key/value
     groups): after every weight sync the rollout's log-probs of its own samples are the
-    actor's within 1e-5."""
+    actor's within 1e-5, and each step's record has the bytes the sync sent."""
     res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={tmp_path}", "trainer.steps=34",
                 *(f"model.{k}={str(v).lower()}" for k, v in MODEL.items()), "parallel.tp=2", "generator.tp=1",
                 "--backend", "local", timeout=600)
@@ -111,3 +111,6 @@ def test_the_rollout_of_a_modern_shaped_policy_agrees_with_its_actor(tmp_path: P
     rows = [json.loads(line) for line in next((tmp_path / "grpo-tiny").glob("*/metrics.jsonl")).read_text().splitlines()]
     gaps = [r["sync_logprob_maxdiff"] for r in rows if "reward_mean" in r]
     assert len(gaps) == 4 and max(gaps) <= 1e-5, gaps
+    # Every RL step synced: each of the two ranks sent the other its tensor-parallel half
+    sent = [(r["sync_bytes_sent_max"], r["sync_bytes_sent_total"]) for r in rows if "reward_mean" in r]
+    assert len(sent) == 4 and all(0 < most and total == 2 * most for most, total in sent), sent

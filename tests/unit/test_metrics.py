@@ -53,8 +53,11 @@ def test_start_on_port_zero_publishes_a_reachable_address(served) -> None:
 def test_an_rl_step_record_becomes_rl_gauges_and_phase_times(served) -> None:
     m, _, address = served
     m.observe_step(replace(_record(0), reward_mean=0.75, kl=0.02, entropy=1.5, policy_version=31,
-                                       phase_s={"generate": 0.5, "update": 0.25}))
+                                       phase_s={"generate": 0.5, "update": 0.25}, sync_bytes_sent_max=3 << 20,
+                                       sync_bytes_sent_total=7 << 20))
     got = scrape(address)
+    assert got["baton_weight_sync_bytes_sent_max"][0].value == 3 << 20
+    assert got["baton_weight_sync_bytes_sent_total"][0].value == 7 << 20
     assert got["baton_rl_reward_mean"][0].value == 0.75 and got["baton_rl_kl"][0].value == 0.02
     assert got["baton_rl_entropy"][0].value == 1.5 and got["baton_rl_policy_version"][0].value == 31
     assert {s.labels["phase"]: s.value for s in got["baton_rl_phase_seconds"]} == {"generate": 0.5, "update": 0.25}

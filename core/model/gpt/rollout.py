@@ -55,12 +55,15 @@ def process_groups(dims: ParallelDims, rank: int) -> ProcessGroupCollection:
 
 
 class WeightLink:
-    """One rank's ends of the weight syncs: the trainer slices it owns (``trainer_chunks``),
+    """One rank's ends of the weight syncs: the trainer slices it holds (``trainer_chunks``:
+    every replica's, so that each can send its share; only the first replica's with
+    ``every_replica`` false, when the replicas may differ between averages: parallel.sync),
     the generator slices it holds (``model``), and how pieces travel: the default group
     (colocated: plan ranks are its ranks) or ``bridge`` (split: plan ranks are bridge ranks)."""
 
     def __init__(self, rank: int, *, trainer_chunks: list[Any] | None, model: Any | None) -> None:
         self.rank, self.trainer_chunks, self.model = rank, trainer_chunks, model
+        self.every_replica = True
         self.bridge: Any = None
         self.staging: Any = None  # a vLLM replica's (core.model.gpt.vllm_rollout): its targets, told of syncs
         self.version = -1
@@ -73,7 +76,8 @@ class WeightLink:
     def _sources(self) -> list[tuple[Any, torch.Tensor]]:
         if self.trainer_chunks is None:
             return []
-        return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks) if is_writer(sh)]
+        return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks)
+                if self.every_replica or is_writer(sh)]
 
     def _targets(self) -> list[tuple[Any, torch.Tensor]]:
         if self.staging is not None:
@@ -90,12 +94,13 @@ class WeightLink:
         if self._prepared is None or self._prepared[0] != key:  # bound to parameter views once per plan
             self._prepared = (key, sync.prepare(req.pieces, self.rank, sync.index(self._sources()),
                                                 sync.index(self._targets())))
-        got = sync.run_plan(self._prepared[1], link=self.bridge)
+        moved = sync.run_plan(self._prepared[1], link=self.bridge)
         self.version = req.version
         if self.staging is not None:
             self.staging.synced(req.version)
         targets = self._targets()  # a vLLM leader's are the trainer's dtype, which is its engine's
-        return gen_calls.Synced(version=self.version, bytes_received=got, seconds=time.perf_counter() - t0,
+        return gen_calls.Synced(version=self.version, bytes_received=moved.received, bytes_sent=moved.sent,
+                                seconds=time.perf_counter() - t0,
                                 dtype=targets[0][0].dtype if targets else "")
 
 

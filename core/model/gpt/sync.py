@@ -2,12 +2,14 @@
 
 Each rank holds its source parameters (the trainer's, as global slices) and its target
 parameters (the generator's); ``prepare`` binds its pieces to views of them once per plan.
-For every bucket it posts the sends and the receives (point to point: on the default
-process group when both models share the processes, on a bridge group over every worker
-when the generator runs on its own, ``connect``; gloo on CPU, NCCL on GPU): a piece the plan marks direct (contiguous on both ends)
-travels in place, the others of a peer are packed into one flat buffer and unpacked into
-the target parameters; a piece whose source and target are this same rank is a local copy.
-Buffers live for one bucket. The arithmetic is copies only: the target receives the source's
+For every bucket it posts the sends and the receives to and from every peer at once (point to
+point: batched on the default process group when both models share the processes, one
+asynchronous message each on a bridge group over every worker when the generator runs on
+its own, ``connect``; gloo on CPU, NCCL on GPU), copies the bucket's local pieces (a piece
+whose source and target are this same rank) while they travel, then waits for them: a
+piece the plan marks direct (contiguous on both ends) travels in place, the others of a
+peer are packed into one flat buffer and unpacked into the target parameters. Buffers live
+for one bucket. The arithmetic is copies only: the target receives the source's
 values bit for bit, in the target's dtype when the two differ.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import datetime
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -96,21 +98,33 @@ def connect(addr: str, port: int, *, name: str, rank: int, size: int, backend: s
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def run_plan(plan: list[_Bucket], group: Any = None, *, link: Any = None) -> int:
-    """Move a prepared plan, bucket by bucket; the bytes received. ``link``: a process group
-    made by ``connect`` (plan ranks are its ranks), else the default group's ``group``."""
-    received = 0
+class Moved(NamedTuple):
+    """Bytes this rank received from and sent to other ranks (local copies not counted)."""
+
+    received: int
+    sent: int
+
+
+def run_plan(plan: list[_Bucket], group: Any = None, *, link: Any = None) -> Moved:
+    """Move a prepared plan, bucket by bucket. ``link``: a process group made by ``connect``
+    (plan ranks are its ranks), else the default group's ``group``."""
     with torch.no_grad():
         for bucket in plan:
-            received += _run_bucket(bucket, group) if link is None else _run_linked(bucket, link)
-    return received
+            if link is None:
+                _run_bucket(bucket, group)
+            else:
+                _run_linked(bucket, link)
+    return Moved(received=sum(_nbytes(b.recvs) for b in plan), sent=sum(_nbytes(b.sends) for b in plan))
 
 
-def _run_linked(b: _Bucket, link: Any) -> int:
+def _nbytes(ends: dict[int, tuple[list[tuple[torch.Tensor, bool]], torch.dtype]]) -> int:
+    """What travels: the target's dtype."""
+    return sum(v.numel() * dtype.itemsize for views, dtype in ends.values() for v, _ in views)
+
+
+def _run_linked(b: _Bucket, link: Any) -> None:
     """A bucket over a bridge group: its own send/recv (the group is not the default
     world's), every message posted in plan order, then waited for."""
-    for dst, src in b.local:
-        dst.copy_(src)
     works, inbox = [], []
     for peer, (views, dtype) in b.sends.items():
         works += [link.send([v], peer, 0) for v, direct in views if direct]
@@ -124,10 +138,15 @@ def _run_linked(b: _Bucket, link: Any) -> int:
             buf = torch.empty(sum(v.numel() for v in packed), dtype=dtype, device=packed[0].device)
             works.append(link.recv([buf], peer, 0))
             inbox.append((buf, packed))
+    _copy_local(b)
     for work in works:
         work.wait()
     _unpack(inbox)
-    return sum(v.numel() * v.element_size() for views, _ in b.recvs.values() for v, _ in views)
+
+
+def _copy_local(b: _Bucket) -> None:
+    for dst, src in b.local:
+        dst.copy_(src)
 
 
 def _unpack(inbox: Sequence[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
@@ -139,11 +158,9 @@ def _unpack(inbox: Sequence[tuple[torch.Tensor, list[torch.Tensor]]]) -> None:
             at += n
 
 
-def _run_bucket(b: _Bucket, group: Any) -> int:
+def _run_bucket(b: _Bucket, group: Any) -> None:
     """Pieces the plan marks direct travel as they are (no copy on either side); the others
     of a peer are packed into one buffer. Both ends post their messages in plan order."""
-    for dst, src in b.local:
-        dst.copy_(src)
     ops, inbox = [], {}
     for peer, (views, dtype) in b.sends.items():
         ops += [dist.P2POp(dist.isend, v, peer, group) for v, direct in views if direct]
@@ -156,8 +173,8 @@ def _run_bucket(b: _Bucket, group: Any) -> int:
         if packed:
             inbox[peer] = (torch.empty(sum(v.numel() for v in packed), dtype=dtype, device=packed[0].device), packed)
             ops.append(dist.P2POp(dist.irecv, inbox[peer][0], peer, group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    _copy_local(b)
+    for work in works:
+        work.wait()
     _unpack(list(inbox.values()))
-    return sum(v.numel() * v.element_size() for views, _ in b.recvs.values() for v, _ in views)

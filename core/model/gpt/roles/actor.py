@@ -85,6 +85,7 @@ class ActorRole(Role):
         if cfg.parallel.sync.local:
             self.replicas = Replicas(r.step, cfg.parallel.sync)
         r.link.trainer_chunks = self.chunks  # the source end of weight syncs
+        r.link.every_replica = not cfg.parallel.sync.local  # replicas apart between averages: the first is the truth
 
     def info(self) -> calls.SetupInfo:
         r = self.rank
