@@ -74,7 +74,7 @@ def rollout(task: GPTTask, step: int, prompts: list[tuple[int, ...]], stop: tupl
 
 
 def _until(tokens: list[int], stop: tuple[int, ...]) -> tuple[int, ...]:
-    """A response up to and including its first stop token (rl_program._until)."""
+    """A response up to and including its first stop token (core.controller.generation.Responses.until)."""
     end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
     return tuple(tokens[:end])
 

@@ -9,31 +9,25 @@ pipeline stage:
 - a micro-batch: ``b`` rows of ``s = rl.prompt_length + rl.max_response_length - 1`` tokens
   (a row is read without its last token; a micro-batch is padded to its longest row, at
   most ``s``). ``b``: with ``rl.max_tokens_per_micro_batch`` (0: off) as many rows of ``s``
-  as it holds, at least one; else ``training.micro_batch_size``, as ``policy.micro_size``
-  splits a replica's rows of a mini-batch (``rl.mini_batch_size``, else the step's, over dp);
+  as it holds, at least one; else ``training.micro_batch_size``, as ``microbatch.micro_size``
+  splits a replica's rows of a mini-batch (``rl.mini_batch_size``, else the step's, over dp).
+  With a budget the head is sized at the budget's positions (shorter rows pack up to it:
+  ``head_rows``), the layers at ``b`` rows of ``s`` (the attention's worst);
 - layers: the training plan's activations at ``s`` and ``b``, the attention keeping its
   softmax alone (``2·a·s²·b``: the update runs without dropout, so no mask nor its output),
   times the micro-batches in flight on the stage;
-- head (last stage): the logits of ``T = b·s`` positions, ``vocab / tp`` wide, and the
-  log-prob / entropy temporaries, each ``[positions, vocab / tp]``, at the larger of two
-  peaks. ``policy.logprobs_at`` works in place on the fp32 logits (the vocab-parallel cross
-  entropy turns them into its softmax, which its backward turns into the gradient): one
-  fp32 ``[T, vocab / tp]`` throughout. In the loss's backward the entropy
-  (``rl.entropy_coef`` > 0, ``rl_loss.vocab_parallel_entropy``) adds ``ENTROPY_TEMPORARIES``
-  fp32 tensors (its saved softmax and the two products of its backward); in the output
-  layer's backward the gradient is copied to the compute dtype (16-bit) and, with ``b > 1``,
-  from ``[b, s]`` into ``[s, b]`` order.
+- head (last stage): the logits of ``T = b·s`` positions, ``vocab / tp`` wide, whose gradient
+  core.model.gpt.logprobs writes into them (the compute dtype), and the log-prob / entropy
+  temporaries of one chunk of ``LOGIT_CHUNK_TOKENS`` positions (core.config.rl), fp32
+  ``[chunk, vocab / tp]``: in forward ``CHUNK_FORWARD`` (the chunk's shifted logits and their
+  exp; the entropy adds their product), in backward ``CHUNK_BACKWARD`` (its softmax; the
+  entropy adds ``ENTROPY_TEMPORARIES``); each loop frees a chunk's before the next. The
+  output layer's backward is the other peak: the gradient copied, with ``b > 1``, from
+  ``[b, s]`` into ``[s, b]`` order. ``head_bytes(chunk=None)`` sizes log-probs taken over a
+  micro-batch at once (the fp32 softmax whole), for comparison.
 
 Measured against the real update by ``benchmarks/rl_memory.py`` (2,560-token rows, a 32k
-vocabulary: the head dominates): the plan is within 15 % of the peak. The assumption, which
-that benchmark checks: where ``core.config.rl`` defines ``LOGIT_CHUNK_TOKENS`` the update
-computes the log-probs and the entropy over chunks of that many positions
-(core.model.gpt.logprobs: the logits' gradient whole, written into the logits in the compute
-dtype; at once, one chunk's fp32 temporaries: in forward ``CHUNK_FORWARD`` (its shifted logits
-and their exp, and with the entropy their product), in backward ``CHUNK_BACKWARD`` (its
-softmax; each loop frees a chunk's before the next chunk's), and with the entropy its
-``ENTROPY_TEMPORARIES``, chunk-sized); where it does not, over a micro-batch's whole ``T``
-positions at once (as above). Measured with that update merged: 0.98-0.99.
+vocabulary: the head dominates): the plan is within 15 % of the peak (0.98-0.99 here).
 """
 from __future__ import annotations
 
@@ -82,6 +76,18 @@ def micro_rows(cfg: RunConfig, row_tokens: int) -> int:
     return next(m for m in range(min(want, per_replica), 0, -1) if per_replica % m == 0)
 
 
+def head_rows(cfg: RunConfig, rows: int, row_tokens: int, per_replica: int) -> tuple[int, int]:
+    """The (rows, width) whose logits the head holds at its worst: ``rows`` rows of
+    ``row_tokens``, or with a token budget, shorter rows packed up to the budget (positions
+    ``min(budget, every row of the replica)``, at least one whole row)."""
+    budget = int(cfg.rl.max_tokens_per_micro_batch)
+    positions = max(row_tokens, min(budget, per_replica * row_tokens))
+    if not budget or positions <= rows * row_tokens:
+        return rows, row_tokens
+    many = max(rows + 1, 2)  # more, shorter rows than whole rows fit: the output layer's reordered copy too
+    return many, -(-positions // many)
+
+
 def head_bytes(cfg: RunConfig, *, rows: int, row_tokens: int, chunk: int | None) -> int:
     """The logits of a micro-batch and the log-prob / entropy temporaries at the larger of the
     update's two peaks: the loss's backward and the output layer's (module docstring)."""
@@ -113,6 +119,7 @@ def plan_rl_update(cfg: RunConfig, trainer: Plan) -> RLUpdatePlan | None:
     b = micro_rows(cfg, s)
     per_replica = max(1, (rl.mini_batch_size or rl.prompts_per_step * rl.n) // dims.dp)
     num_micro = max(1, per_replica // b)
+    hb, hs = head_rows(cfg, b, s, per_replica)
     chunk = logit_chunk_tokens()
     layer = layer_activation_bytes(cfg, cfg.training.recompute, b, seq=s, attention=NO_DROPOUT_ATTENTION)
     width = DTYPE_BYTES[cfg.training.mixed_precision.resolved(on_cuda=True)[0]]
@@ -124,10 +131,10 @@ def plan_rl_update(cfg: RunConfig, trainer: Plan) -> RLUpdatePlan | None:
             continue
         static = sum(stage_static_bytes(cfg, r.params, dims.dp, cfg.parallel.distributed_optimizer))
         acts = per_stage * layer * min(dims.pp - r.pp, num_micro) * width // 2
-        head = head_bytes(cfg, rows=b, row_tokens=s, chunk=chunk) if r.output_layer else 0
+        head = head_bytes(cfg, rows=hb, row_tokens=hs, chunk=chunk) if r.output_layer else 0
         total = static + acts + head
         if worst is None or total > worst.total_bytes:
-            worst = RLUpdatePlan(rank=r.rank, row_tokens=s, micro_rows=b, chunk_tokens=min(chunk or b * s, b * s),
+            worst = RLUpdatePlan(rank=r.rank, row_tokens=s, micro_rows=b, chunk_tokens=min(chunk, hb * hs),
                                  static_bytes=static, activations_bytes=acts, logits_bytes=head, total_bytes=total,
                                  fits=None if gpu is None else total <= gpu)
     return worst

@@ -207,6 +207,8 @@ class GeneratorFlow:
     def rollout(self, req: gen_calls.Generate) -> Responses:
         """Continue ``req.prompts`` (spread over the replicas); each prompt's tokens and log-probs, in order."""
         parts = self._generate(req)  # one per replica, in replica order (Collect.OWNERS)
+        if [p.replica for p in parts] != list(range(self.dims.dp)):
+            raise RuntimeError(f"generator answers from replicas {[p.replica for p in parts]}, not in replica order")
         shares = self._shares(len(req.prompts))
         return Responses(gathered([p.tokens for p in parts], shares), gathered([p.logprobs for p in parts], shares))
 

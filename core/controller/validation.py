@@ -74,9 +74,9 @@ class Validation:
         for chunk, first in enumerate(range(0, len(self.held_out), size)):
             part = self.held_out[first:first + size]
             seed = (((cfg.seed * 7919 + done) * 1009 + 503) * 65537 + chunk) % 2**62
-            done = self.generator.rollout(gen_calls.Generate(
+            answered = self.generator.rollout(gen_calls.Generate(
                 prompts=Ragged.of([a.tokens for a in part], TOKENS), max_new_tokens=rl.max_response_length,
                 temperature=0.0 if greedy else rl.temperature, top_k=rl.top_k, top_p=rl.top_p, eos=self.stop,
                 seed=seed, pads=tuple(a.pad for a in part))).until(self.stop)
-            out += zip(done.tokens.tolist(), done.logprobs.tolist(), strict=True)
+            out += zip(answered.tokens.tolist(), answered.logprobs.tolist(), strict=True)
         return out

@@ -109,6 +109,13 @@ def test_the_gumbel_noise_is_standard() -> None:
     assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.std().item() - 1.2825) < 0.01  # Euler's γ, π/√6
 
 
+def test_the_gumbel_noise_is_finite_for_every_hash() -> None:
+    """Every value of the top bits (the extremes included) gives finite noise: an infinite one
+    would win whatever its token's probability, and beside a truncated -inf make a NaN."""
+    g = sampling.noise_of(torch.arange(0, 2**32, 2**9, dtype=torch.int64))  # each 23-bit value once
+    assert bool(torch.isfinite(g).all()) and g.min().item() > -3.0 and g.max().item() < 17.0
+
+
 def test_a_batch_token_budget_below_one_row_is_refused_at_submit(tmp_path: Path) -> None:
     line = refused_at_submit(tmp_path, REPO / "experiments" / "grpo_tiny.yaml", "generator.max_batch_tokens=3")
     assert line.startswith("generator.max_batch_tokens: 3 holds no row of rl.prompt_length + rl.max_response_length")

@@ -15,7 +15,7 @@ from core.config.generator import GeneratorConfig
 from core.config.genplan import format_generator, plan_generator
 from core.config.plan import make_plan, static_bytes
 from core.config.rl import LOGIT_CHUNK_TOKENS
-from core.config.rlplan import ENTROPY_TEMPORARIES, format_rl_update, head_bytes, plan_rl_update
+from core.config.rlplan import ENTROPY_TEMPORARIES, format_rl_update, head_bytes, head_rows, plan_rl_update
 from core.record import steps as step_records
 from launcher.plan_check import run_check
 
@@ -139,3 +139,15 @@ def test_plan_check_without_any_measurement_is_still_refused_in_one_line(tmp_pat
     res = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--check", str(run)], capture_output=True,
                          text=True, cwd=REPO)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "memory.json: missing" in res.stderr, res.stderr
+
+
+def test_with_a_token_budget_the_head_is_sized_at_the_budgets_positions() -> None:
+    """Shorter rows pack up to the budget: two rows of 4,095 fill 8,192 where one whole row of
+    5,119 is all the budget holds of the longest rows."""
+    cfg = _update_cfg(FP32, "rl.max_tokens_per_micro_batch=8192")
+    assert head_rows(cfg, 1, 5119, 16) == (2, 4096)
+    assert head_rows(cfg, 1, 5119, 1) == (1, 5119)  # one row in the replica: nothing packs beside it
+    p = plan_rl_update(cfg, make_plan(cfg, gpu_mem_gb=80))
+    assert p is not None and p.logits_bytes == head_bytes(cfg, rows=2, row_tokens=4096, chunk=LOGIT_CHUNK_TOKENS)
+    off = _update_cfg(FP32)
+    assert head_rows(off, 2, 5119, 16) == (2, 5119)

@@ -24,9 +24,9 @@ token is log_softmax(logits / T) at the sampling temperature T, before any top-k
 truncation (greedy: T = 1), which is what the RL trainer's teacher-forced scoring computes
 (core.model.gpt.policy.logprobs_at, at ``rl.temperature``).
 
-``token_logprobs`` and ``label_logprobs`` are teacher-forced forwards at T = 1: the log-prob
-of each token given the tokens before it, one full forward per batch (``label_logprobs`` is
-the generator's side of the weight sync's probe, whose trainer side is at T = 1 too).
+``label_logprobs`` is a teacher-forced forward at T = 1: the log-prob of each label given the
+tokens before it, one full forward per batch (the generator's side of the weight sync's
+probe, whose trainer side is at T = 1 too).
 """
 from __future__ import annotations
 
@@ -42,26 +42,11 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from core.model.gpt import padding, sampling
 from core.model.gpt.sampling import Sampling
 
-__all__ = ["Decoded", "Sampling", "decode", "generate", "label_logprobs", "token_logprobs", "vocab_parallel_logprobs"]
+__all__ = ["Decoded", "Sampling", "decode", "generate", "label_logprobs", "vocab_parallel_logprobs"]
 
 
 def _causal(n: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool, device=device), diagonal=1)
-
-
-def _logits(model: Any, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-            context: Any = None) -> torch.Tensor:
-    out = model(tokens, positions, mask, inference_context=context, runtime_gather_output=True)
-    return out.float()
-
-
-def token_logprobs(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """``[b, s-1]``: log p(tokens[:, i+1] | tokens[:, :i+1]) under ``model`` (teacher forced)."""
-    b, s = tokens.shape
-    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    with torch.no_grad():
-        logp = torch.log_softmax(_logits(model, tokens, positions, _causal(s, tokens.device)), dim=-1)
-    return logp[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def label_logprobs(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -104,8 +104,13 @@ def vocab_keys(lo: int, part: int, device: torch.device) -> torch.Tensor:
 def gumbel(keys: torch.Tensor, step: int, vocab: torch.Tensor) -> torch.Tensor:
     """``[rows, part]`` fp32 standard Gumbel noise of (row key, new-token index ``step``, vocab id)."""
     per_step = hash32(keys ^ hash32(torch.full_like(keys, step) ^ 0x1B873593))
-    bits = hash32(per_step.unsqueeze(1) ^ vocab.unsqueeze(0)) >> 8  # 24 bits: exact in fp32
-    u = (bits.float() + 0.5) * 2.0**-24
+    return noise_of(hash32(per_step.unsqueeze(1) ^ vocab.unsqueeze(0)))
+
+
+def noise_of(hashes: torch.Tensor) -> torch.Tensor:
+    """fp32 standard Gumbel noise of 32-bit hashes: their top 23 bits b, u = (b + 0.5) / 2**23
+    (exact in fp32, in [2**-24, 1 - 2**-24]: never 0 or 1, so the noise is always finite)."""
+    u = ((hashes >> 9).float() + 0.5) * 2.0**-23
     return -torch.log(-torch.log(u))
 
 
