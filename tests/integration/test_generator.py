@@ -49,13 +49,14 @@ def _plain_greedy(task: Any, prompts: tuple[tuple[int, ...], ...], new: int) -> 
     """A reference loop: the whole sequence forward again for every token, no KV cache."""
     import torch
 
-    from core.model.gpt.generate import _causal, _logits
-
     seq = torch.tensor(prompts)
+    def causal(n: int) -> torch.Tensor:  # True above the diagonal: the keys a position may not see
+        return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)
+
     with torch.no_grad():
         for _ in range(new):
             positions = torch.arange(seq.shape[1]).unsqueeze(0).expand(seq.shape[0], -1)
-            nxt = _logits(task.role("rollout").model.model, seq, positions, _causal(seq.shape[1], seq.device))[:, -1].argmax(-1)
+            nxt = task.role("rollout").model.model(seq, positions, causal(seq.shape[1]), runtime_gather_output=True)[:, -1].argmax(-1)
             seq = torch.cat([seq, nxt[:, None]], dim=1)
     return seq[:, len(prompts[0]):].tolist()
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from core.flows import calls as gen_calls
+from tests.helpers import as_rows, ints
 from tests.integration.gpt_harness import RankGroup, gpt_config, sync_generator
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -79,14 +80,15 @@ def plain_greedy_on_rank(task: Any, prompts: list[tuple[int, ...]]) -> list[list
     """The reference: the whole sequence forward again for every token, the argmax of the gathered logits."""
     import torch
 
-    from core.model.gpt.generate import _causal, _logits
-
     model = _model(task, "actor")
     seq = torch.tensor(prompts)
+    def causal(n: int) -> torch.Tensor:  # True above the diagonal: the keys a position may not see
+        return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)
+
     with torch.no_grad():
         for _ in range(NEW):
             positions = torch.arange(seq.shape[1]).unsqueeze(0).expand(seq.shape[0], -1)
-            nxt = _logits(model, seq, positions, _causal(seq.shape[1], seq.device))[:, -1].argmax(-1)
+            nxt = model(seq, positions, causal(seq.shape[1]), runtime_gather_output=True)[:, -1].argmax(-1)
             seq = torch.cat([seq, nxt[:, None]], dim=1)
     return seq[:, len(prompts[0]):].tolist()
 
@@ -143,9 +145,9 @@ def test_the_kv_cache_is_one_chunk_of_max_batch_tokens(group: RankGroup) -> None
     per_row = 4 * 2 * ROW * 2 * 16 * 4  # layers × (key, value) × positions × kv heads on this rank × head dim × fp32
     assert got["kv"] == 5 * per_row
     assert got["forwards"] == 3 * NEW  # chunks of 5, 5 and 2 rows
-    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=tuple(PROMPTS), max_new_tokens=NEW,
+    req = gen_calls.GENERATE.encode_request(gen_calls.Generate(prompts=ints(PROMPTS), max_new_tokens=NEW,
                                                                pads=tuple(PADS)))
-    (answer,) = [r for r in group.call("generate", **req) if r.get("tokens")]
+    (answer,) = [as_rows(r) for r in group.call("generate", **req) if r.get("replica", -1) >= 0]
     assert answer["kv_cache_bytes"] == 5 * per_row  # generator.max_batch_tokens = 5 rows
     assert [list(t) for t in answer["tokens"]] == got["tokens"]
 

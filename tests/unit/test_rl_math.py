@@ -220,7 +220,7 @@ def _entropy_rank(rank: int, store: str, logits: torch.Tensor, weights: torch.Te
         mine = logits[..., rank * half:(rank + 1) * half].clone().requires_grad_()
         got = rl_loss.vocab_parallel_entropy(mine, dist.group.WORLD)
         (got * weights).sum().backward()
-        out.put((rank, got.detach(), mine.grad))
+        out.put((rank, got.detach().numpy(), mine.grad.numpy()))  # by value: a tensor's shared storage dies with its process
     finally:
         dist.destroy_process_group()
 
@@ -240,7 +240,7 @@ def test_the_vocab_parallel_entropy_and_its_gradient_over_two_ranks_are_the_whol
     procs = [ctx.Process(target=_entropy_rank, args=(r, str(tmp_path / "store"), logits, weights, out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    results = dict((r, (e, g)) for r, e, g in (out.get(timeout=60) for _ in procs))
+    results = {r: (torch.from_numpy(e), torch.from_numpy(g)) for r, e, g in (out.get(timeout=600) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

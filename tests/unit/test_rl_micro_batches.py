@@ -123,7 +123,7 @@ def _tp_rank(rank: int, store: str, logits: torch.Tensor, labels: torch.Tensor, 
         logp, ent = logprobs.vocab_parallel_logprobs(mine * 1, labels, 0.7, entropy=True, group=dist.group.WORLD,
                                                      chunk=3)
         ((logp * weights[0]).sum() + (ent * weights[1]).sum()).backward()
-        out.put((rank, logp.detach(), ent.detach(), mine.grad))
+        out.put((rank, logp.detach().numpy(), ent.detach().numpy(), mine.grad.numpy()))  # by value (see test_rl_math)
     finally:
         dist.destroy_process_group()
 
@@ -145,7 +145,7 @@ def test_over_two_tensor_parallel_ranks_each_has_the_whole_vocabularys_numbers_a
              for r in (0, 1)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=60) for _ in procs]
+    results = [(r, *map(torch.from_numpy, arrays)) for r, *arrays in (out.get(timeout=600) for _ in procs)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
