@@ -428,3 +428,19 @@ def sync_generator(group: RankGroup, version: int, bucket_bytes: int = 1 << 20) 
     per_rank = [gen_calls.SYNC_WEIGHTS.encode_request(gen_calls.SyncWeights(
         pieces=tuple(reshard.for_rank(pieces, r)), version=version)) for r in range(group.world_size)]
     return group.call_each("sync_weights", per_rank)
+
+
+def greedy_reference(model: Any, prompts: Any, new: int) -> list[list[int]]:
+    """A reference greedy loop: the whole sequence forward again for every new token (no KV
+    cache), the argmax of the gathered logits; each prompt's ``new`` tokens."""
+    import torch
+
+    seq = torch.tensor([list(p) for p in prompts])
+    with torch.no_grad():
+        for _ in range(new):
+            n = seq.shape[1]
+            positions = torch.arange(n).unsqueeze(0).expand(seq.shape[0], -1)
+            causal = torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)  # the keys it may not see
+            nxt = model(seq, positions, causal, runtime_gather_output=True)[:, -1].argmax(-1)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+    return seq[:, len(prompts[0]):].tolist()

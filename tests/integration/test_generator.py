@@ -17,7 +17,7 @@ from core.flows import calls as gen_calls
 from core.flows import reshard
 from core.wire.contract import NO_ARGS
 from tests.helpers import as_rows, ints
-from tests.integration.gpt_harness import RankGroup, gpt_config
+from tests.integration.gpt_harness import RankGroup, gpt_config, greedy_reference
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 PROMPTS = ((3, 4, 5, 6), (20, 21, 22, 23), (50, 51, 52, 53), (7, 9, 11, 13))
@@ -47,18 +47,7 @@ def _weights(task: Any) -> tuple[list[tuple[TensorSlice, np.ndarray]], list[tupl
 
 def _plain_greedy(task: Any, prompts: tuple[tuple[int, ...], ...], new: int) -> list[list[int]]:
     """A reference loop: the whole sequence forward again for every token, no KV cache."""
-    import torch
-
-    seq = torch.tensor(prompts)
-    def causal(n: int) -> torch.Tensor:  # True above the diagonal: the keys a position may not see
-        return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)
-
-    with torch.no_grad():
-        for _ in range(new):
-            positions = torch.arange(seq.shape[1]).unsqueeze(0).expand(seq.shape[0], -1)
-            nxt = task.role("rollout").model.model(seq, positions, causal(seq.shape[1]), runtime_gather_output=True)[:, -1].argmax(-1)
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-    return seq[:, len(prompts[0]):].tolist()
+    return greedy_reference(task.role("rollout").model.model, prompts, new)
 
 
 def _generate(g: RankGroup, prompts: tuple[tuple[int, ...], ...] = PROMPTS, **kw: Any) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ import pytest
 
 from core.flows import calls as gen_calls
 from tests.helpers import as_rows, ints
-from tests.integration.gpt_harness import RankGroup, gpt_config, sync_generator
+from tests.integration.gpt_harness import RankGroup, gpt_config, greedy_reference, sync_generator
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(600)]
 N, NEW, PAD = 6, 10, 127  # prompt length (left-padded), new tokens, the pad id
@@ -78,19 +78,7 @@ def decode_on_rank(task: Any, *, which: str, how: dict[str, Any], prompts: list[
 
 def plain_greedy_on_rank(task: Any, prompts: list[tuple[int, ...]]) -> list[list[int]]:
     """The reference: the whole sequence forward again for every token, the argmax of the gathered logits."""
-    import torch
-
-    model = _model(task, "actor")
-    seq = torch.tensor(prompts)
-    def causal(n: int) -> torch.Tensor:  # True above the diagonal: the keys a position may not see
-        return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)
-
-    with torch.no_grad():
-        for _ in range(NEW):
-            positions = torch.arange(seq.shape[1]).unsqueeze(0).expand(seq.shape[0], -1)
-            nxt = model(seq, positions, causal(seq.shape[1]), runtime_gather_output=True)[:, -1].argmax(-1)
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-    return seq[:, len(prompts[0]):].tolist()
+    return greedy_reference(_model(task, "actor"), prompts, NEW)
 
 
 def split_sampler_on_rank(task: Any) -> list[tuple[list[int], list[int], float]]:
