@@ -167,12 +167,13 @@ def test_estale_past_the_retries_at_a_requeued_resume_is_recovered_with_the_good
 
 def test_a_worker_killed_mid_run_leaves_the_redone_steps_records_marked_superseded(
         tmp_path: Path, submitted: list[Submitted], reference) -> None:
-    # state.json's step every step, and 100 ms steps: the kill lands between the checkpoints at
-    # 10 and 20, so the steps from 10 to the lost one are redone
+    # state.json's step every step, and steps of at least 300 ms: the kill, sent once step 11 is
+    # seen, lands between the checkpoints at 10 and 20 (nine steps, 2.7 s, of margin on a busy
+    # machine), so the steps from 10 to the lost one are redone
     r = Submitted(tmp_path, ["trainer.steps=30", "checkpoint.interval_steps=10", "trainer.log_interval_steps=1", *FAST],
-                  env={"BATON_FAULTS": "data_delay_ms=100"})
+                  env={"BATON_FAULTS": "data_delay_ms=300"})
     submitted.append(r)
-    r.wait_step(12)
+    r.wait_step(11)
     os.kill(r.worker_pid(1), signal.SIGKILL)
     assert r.finish() == 0, r.output
     resumed = r.events("resumed")[-1]["step"]
