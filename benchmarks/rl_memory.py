@@ -6,8 +6,8 @@
 One process builds the actor as a worker does (GPTTask, experiments/grpo_tiny.yaml at tp1
 pp1 dp1, fp32 on this CPU) with a model whose head dominates: vocabulary 32,768, hidden 64,
 2 layers, 2 attention heads, rows of prompt 512 + response 2,048 tokens (--quick: 128 +
-512). Each variant (micro-batch rows, entropy bonus on or off; with ``rl.max_tokens_per_micro_batch``
-where this Baton has it, a token budget too) takes one warm-up optimizer step
+512). Each variant (micro-batch rows, entropy bonus on or off; and a token budget,
+``rl.max_tokens_per_micro_batch``, of two rows) takes one warm-up optimizer step
 (core.model.gpt.policy.policy_step: Adam's moments exist afterwards), then one measured step.
 
 Measured: the bytes held before the step (the actor's parameters, gradient buffers and
@@ -95,9 +95,8 @@ def _batch(cfg: config_mod.RunConfig) -> rl_calls.PolicyBatch:
 def _variants(base: config_mod.RunConfig) -> dict[str, list[str]]:
     out = {f"micro {m}{', entropy' if e else ''}": [f"training.micro_batch_size={m}", f"rl.entropy_coef={e}"]
            for m, e in ((1, 0), (1, 0.01), (2, 0), (2, 0.01))}
-    if hasattr(base.rl, "max_tokens_per_micro_batch"):  # the token budget: two whole rows
-        row = base.rl.prompt_length + base.rl.max_response_length
-        out["token budget 2 rows, entropy"] = [f"rl.max_tokens_per_micro_batch={2 * row}", "rl.entropy_coef=0.01"]
+    row = base.rl.prompt_length + base.rl.max_response_length  # the token budget: two whole rows
+    out["token budget 2 rows, entropy"] = [f"rl.max_tokens_per_micro_batch={2 * row}", "rl.entropy_coef=0.01"]
     return out
 
 
