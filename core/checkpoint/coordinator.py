@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,6 +64,7 @@ class Pending:
     tmp: Path
     started: float  # perf_counter
     loop: LoopState  # what the manifest records of the controller's loop
+    attached: dict[str, Any] = dataclasses.field(default_factory=dict)  # the controller's files: name → size, checksum
 
 
 class CheckpointCoordinator:
@@ -139,12 +141,16 @@ class CheckpointCoordinator:
         return step in manifest.committed_steps(self.root)
 
     # --- save -------------------------------------------------------------------------------
-    def save(self, loop: LoopState, *, blocking: bool = False, timeout_s: float | None = None) -> None:
-        """Order every rank to write its shard of ``loop.step``; commit once all have acked."""
+    def save(self, loop: LoopState, *, blocking: bool = False, timeout_s: float | None = None,
+             attachments: Mapping[str, bytes] | None = None) -> None:
+        """Order every rank to write its shard of ``loop.step``; commit once all have acked.
+        ``attachments``: files of the controller's (name → bytes) written into the step's folder
+        first, their sizes and checksums in the manifest (``meta.attachments``), verified with it."""
         self.drain()
         step = loop.step
         loop = dataclasses.replace(loop, epoch=self.group.epoch, generation=self.group.generation)
         tmp = tmp_step_dir(self.root, step)
+        attached = {name: _attach(tmp / name, data) for name, data in (attachments or {}).items()}
         attrs = calls.ShardAttrs(step=step, layout=self.group.dims.describe(), config_hash=self.model_hash)
         async_save = self.async_save and not blocking
         t0 = time.perf_counter()
@@ -152,10 +158,10 @@ class CheckpointCoordinator:
                                                             async_save=async_save),
                                 timeout_s=timeout_s or self.timeout_s)
         if async_save:
-            self._pending = Pending(step=step, tmp=tmp, started=t0, loop=loop)
+            self._pending = Pending(step=step, tmp=tmp, started=t0, loop=loop, attached=attached)
             self.record.append(ev.CheckpointStarted(step=step, blocked_s=round(time.perf_counter() - t0, 3)))
             return
-        self._commit(Pending(step=step, tmp=tmp, started=t0, loop=loop), [s.ack for s in saved])
+        self._commit(Pending(step=step, tmp=tmp, started=t0, loop=loop, attached=attached), [s.ack for s in saved])
 
     def poll(self) -> None:
         """Commit the async save in flight if every rank has made its shard durable."""
@@ -216,6 +222,7 @@ class CheckpointCoordinator:
             "dims": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
             "config_hash": self.model_hash,
             "loop": p.loop.to_meta(),
+            **({"attachments": p.attached} if p.attached else {}),
         }
         retired: list[int] = []
         try:
@@ -234,3 +241,16 @@ class CheckpointCoordinator:
         log.info("checkpoint of step %d committed in %.2f s (%.1f MB)", p.step, seconds, nbytes / 1e6)
         if self.on_commit is not None:
             self.on_commit(seconds, nbytes)
+
+
+def _attach(path: Path, data: bytes) -> dict[str, Any]:
+    """Write one of the controller's files into a save's folder (durable before the commit)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size_bytes": len(data), "checksum": manifest.file_checksum(path)}

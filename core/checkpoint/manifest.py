@@ -228,21 +228,43 @@ def verify(step_dir: Path, *, checksums: bool = True) -> list[str]:
     except CheckpointError as exc:
         return [str(exc)]
     problems = []
-    for f in manifest.files:
-        path = step_dir / f.name
+    entries = [(f.name, f.size_bytes, f.checksum, f"rank {f.rank}'s shard") for f in manifest.files]
+    entries += [(name, int(a["size_bytes"]), str(a["checksum"]), "the controller's attachment")
+                for name, a in sorted(attachments(manifest).items())]
+    for name, size_bytes, checksum, what in entries:
+        path = step_dir / name
         try:
             size = storage_io(path, lambda p=path: os.stat(p).st_size)  # type: ignore[misc]
-            actual = file_checksum(path) if checksums and size == f.size_bytes else f.checksum
+            actual = file_checksum(path) if checksums and size == size_bytes else checksum
         except FileNotFoundError:
-            problems.append(f"{path}: missing (rank {f.rank}'s shard)")
+            problems.append(f"{path}: missing ({what})")
             continue
         except OSError as exc:
             raise unreadable(path, exc) from None
-        if size != f.size_bytes:
-            problems.append(f"{path}: size {size} bytes, manifest says {f.size_bytes} (truncated or overwritten)")
-        elif actual != f.checksum:
-            problems.append(f"{path}: checksum {actual}, manifest says {f.checksum} (the bytes are corrupt)")
+        if size != size_bytes:
+            problems.append(f"{path}: size {size} bytes, manifest says {size_bytes} (truncated or overwritten)")
+        elif actual != checksum:
+            problems.append(f"{path}: checksum {actual}, manifest says {checksum} (the bytes are corrupt)")
     return problems
+
+
+def attachments(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """The files the controller wrote into the checkpoint beside the rank files (``meta.attachments``:
+    name → size and checksum; an RL run's rollouts not yet trained on)."""
+    found = manifest.meta.get("attachments") or {}
+    return found if isinstance(found, dict) else {}
+
+
+def read_attachment(step_dir: Path, name: str) -> bytes | None:
+    """The bytes of attachment ``name`` of a committed checkpoint (verified with it), or None
+    when the checkpoint has none of that name."""
+    if name not in attachments(read_manifest(step_dir)):
+        return None
+    path = Path(step_dir) / name
+    try:
+        return storage_io(path, path.read_bytes)
+    except OSError as exc:
+        raise unreadable(path, exc) from None
 
 
 def latest_valid(root: Path, *, verify: bool = True, log: logging.Logger | None = None) -> Path | None:

@@ -182,6 +182,9 @@ class RLConfig:
     gamma: float = bounded(1.0, ge=0, le=1)  # ppo: GAE's discount
     lam: float = bounded(1.0, ge=0, le=1)  # ppo: GAE's lambda
     critic: CriticConfig = field(default_factory=CriticConfig)
+    # split placement: the rollout of step t + 1 overlaps step t's update; no rollout comes from a
+    # policy more than max_staleness versions older than the one it updates (0: synchronous)
+    max_staleness: int = bounded(0, ge=0, le=2**10)
 
     def __post_init__(self) -> None:
         check_bounds(self, "rl")

@@ -298,6 +298,10 @@ def _check_rl(cfg: RunConfig) -> None:
         raise ConfigError(f"rl.reward: {rl.reward} compares the response's text with each record's answer, but "
                           f"rl.task is {rl.task!r}; set rl.task=file with rl.prompts, or another reward")
     rl_spec.check_task(rl, vocab_size=cfg.model.vocab_size, init_from=cfg.init_from)
+    if rl.max_staleness and cfg.generator.placement != "split":
+        raise ConfigError(f"rl.max_staleness: {rl.max_staleness} overlaps the rollout with the update, which needs the "
+                          f"rollout on workers of its own (generator.placement is {cfg.generator.placement!r}); set "
+                          "generator.placement=split, or rl.max_staleness=0")
     ppo_only = [k for k, v, default in (("rl.gamma", rl.gamma, 1.0), ("rl.lam", rl.lam, 1.0),
                                         ("rl.critic", rl.critic, rl_spec.CriticConfig())) if v != default]
     if cfg.program != "ppo" and ppo_only:

@@ -35,7 +35,7 @@ from core.checkpoint.spec import TensorSlice
 from core.config import tokvocab
 from core.config.run import RunConfig
 from core.controller.group import WorkerGroup
-from core.controller.roles import RoleGroup, Span
+from core.controller.roles import Call, RoleGroup, Span
 from core.data.tokenizer import load_tokenizer, text_before_stop
 from core.errors import UserError
 from core.flows import calls as gen_calls
@@ -185,11 +185,17 @@ class GeneratorFlow:
     def _generate(self, req: gen_calls.Generate) -> list[gen_calls.Generated]:
         """GENERATE on every replica, each with its share of the prompts: every ``dp``-th, from
         its own index on; one answer per replica."""
+        return self._answers(self._start(req, timeout_s=self.cfg.timeouts.step_s))
+
+    def _start(self, req: gen_calls.Generate, *, timeout_s: float) -> Call[gen_calls.Generated]:
         shares = []
         for indices in self._shares(len(req.prompts)):
             pads = tuple(req.pads[i] for i in indices) if req.pads else ()
             shares.append(dataclasses.replace(req, prompts=req.prompts.take(indices), indices=indices, pads=pads))
-        parts = self.generator.call_each(gen_calls.GENERATE, shares, timeout_s=self.cfg.timeouts.step_s)
+        return self.generator.start_each(gen_calls.GENERATE, shares, timeout_s=timeout_s)
+
+    def _answers(self, call: Call[gen_calls.Generated]) -> list[gen_calls.Generated]:
+        parts = call.wait()
         # Generated.kv_cache_bytes: the largest KV cache the replica allocated in the call (0: none measured)
         self._kv_cache_bytes = max(self._kv_cache_bytes, *(p.kv_cache_bytes for p in parts))
         return parts
@@ -206,11 +212,34 @@ class GeneratorFlow:
 
     def rollout(self, req: gen_calls.Generate) -> Responses:
         """Continue ``req.prompts`` (spread over the replicas); each prompt's tokens and log-probs, in order."""
-        parts = self._generate(req)  # one per replica, in replica order (Collect.OWNERS)
+        return self.start_rollout(req, timeout_s=self.cfg.timeouts.step_s).wait()
+
+    def start_rollout(self, req: gen_calls.Generate, *, timeout_s: float) -> PendingRollout:
+        """``rollout`` without waiting: GENERATE sent to every replica; ``wait()`` gives the
+        responses. The generator's ranks serve their calls in order: a sync started later
+        runs after it."""
+        return PendingRollout(self, self._start(req, timeout_s=timeout_s), len(req.prompts))
+
+    def _responses(self, call: Call[gen_calls.Generated], rows: int) -> Responses:
+        parts = self._answers(call)  # one per replica, in replica order (Collect.OWNERS)
         if [p.replica for p in parts] != list(range(self.dims.dp)):
             raise RuntimeError(f"generator answers from replicas {[p.replica for p in parts]}, not in replica order")
-        shares = self._shares(len(req.prompts))
+        shares = self._shares(rows)
         return Responses(gathered([p.tokens for p in parts], shares), gathered([p.logprobs for p in parts], shares))
+
+
+class PendingRollout:
+    """A rollout in flight on the generator group (``GeneratorFlow.start_rollout``)."""
+
+    def __init__(self, flow: GeneratorFlow, call: Call[gen_calls.Generated], rows: int) -> None:
+        self.flow, self.call, self.rows = flow, call, rows
+
+    def done(self) -> bool:
+        return self.call.done()
+
+    def wait(self) -> Responses:
+        """Each prompt's tokens and log-probs, in order, once every replica has answered."""
+        return self.flow._responses(self.call, self.rows)
 
 
 def _keep_until(run: RunFolder, step: int) -> None:

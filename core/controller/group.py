@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from core.config.run import TimeoutsConfig
@@ -33,6 +34,23 @@ from core.wire import protocol, transport
 from core.wire.contract import Method, Req, Res
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A call sent and not yet waited for (``WorkerGroup.start_ranks``): its answers so far
+    by rank, filled in as they arrive."""
+
+    req: int
+    method: Method[Any, Any]
+    ranks: tuple[int, ...]
+    timeout_s: float
+    deadline: float
+    results: dict[int, Any]
+
+    def answered(self) -> bool:
+        """Every rank has answered (a result; an error is seen by ``wait``)."""
+        return len(self.results) >= len(self.ranks)
 
 
 class WorkerGroup:
@@ -153,13 +171,22 @@ class WorkerGroup:
         WorkerLostError (heartbeats stopped) or CallTimeoutError (the deadline passed), each
         naming the ranks concerned.
         """
+        return self.wait(self.start_ranks(method, per_rank, timeout_s=timeout_s))
+
+    def start_ranks(self, method: Method[Req, Res], per_rank: Mapping[int, Req], *,
+                    timeout_s: float | None = None) -> Pending:
+        """Send ``method`` to the ranks of ``per_rank`` and return at once: the call's handle,
+        which ``wait`` completes. Answers that arrive meanwhile are kept (by the pump thread or
+        another call's wait), so calls to other ranks run while this one does; its deadline
+        counts from now."""
         timeout_s = self.timeouts.call_s if timeout_s is None else timeout_s
         with self._lock:
             self._raise_if_lost()
             req = self._next_req
             self._next_req += 1
-            results: dict[int, Any] = {}
-            self._inflight[req] = results
+            pending = Pending(req=req, method=method, ranks=tuple(per_rank), timeout_s=timeout_s,
+                              deadline=time.monotonic() + timeout_s, results={})
+            self._inflight[req] = pending.results
             try:
                 encoded: dict[int, list[Any]] = {}  # ranks handed the same request share its encoding
                 send, peers = self.sock.send, self.peers
@@ -171,13 +198,29 @@ class WorkerGroup:
                     peer = peers[rank]
                     if not send(peer.identity, frames):
                         self._declare_lost(peer, f"connection closed: {diagnose(peer.host, peer.pid, settle_s=2.0)}")
-                self._wait(req, method.name, results, per_rank, timeout_s)
+            except BaseException:
+                self._forget(req)
+                raise
+        return pending
+
+    def wait(self, pending: Pending) -> dict[int, Any]:
+        """Every rank's typed result of a started call (see ``call_ranks`` for what it raises)."""
+        with self._lock:
+            try:
+                if pending.req not in self._inflight:
+                    raise WorkerLostError(f"{pending.method.name}: the call was abandoned when the workers were reset "
+                                          f"(generation {self.generation})", ranks=list(pending.ranks))
+                self._wait(pending.req, pending.method.name, pending.results, pending.ranks, pending.timeout_s,
+                           pending.deadline)
                 if not self._all_started:
-                    self._mark_started(results)
-                return self._typed(req, method, results, len(per_rank))
+                    self._mark_started(pending.results)
+                return self._typed(pending.req, pending.method, pending.results, len(pending.ranks))
             finally:
-                del self._inflight[req]
-                self._errors.pop(req, None)
+                self._forget(pending.req)
+
+    def _forget(self, req: int) -> None:
+        self._inflight.pop(req, None)
+        self._errors.pop(req, None)
 
     def _mark_started(self, results: dict[int, Any]) -> None:
         for rank in results:
@@ -201,9 +244,10 @@ class WorkerGroup:
             raise self._remote_error(method.name, errors, n)
         return typed
 
-    def _wait(self, req: int, method: str, results: dict[int, Any], expected: dict[int, Any], timeout_s: float) -> None:
-        """Receive until every rank in ``expected`` answered ``req`` (or raise)."""
-        deadline = time.monotonic() + timeout_s
+    def _wait(self, req: int, method: str, results: dict[int, Any], expected: tuple[int, ...], timeout_s: float,
+              deadline: float) -> None:
+        """Receive until every rank in ``expected`` answered ``req`` (or raise at ``deadline``,
+        ``timeout_s`` after the call was sent)."""
         check = min(self.timeouts.heartbeat_interval_s, 0.1)
         n = len(expected)
         error_deadline: float | None = None

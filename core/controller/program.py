@@ -38,11 +38,13 @@ from core.config.runplan import RunPlan
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
 from core.controller.rl_program import RLStep
+from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
 from core.controller.roles import RoleGroup, Span
 from core.controller.saving import SavePolicy
 from core.controller.stop import StopPolicy, StopRequest
 from core.controller.sync_policy import SyncPolicy
 from core.errors import UserError
+from core.job import faults
 from core.record import events as ev
 from core.record import steps as step_records
 from core.record.memory import MemoryReport
@@ -93,7 +95,7 @@ class Program:
         gen = self.plan.generator
         self.generator = None if gen is None else RoleGroup(self.workers, gen)
         self.saves = SavePolicy(self.checkpoints, self.cfg.checkpoint, total_steps=self.cfg.trainer.steps,
-                                loop_of=self._loop_state)
+                                loop_of=self._loop_state, attach=self._attachments)
 
     def run_all(self) -> StopRequest | None:
         """The whole run; returns the stop request that ended it early, None when it finished."""
@@ -113,7 +115,7 @@ class Program:
                     self.rewards = Scorer(rl.reward, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s)
                 self.rewards.start()  # a reward that cannot be loaded fails here, before the first RL step
                 self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards)
-                self.rl.restore(loop)
+                self.rl.restore(loop, self._resumed_from)
                 self._validate_pending(step_records.read(self.run.metrics))
         stop = self.train()
         if stop is None:
@@ -209,6 +211,7 @@ class Program:
             record = dataclasses.replace(self._record(step, results, wall), **extra)
             done = step + 1
             if self.flow is not None and self.flow.due(done):
+                self._rollouts_done()  # the generator's ranks are free for the sync
                 gap = max(self.flow.sync(done), record.sync_logprob_maxdiff or 0.0)
                 record = dataclasses.replace(record, sync_logprob_maxdiff=gap, **self.flow.sent)
                 if self.rl is None:  # an RL program's samples.jsonl holds its validation responses
@@ -221,6 +224,7 @@ class Program:
             if self.flow is not None:  # the generations' KV cache (baton plan --check compares it)
                 record = dataclasses.replace(record, gen_kv_cache_mb=self.flow.take_kv_cache_mb())
             step_records.append(self.run.metrics, record)
+            faults.at_point(step, "between")  # tests: a stop that lands between two steps
             if self.sync is not None:
                 self.record.append(*self.sync.observe(done, request, record))
             self._observe(record, wall)
@@ -240,6 +244,7 @@ class Program:
         in ``phase_s`` as ``val``."""
         assert self.rl is not None
         t0 = time.perf_counter()
+        self._rollouts_done()  # the generator's ranks are free for the sync to the validated policy
         fields = self.rl.validation.run(done)
         self._val_s = time.perf_counter() - t0
         return dataclasses.replace(record, **fields, phase_s={**(record.phase_s or {}), "val": round(self._val_s, 4)})
@@ -305,6 +310,17 @@ class Program:
             self.trainer.call(calls.AVERAGE, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
             self.sync.averaged()
         self.saves.at_stop(step, self.last_loss, self.stop.time_budget_s(self.cfg.timeouts.checkpoint_s))
+
+    def _rollouts_done(self) -> None:
+        """Wait for the rollouts in flight (rl.max_staleness), if any."""
+        if self.rl is not None:
+            self.rl.rollouts.drain()
+
+    def _attachments(self) -> dict[str, bytes]:
+        """The program's files in a checkpoint: the rollouts started and not yet trained on
+        (complete: those in flight are waited for)."""
+        data = None if self.rl is None else self.rl.rollouts.to_bytes()
+        return {} if data is None else {ROLLOUTS_FILE: data}
 
     def _loop_state(self, step: int, loss: float | None) -> LoopState:
         """What a checkpoint of ``step`` records of the loop: the policy version (the step the

@@ -49,6 +49,7 @@ travels in each checkpoint's loop state.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -64,13 +65,16 @@ from core.checkpoint.loop import LoopState
 from core.config import tokvocab
 from core.config.plan import count_params
 from core.config.run import RunConfig
-from core.controller.generation import GeneratorFlow
+from core.controller.generation import GeneratorFlow, PendingRollout, Responses
+from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
+from core.controller.rollouts import Rollouts
 from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
 from core.controller.validation import Validation
 from core.data.tokenizer import text_before_stop
 from core.errors import CheckpointError, ConfigError
 from core.flows import calls as gen_calls
+from core.job import faults
 from core.rl import advantages, tasks
 from core.rl.reward_pool import Scorer
 from core.rl.rewards import Sample
@@ -79,6 +83,7 @@ from core.wire.contract import NO_ARGS
 from core.wire.ragged import TOKENS, Ragged, gathered, joined
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RLStep:
@@ -111,14 +116,21 @@ class RLStep:
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
+        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps)  # started ahead (rl.max_staleness)
         if kl.enabled:
             self.checkpoints.pinned.add(self.reference_step)
 
     # --- state a checkpoint keeps (LoopState.kl_coef) -----------------------------------------
-    def restore(self, loop: LoopState) -> None:
-        """The adaptive coefficient where the checkpoint left it (a fixed one is the config's)."""
+    def restore(self, loop: LoopState, step_dir: Path | None) -> None:
+        """The adaptive coefficient where the checkpoint left it (a fixed one is the config's),
+        and the rollouts it kept (started, not yet trained on: rl.max_staleness)."""
         if self.kl.target is not None and isinstance(loop.kl_coef, (int, float)):
             self.kl.value = float(loop.kl_coef)
+        data = None if step_dir is None else manifest.read_attachment(step_dir, ROLLOUTS_FILE)
+        if data is not None and self.cfg.rl.max_staleness:
+            self.rollouts.restore(data, where=step_dir / ROLLOUTS_FILE)  # type: ignore[operator]
+        elif data is not None:
+            log.warning("%s: rollouts kept for rl.max_staleness > 0 are not used by this synchronous run", step_dir)
 
     def load_reference(self, step: int, loss: float | None) -> None:
         """Before the first RL step of an allocation: the reference policy from its checkpoint
@@ -150,18 +162,7 @@ class RLStep:
         cfg, rl = self.cfg, self.cfg.rl
         phases: dict[str, float] = {}
         synced: dict[str, int] = {}  # the sync's bytes sent, when this step syncs
-        with _timed(phases, "sync"):
-            if self.generator.version != step:  # no probe: the gap on this step's responses is recorded
-                self.generator.sync(step, probe=False)
-                synced = self.generator.sent
-        with _timed(phases, "generate"):
-            asked = self._ask(step)
-            prompts = Ragged.of([a.tokens for a in asked for _ in range(rl.n)], TOKENS)
-            pads = [a.pad for a in asked for _ in range(rl.n)]  # each left-padded prompt's pads, masked out
-            done = self.generator.rollout(gen_calls.Generate(
-                prompts=prompts, max_new_tokens=rl.max_response_length, temperature=rl.temperature,
-                top_k=rl.top_k, top_p=rl.top_p, eos=self.stop, seed=(cfg.seed * 7919 + step) * 1009 + 7,
-                pads=tuple(pads))).until(self.stop)
+        asked, prompts, pads, done, version = self._rollout(step, phases, synced)
         responses = done.tokens.tolist()  # the rewards read Python tokens (and text)
         with _timed(phases, "reward"):
             scores = self.rewards(asked, responses, per=rl.n)
@@ -179,6 +180,7 @@ class RLStep:
         else:  # every response token its response's advantage (float32: what the workers compute in)
             per_row = advantages.grpo(scores, [i // rl.n for i in range(len(prompts))], norm_by_std=rl.norm_adv_by_std)
             adv = Ragged(values=np.repeat(per_row.astype(np.float32), lengths), lengths=lengths)
+        faults.at_point(step, "updating")
         with _timed(phases, "update"):
             kl_now, results, steps = self._update(step, sequences, adv, pads, old, ref)
         owners = self.trainer.owners(results)
@@ -186,12 +188,60 @@ class RLStep:
         if kl_now is not None:
             self.kl.update(kl_now, len(sequences))
         extra = dict(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
-                     **_lengths(responses, self.stop), policy_version=step,
+                     **_lengths(responses, self.stop), policy_version=version, staleness=step - version,
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
                      optimizer_steps=steps, **synced, sync_logprob_maxdiff=_max_gap(old, done.logprobs))
         return results, extra
+
+    def _rollout(self, step: int, phases: dict[str, float], synced: dict[str, int]
+                 ) -> tuple[list[tasks.Asked], Ragged, list[int], Responses, int]:
+        """Step ``step``'s prompts, their pads, the responses (up to their stop tokens) and the
+        policy version they come from. Synchronous (``rl.max_staleness: 0``): the generator
+        synced to this step's policy, then the rollout. Else the rollout started ahead
+        (core.controller.rollouts), and at a block's first step the next ones started."""
+        rl = self.cfg.rl
+        asked = self._ask(step)
+        prompts = Ragged.of([a.tokens for a in asked for _ in range(rl.n)], TOKENS)
+        pads = [a.pad for a in asked for _ in range(rl.n)]  # each left-padded prompt's pads, masked out
+        if not rl.max_staleness:
+            with _timed(phases, "sync"):
+                if self.generator.version != step:  # no probe: the gap on this step's responses is recorded
+                    self.generator.sync(step, probe=False)
+                    synced.update(self.generator.sent)
+            with _timed(phases, "generate"):
+                done = self.generator.rollout(self._generate_request(step, prompts, pads))
+            return asked, prompts, pads, done.until(self.stop), step
+        if self.rollouts.block_starts(step):
+            with _timed(phases, "wait"):  # the generator is idle once the rollouts it works on are done
+                self.rollouts.drain()
+            with _timed(phases, "sync"):
+                if self.generator.version != step:
+                    self.generator.sync(step, probe=False)
+                    synced.update(self.generator.sent)
+            for ahead in self.rollouts.to_start(step, self.cfg.trainer.steps):
+                self.rollouts.add(ahead, step, self._start_rollout(ahead))
+        with _timed(phases, "generate"):  # what is left of this step's rollout
+            rollout = self.rollouts.take(step)
+        faults.at_point(step, "generating")  # the next rollout is in flight (tests: a stop lands here)
+        return asked, prompts, pads, rollout.wait().until(self.stop), rollout.version
+
+    def _start_rollout(self, step: int) -> PendingRollout:
+        """Step ``step``'s rollout, started on the generator (it samples with the step's keys)."""
+        rl = self.cfg.rl
+        asked = self._ask(step)
+        prompts = Ragged.of([a.tokens for a in asked for _ in range(rl.n)], TOKENS)
+        pads = [a.pad for a in asked for _ in range(rl.n)]
+        # queued behind the rollouts started before it: its deadline allows for them
+        return self.generator.start_rollout(self._generate_request(step, prompts, pads),
+                                            timeout_s=self.cfg.timeouts.step_s * (rl.max_staleness + 1))
+
+    def _generate_request(self, step: int, prompts: Ragged, pads: list[int]) -> gen_calls.Generate:
+        rl = self.cfg.rl
+        return gen_calls.Generate(prompts=prompts, max_new_tokens=rl.max_response_length, temperature=rl.temperature,
+                                  top_k=rl.top_k, top_p=rl.top_p, eos=self.stop,
+                                  seed=(self.cfg.seed * 7919 + step) * 1009 + 7, pads=tuple(pads), step=step)
 
     def _critic(self, step: int, sequences: Ragged, pads: list[int], lengths: np.ndarray, scores: list[float],
                 phases: dict[str, float]) -> tuple[Ragged, dict[str, Any]]:

@@ -9,6 +9,9 @@ method and what to send:
     scores = trainer.call_each(SCORE_ROWS, [share_0, share_1])     # one request per replica;
                                                                    # list[RowScores], one per replica
     synced = span.call_each(SYNC_WEIGHTS, {rank: pieces, ...})     # several groups' ranks at once
+    rollout = generator.start_each(GENERATE, shares)              # a handle: the program goes on,
+    ...                                                           # the trainer computes meanwhile
+    parts = rollout.wait()                                         # then its results
 
 Both sit on the one ``WorkerGroup`` (core.controller.group) that talks to every worker
 process; what a rank holds and where it runs comes from the plan, never from arithmetic here.
@@ -16,12 +19,12 @@ process; what a rank holds and where it runs comes from the plan, never from ari
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from core.config.dims import ParallelDims
 from core.config.roles import RolePlan
 from core.controller import dispatch
-from core.controller.group import WorkerGroup
+from core.controller.group import Pending, WorkerGroup
 from core.wire.contract import NO_ARGS, Dispatch, Method
 
 Req = TypeVar("Req")
@@ -58,15 +61,25 @@ class RoleGroup:
     def call(self, method: Method[Req, Res], request: Req = NO_ARGS, *,  # type: ignore[assignment]
              timeout_s: float | None = None) -> list[Res]:
         """``method`` (dispatched to all its ranks) with ``request``; the results it collects."""
-        per_rank = dispatch.requests(method, self.plan, request, each=False)
-        return dispatch.collected(method, self.plan, self.workers.call_ranks(method, per_rank, timeout_s=timeout_s))
+        return self.start(method, request, timeout_s=timeout_s).wait()
 
     def call_each(self, method: Method[Req, Res], requests: Sequence[Req], *,
                   timeout_s: float | None = None) -> list[Res]:
         """``method`` with one request per rank (``Dispatch.EACH``) or per data replica
         (``Dispatch.REPLICAS``), in order; the results it collects."""
+        return self.start_each(method, requests, timeout_s=timeout_s).wait()
+
+    def start(self, method: Method[Req, Res], request: Req = NO_ARGS, *,  # type: ignore[assignment]
+              timeout_s: float | None = None) -> Call[Res]:
+        """``call`` without waiting: the call's handle (``wait()`` gives what ``call`` returns)."""
+        per_rank = dispatch.requests(method, self.plan, request, each=False)
+        return Call(self, self.workers.start_ranks(method, per_rank, timeout_s=timeout_s))
+
+    def start_each(self, method: Method[Req, Res], requests: Sequence[Req], *,
+                   timeout_s: float | None = None) -> Call[Res]:
+        """``call_each`` without waiting: the call's handle."""
         per_rank = dispatch.requests(method, self.plan, requests, each=True)
-        return dispatch.collected(method, self.plan, self.workers.call_ranks(method, per_rank, timeout_s=timeout_s))
+        return Call(self, self.workers.start_ranks(method, per_rank, timeout_s=timeout_s))
 
     def owners(self, results: Sequence[Res]) -> list[Res]:
         """One result per data replica (its loss owner's) of every rank's results."""
@@ -75,6 +88,24 @@ class RoleGroup:
     def rendezvous(self) -> tuple[str, int]:
         """The torch.distributed rendezvous of the group's first rank: its host, a free port there."""
         return self.workers.rendezvous_of(self.plan.first_rank)
+
+
+class Call(Generic[Res]):
+    """A group call in flight (``RoleGroup.start``): the program goes on and ``wait``s for its
+    results when it needs them; meanwhile other groups' calls run. Its ranks serve their
+    calls in the order they were sent."""
+
+    def __init__(self, group: RoleGroup, pending: Pending) -> None:
+        self.group, self.pending = group, pending
+
+    def done(self) -> bool:
+        """Every rank has answered (``wait`` then returns at once)."""
+        return self.pending.answered()
+
+    def wait(self) -> list[Res]:
+        """The results the method collects, as ``RoleGroup.call`` returns them (or its error)."""
+        method = self.pending.method
+        return dispatch.collected(method, self.group.plan, self.group.workers.wait(self.pending))
 
 
 class Span:

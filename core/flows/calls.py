@@ -66,6 +66,7 @@ class Generate:
     seed: int = 0  # with a prompt's index: the seed of the generator it samples from
     indices: tuple[int, ...] = ()  # each prompt's index in the run's prompt set (default 0, 1, ...)
     pads: tuple[int, ...] = ()  # each prompt's leading pad tokens, masked out (default: none)
+    step: int = -1  # an RL step's rollout: its step (logs, BATON_FAULTS' generate faults); -1 otherwise
 
     def __post_init__(self) -> None:
         self.prompts.expect(TOKENS, "Generate.prompts")

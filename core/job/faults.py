@@ -17,6 +17,16 @@
                            runtime_error       a RuntimeError of unknown cause, the same on every rank
                            type_error          the same TypeError on every rank: a bug
                            user_error          the same UserError on every rank: a bad input
+    generate_delay_ms=N    every generator rank sleeps N ms in each GENERATE of an RL step's rollout:
+                           a generator whose time stands for an accelerator that does not compete
+                           for this machine's cores (benchmarks/rl_async.py, the overlap's tests)
+    kill_at_generate=S     the generator's first rank kills itself (SIGKILL) in the GENERATE of
+                           step S's rollout, once per run folder (a marker file): a lost worker
+    sigterm_at=S:POINT[,S:POINT...]  the controller sends SIGTERM to the process that started it
+                           (the local launcher: a user's kill) at POINT of RL step S, once per run
+                           folder each: ``generating`` (step S's rollout taken, the next one in
+                           flight), ``updating`` (before step S's update), ``between`` (after step
+                           S's record, before the next step)
 
 Unset (the normal case), nothing sleeps or raises. A malformed setting raises at the first
 step, naming it.
@@ -26,6 +36,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
 import socket
 import struct
 import threading
@@ -35,7 +46,9 @@ from pathlib import Path
 from core.errors import UserError
 
 ENV = "BATON_FAULTS"
-KEYS = ("data_delay_ms", "compute_delay_ms", "sync_delay_ms", "manifest_eio", "manifest_estale", "raise_at_step")
+KEYS = ("data_delay_ms", "compute_delay_ms", "sync_delay_ms", "manifest_eio", "manifest_estale", "raise_at_step",
+        "generate_delay_ms", "kill_at_generate", "sigterm_at")
+POINTS = ("generating", "updating", "between")
 KINDS = ("conn_reset", "collective_timeout", "runtime_error", "type_error", "user_error")
 
 
@@ -47,7 +60,12 @@ def _settings() -> dict[str, str]:
         if not sep or key not in KEYS:
             raise ValueError(f"{ENV}: {item!r} is not one of data_delay_ms=N, compute_delay_ms=RANK:N, "
                              f"sync_delay_ms=N, manifest_eio=N, manifest_estale=N, raise_at_step=STEP:KIND "
-                             f"(KIND: {', '.join(KINDS)})")
+                             f"(KIND: {', '.join(KINDS)}), generate_delay_ms=N, kill_at_generate=STEP, "
+                             f"sigterm_at=STEP:POINT (POINT: {', '.join(POINTS)})")
+        if key == "sigterm_at" and not all(p.partition(":")[0].isdigit() and p.partition(":")[2] in POINTS
+                                           for p in value.split(",")):
+            raise ValueError(f"{ENV}: {item!r}: give sigterm_at=STEP:POINT[,STEP:POINT] with POINT one of "
+                             f"{', '.join(POINTS)}")
         if key == "raise_at_step" and (value.partition(":")[2] not in KINDS or not value.partition(":")[0].isdigit()):
             raise ValueError(f"{ENV}: {item!r}: give raise_at_step=STEP:KIND with KIND one of {', '.join(KINDS)}")
         out[key] = value
@@ -119,6 +137,35 @@ def raise_at_step(step: int, rank: int) -> None:
     if kind == "user_error":
         raise UserError(f"injected bad input at step {step} ({ENV} raise_at_step); fix the input")
     raise TypeError(f"injected TypeError at step {step} ({ENV})")
+
+
+def generate(step: int, first: bool) -> None:
+    """In a generator rank's GENERATE of step ``step``'s rollout (``first``: the replica's first
+    rank): ``generate_delay_ms``, ``kill_at_generate``."""
+    settings = _settings()
+    if step < 0:
+        return
+    _sleep_ms(settings.get("generate_delay_ms"))
+    at = settings.get("kill_at_generate")
+    if first and at and int(at) == step and _once(f"fault-killed-generate-{step}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def at_point(step: int, point: str) -> None:
+    """The controller at ``point`` of RL step ``step``: ``sigterm_at``'s SIGTERM to its parent."""
+    value = _settings().get("sigterm_at")
+    if value and f"{step}:{point}" in value.split(",") and _once(f"fault-sigterm-{step}-{point}"):
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def _once(name: str) -> bool:
+    """True the first time ``name`` is asked for in this run folder (a marker file there)."""
+    marker = Path(os.environ["BATON_RUN_DIR"]) / name
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _connection_reset() -> None:

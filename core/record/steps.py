@@ -62,6 +62,7 @@ class StepRecord:
     stopped_frac: float | None = None  # of the responses that ended at a stop token (rl.stop, count_to's eot)
     clip_frac: float | None = None
     policy_version: int | None = None  # the policy that generated this step's responses
+    staleness: int | None = None  # step - policy_version: how many updates the responses' policy lags (rl.max_staleness)
     kl: float | None = None  # the actor's KL estimate to the reference (rl.kl.estimator): a token mean over
     # the first epoch's responses whatever rl.loss_agg_mode (the loss's KL term is aggregated by the mode)
     kl_coef: float | None = None  # the KL coefficient this step's update used
@@ -83,7 +84,7 @@ _FIELDS = {f.name for f in dataclasses.fields(StepRecord)}
 OPTIONAL_PER_RANK = ("data_wait_s", "grad_sync_s", "compute_s", "cuda_peak_mb", "rss_peak_mb", "sync_logprob_maxdiff",
                      "gen_kv_cache_mb", "sync_bytes_sent_max", "sync_bytes_sent_total",
                      "reward_mean", "reward_std", "response_length", "response_length_min",
-                     "response_length_max", "stopped_frac", "clip_frac", "policy_version", "kl", "kl_coef", "entropy", "ratio_max",
+                     "response_length_max", "stopped_frac", "clip_frac", "policy_version", "staleness", "kl", "kl_coef", "entropy", "ratio_max",
                      "optimizer_steps", "phase_s", "value_loss", "values_mean", "val_reward_mean", "val_reward_mean_sampled")
 
 

@@ -19,6 +19,7 @@ import dataclasses
 
 from core.config.roles import RolePlan
 from core.flows import calls as gen_calls
+from core.job import faults
 from core.model.gpt import model as model_mod
 from core.model.gpt.roles.base import Rank, Role
 from core.model.gpt.rollout import Rollout
@@ -57,10 +58,15 @@ class RolloutRole(Role):
     def handlers(self) -> Handlers:
         return {
             gen_calls.SCORE: lambda req: self._ready().score(req),
-            gen_calls.GENERATE: lambda req: self._ready().generate(req),
+            gen_calls.GENERATE: self._generate,
             gen_calls.STAGE: lambda req: self._vllm().stage(req),
             **self.rank.link_handlers(),
         }
+
+    def _generate(self, req: gen_calls.Generate) -> gen_calls.Generated:
+        model = self._ready()
+        faults.generate(req.step, self.plan.local(self.rank.ctx.rank) == 0)
+        return model.generate(req)
 
     def _ready(self) -> Rollout | VLLMRollout:
         self.rank.linked()  # refuses a call before SETUP

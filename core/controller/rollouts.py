@@ -1,0 +1,122 @@
+"""The rollouts an RL run has asked of the generator and not yet trained on (``rl.max_staleness``).
+
+With ``rl.max_staleness: k > 0`` (split placement) the generator works ahead of the trainer
+on a fixed schedule, so that the policy each rollout comes from is a function of the step
+alone, never of timing:
+
+    at the RL phase's first step w, and every k steps after it (a block's first step t):
+        wait for every rollout still in flight, sync the generator to the trainer's policy
+        (version t), then start the rollouts of steps t + 1 .. t + k (and t's own at w)
+    every step s: train on rollout s (from policy t = s - (s - w) % k, or s - k at a block's
+    first step): its staleness, s - its version, is at most k
+
+With k = 1 every step is a block's first: rollout s + 1 is generated from policy s while the
+trainer updates policy s on rollout s (verl's one-step-off-policy). The generator's ranks
+serve their calls in order, so a sync started after a rollout runs after it.
+
+A checkpoint of step s keeps the rollouts started and not yet trained on (steps s .. s + k - 1
+at most): the controller waits for those in flight (``drain``), and writes their tokens,
+log-probs and versions into the step's folder (``ATTACHMENT``: a .npz, its size and checksum
+in the manifest). A resume at s loads them back (``restore``) and trains on exactly what the
+uninterrupted run did; a run stopped or killed between checkpoints resumes from the last one,
+whose rollouts are complete. Prompts and sampling keys are functions of the step, so nothing
+else is kept.
+"""
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.controller.generation import PendingRollout, Responses
+from core.errors import CheckpointError
+from core.wire.ragged import FLOATS, TOKENS, Ragged
+
+log = logging.getLogger(__name__)
+
+ATTACHMENT = "rollouts.npz"  # in a checkpoint's step folder, beside the rank files
+
+
+@dataclass
+class Rollout:
+    """One step's rollout: the policy version it is generated from, in flight or done."""
+
+    step: int
+    version: int
+    pending: PendingRollout | None = None
+    done: Responses | None = None
+
+    def wait(self) -> Responses:
+        if self.done is None:
+            assert self.pending is not None
+            self.done, self.pending = self.pending.wait(), None
+        return self.done
+
+
+class Rollouts:
+    """The started rollouts by step (at most ``k + 1``), in the order they were started."""
+
+    def __init__(self, staleness: int, first_rl_step: int) -> None:
+        self.k, self.first = staleness, first_rl_step
+        self.by_step: dict[int, Rollout] = {}
+
+    def block_starts(self, step: int) -> bool:
+        """``step`` begins a block: the generator is synced and the next rollouts started."""
+        return step == self.first or (step - self.first) % self.k == 0 or step not in self.by_step
+
+    def to_start(self, step: int, total: int) -> list[int]:
+        """The steps whose rollouts a block beginning at ``step`` starts (none past the run's end)."""
+        return [s for s in range(step, min(step + self.k + 1, total)) if s not in self.by_step]
+
+    def add(self, step: int, version: int, pending: PendingRollout) -> None:
+        self.by_step[step] = Rollout(step, version, pending=pending)
+
+    def take(self, step: int) -> Rollout:
+        """Step ``step``'s rollout, waited for; it leaves the queue."""
+        rollout = self.by_step.pop(step)
+        rollout.wait()
+        return rollout
+
+    def drain(self) -> None:
+        """Wait for every rollout in flight (the generator is then idle)."""
+        for rollout in self.by_step.values():
+            rollout.wait()
+
+    def clear(self) -> None:
+        self.by_step.clear()
+
+    # --- in a checkpoint ----------------------------------------------------------------
+    def to_bytes(self) -> bytes | None:
+        """The complete rollouts as one .npz (None when there are none): each step's version,
+        tokens and log-probs (a Ragged's values and lengths)."""
+        self.drain()
+        if not self.by_step:
+            return None
+        arrays: dict[str, np.ndarray] = {"steps": np.array(sorted(self.by_step), dtype=np.int64)}
+        arrays["versions"] = np.array([self.by_step[s].version for s in sorted(self.by_step)], dtype=np.int64)
+        for s in sorted(self.by_step):
+            done = self.by_step[s].wait()
+            for name, rows in (("tokens", done.tokens), ("logprobs", done.logprobs)):
+                arrays[f"{s}.{name}.values"], arrays[f"{s}.{name}.lengths"] = rows.values, rows.lengths
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    def restore(self, data: bytes, *, where: Path) -> None:
+        """The rollouts a checkpoint kept (``to_bytes``), complete."""
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                self.by_step = {}
+                for s, v in zip(z["steps"].tolist(), z["versions"].tolist(), strict=True):
+                    tokens = Ragged(values=z[f"{s}.tokens.values"].astype(TOKENS, copy=False),
+                                    lengths=z[f"{s}.tokens.lengths"])
+                    logprobs = Ragged(values=z[f"{s}.logprobs.values"].astype(FLOATS, copy=False),
+                                      lengths=z[f"{s}.logprobs.lengths"])
+                    self.by_step[int(s)] = Rollout(int(s), int(v), done=Responses(tokens, logprobs))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{where}: the rollouts the checkpoint kept cannot be read ({exc})") from exc
+        log.info("restored %d rollout(s) not yet trained on from %s: steps %s", len(self.by_step), where,
+                 sorted(self.by_step))
