@@ -56,6 +56,9 @@ length, longest first, as many as keep rows × the longest within that many toke
 longer than it alone); either way each micro-batch is padded to its own longest row, not to
 ``model.seq_length``, and the log-probs and entropy take ``LOGIT_CHUNK_TOKENS`` positions
 at a time (core.model.gpt.logprobs).
+``max_staleness`` (split placement only): the rollouts run up to that many policy versions
+ahead of the trainer on a fixed schedule (core.controller.rollouts): with 1, step t + 1's
+rollout is generated from policy t while policy t is updated; 0 (the default) is synchronous.
 Every log-prob (the rollout's, the old policy's, the reference's, the update's) and the
 entropy are of the distribution sampled from at ``temperature``: log-softmax of logits /
 ``temperature``, before top-k / top-p truncation (as verl computes them).

@@ -2,7 +2,9 @@
 
 A ``WorkerGroup`` owns one ROUTER socket. Exactly one thread uses the socket at a time
 (a lock): the program's thread while it is inside ``call``, otherwise a small pump thread
-that records heartbeats and notices lost workers between calls. Each worker connects
+that records heartbeats and notices lost workers between calls. A call may be started
+(``start_ranks``) and waited for later (``wait``): its answers are kept as they arrive, by
+whichever thread holds the socket. Each worker connects
 twice: its call socket (identity I) and its heartbeat socket (identity I + b"/hb"); the
 controller's own heartbeats and aborts go to the latter. Liveness: a worker is
 lost when its heartbeats stop for ``heartbeat_timeout_s`` (exit, SIGSTOP, a hung host all

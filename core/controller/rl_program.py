@@ -35,6 +35,10 @@ rl.temperature, the old policy's from SCORE_ROWS against GENERATE's own). With
 (``RLStep.validation``, core.controller.validation), scored by ``RLStep.rewards`` as the
 step's own responses are.
 
+With ``rl.max_staleness: k > 0`` the rollouts are started ahead (core.controller.rollouts):
+a step's sync and rollout are those of its block, and its responses come from a policy at
+most k versions older (the step record's ``policy_version`` and ``staleness``).
+
 Everything a step draws is keyed by (seed, step): prompts, and the sampling of each
 response (seed, step, response index). A run resumed at step k asks and samples exactly
 what the uninterrupted run did at step k, from the restored policy (the generator is
