@@ -185,17 +185,17 @@ class GeneratorFlow:
     def _generate(self, req: gen_calls.Generate) -> list[gen_calls.Generated]:
         """GENERATE on every replica, each with its share of the prompts: every ``dp``-th, from
         its own index on; one answer per replica."""
-        return self._answers(self._start(req, timeout_s=self.cfg.timeouts.step_s))
+        parts = self.generator.call_each(gen_calls.GENERATE, self._requests(req), timeout_s=self.cfg.timeouts.step_s)
+        return self._measured(parts)
 
-    def _start(self, req: gen_calls.Generate, *, timeout_s: float) -> Call[gen_calls.Generated]:
+    def _requests(self, req: gen_calls.Generate) -> list[gen_calls.Generate]:
         shares = []
         for indices in self._shares(len(req.prompts)):
             pads = tuple(req.pads[i] for i in indices) if req.pads else ()
             shares.append(dataclasses.replace(req, prompts=req.prompts.take(indices), indices=indices, pads=pads))
-        return self.generator.start_each(gen_calls.GENERATE, shares, timeout_s=timeout_s)
+        return shares
 
-    def _answers(self, call: Call[gen_calls.Generated]) -> list[gen_calls.Generated]:
-        parts = call.wait()
+    def _measured(self, parts: list[gen_calls.Generated]) -> list[gen_calls.Generated]:
         # Generated.kv_cache_bytes: the largest KV cache the replica allocated in the call (0: none measured)
         self._kv_cache_bytes = max(self._kv_cache_bytes, *(p.kv_cache_bytes for p in parts))
         return parts
@@ -212,16 +212,17 @@ class GeneratorFlow:
 
     def rollout(self, req: gen_calls.Generate) -> Responses:
         """Continue ``req.prompts`` (spread over the replicas); each prompt's tokens and log-probs, in order."""
-        return self.start_rollout(req, timeout_s=self.cfg.timeouts.step_s).wait()
+        return self._responses(self._generate(req), len(req.prompts))
 
     def start_rollout(self, req: gen_calls.Generate, *, timeout_s: float) -> PendingRollout:
         """``rollout`` without waiting: GENERATE sent to every replica; ``wait()`` gives the
         responses. The generator's ranks serve their calls in order: a sync started later
         runs after it."""
-        return PendingRollout(self, self._start(req, timeout_s=timeout_s), len(req.prompts))
+        call = self.generator.start_each(gen_calls.GENERATE, self._requests(req), timeout_s=timeout_s)
+        return PendingRollout(self, call, len(req.prompts))
 
-    def _responses(self, call: Call[gen_calls.Generated], rows: int) -> Responses:
-        parts = self._answers(call)  # one per replica, in replica order (Collect.OWNERS)
+    def _responses(self, parts: list[gen_calls.Generated], rows: int) -> Responses:
+        """One answer per replica, in replica order (Collect.OWNERS), as each prompt's response in order."""
         if [p.replica for p in parts] != list(range(self.dims.dp)):
             raise RuntimeError(f"generator answers from replicas {[p.replica for p in parts]}, not in replica order")
         shares = self._shares(rows)
@@ -239,7 +240,7 @@ class PendingRollout:
 
     def wait(self) -> Responses:
         """Each prompt's tokens and log-probs, in order, once every replica has answered."""
-        return self.flow._responses(self.call, self.rows)
+        return self.flow._responses(self.flow._measured(self.call.wait()), self.rows)
 
 
 def _keep_until(run: RunFolder, step: int) -> None:

@@ -85,6 +85,7 @@ RL_GAUGES = (("reward_mean", "Mean reward"), ("reward_std", "Reward standard dev
              ("kl_coef", "KL coefficient"), ("entropy", "Token-mean entropy of the actor"),
              ("clip_frac", "Fraction of clipped tokens"), ("optimizer_steps", "The actor's optimizer steps in the RL step"),
              ("sync_logprob_maxdiff", "Largest actor vs rollout log-prob gap"), ("policy_version", "Policy version"),
+             ("staleness", "Policy versions the step's rollout lags the actor (rl.max_staleness)"),
              ("value_loss", "The critic's value loss (ppo)"), ("values_mean", "Mean value of the response tokens (ppo)"))
 VAL_GAUGES = (("val_reward_mean", "Mean reward of greedy responses to the held-out prompts"),
               ("val_reward_mean_sampled", "Mean reward of sampled responses to the held-out prompts"))
