@@ -106,6 +106,7 @@ def test_stops_at_three_points_of_the_overlap_resume_to_the_uninterrupted_number
         out = res.stdout + res.stderr
         assert res.returncode == 143 and "continue with `baton submit --resume" in out, out
         stop = history(run, "stopped")[-1]["step"]
+        assert f"run stopped at step {stop}/130" in out, out
         stopped.append(stop)
         # the stop's checkpoint holds the rollout in flight: the next step's, from the policy before it
         assert _kept_rollouts(run / "checkpoints" / manifest.step_dir_name(stop)) == {stop: stop - 1}
