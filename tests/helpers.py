@@ -318,6 +318,10 @@ GENERATOR_RUN = ("trainer.steps=30", "generator.sync_interval_steps=10", "checkp
 GRPO_TRAINING = ("step", "loss", "grad_norm", "reward_mean", "reward_std", "clip_frac", "policy_version", "kl",
                  "kl_coef", "entropy", "ratio_max", "sync_logprob_maxdiff")
 GRPO_NUMBERS = (*GRPO_TRAINING, "val_reward_mean", "val_reward_mean_sampled")
+# experiments/grpo_tiny.yaml with the rollout on a worker of its own, one step ahead of the update
+# (rl.max_staleness=1): the session's async_demo, and the overlap's preempted and recovered runs.
+ASYNC_GRPO = ("generator.placement=split", "generator.workers=1", "rl.max_staleness=1")
+GRPO_ASYNC_NUMBERS = (*GRPO_NUMBERS, "staleness")
 
 
 def numbers(run_dir: Path, keys: tuple[str, ...]) -> list[dict[str, Any]]:

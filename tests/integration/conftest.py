@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import GENERATOR_RUN, LocalRun, baton, make_run, running_in_ci
+from tests.helpers import ASYNC_GRPO, GENERATOR_RUN, LocalRun, baton, make_run, running_in_ci
 from tests.integration import slurm_helpers
 
 START_HINT = "start one with `bash tests/cluster/slurm-cluster.sh install && bash tests/cluster/slurm-cluster.sh start`"
@@ -86,6 +86,18 @@ def grpo_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     session: the local GRPO tests and the Slurm one compare against it)."""
     root = tmp_path_factory.mktemp("grpo")
     res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={root}", "--backend", "local", timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next((root / "grpo-tiny").glob("*"))
+
+
+@pytest.fixture(scope="session")
+def async_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """experiments/grpo_tiny.yaml with ASYNC_GRPO (rl.max_staleness=1: rollout s + 1 from policy s
+    while the trainer updates on rollout s), uninterrupted, on the local backend (once per
+    session: the overlap's preempted, recovered and Slurm runs compare against it)."""
+    root = tmp_path_factory.mktemp("grpo-async")
+    res = baton("submit", "experiments/grpo_tiny.yaml", f"runs_root={root}", *ASYNC_GRPO, "--backend", "local",
+                timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     return next((root / "grpo-tiny").glob("*"))
 

@@ -1,28 +1,31 @@
-"""GRPO on the real local Slurm cluster, the rollout split into a component of its own:
-ONE het job of three components (controller on node1; the actor's 2 workers on node2,
-partition low; the rollout's worker on node3, partition multi). A job on ``high`` preempts
-node2 during the RL phase: the controller checkpoints at the step boundary, the job is
-requeued as a whole, the actor and the reference are restored, the rollout re-synced from
-the restored actor, and the run ends with the numbers and the final actor weights of the
-colocated demo on the local backend (the session's ``grpo_demo``), bit for bit: prompts and
-sampling are keyed by seed and step, so no prompt is repeated or skipped.
+"""GRPO on the real local Slurm cluster with the rollout one step ahead of the update
+(``rl.max_staleness: 1``) in a component of its own: ONE het job of three components
+(controller on node1; the actor's 2 workers on node2, partition low; the rollout's worker on
+node3, partition multi). A job on ``high`` preempts node2 during the RL phase, whatever the
+overlap is doing then: the controller waits for the rollout in flight and checkpoints it with
+the step (``rollouts.npz``), the job is requeued as a whole, the actor, the reference and
+that rollout are restored, the rollout's worker re-synced from the restored actor, and the
+run ends with the numbers and the final actor weights of the same run uninterrupted on the
+local backend (the session's ``async_demo``), bit for bit: prompts, sampling and each
+step's policy version are functions of the step, so no prompt is repeated or skipped.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.helpers import GRPO_NUMBERS, checkpoint_weights, history, numbers, read_state
+from core.checkpoint import manifest
+from tests.helpers import ASYNC_GRPO, GRPO_ASYNC_NUMBERS, checkpoint_weights, history, numbers, read_state
 from tests.integration import slurm_helpers as sh
 
 pytestmark = pytest.mark.slurm
-SPLIT = ["checkpoint.interval_steps=0", "generator.placement=split", "generator.workers=1"]
+SPLIT = ["checkpoint.interval_steps=0", *ASYNC_GRPO]
 RUN_S = 240.0
 
 
 @pytest.mark.timeout(900)
-def test_grpo_split_on_slurm_preempted_mid_rl_resumes_to_the_demo_numbers(
-        slurm_cluster, slurm_jobs, shared_tmp, grpo_demo) -> None:
+def test_grpo_overlapped_on_slurm_preempted_mid_rl_resumes_to_the_uninterrupted_numbers(
+        slurm_cluster, slurm_jobs, shared_tmp, async_demo) -> None:
     problem = sh.cluster_problem(("node1", "node2", "node3"))
     if problem is not None:
         pytest.fail(f"the local cluster needs node3 for the rollout's component: {problem}")
@@ -38,8 +41,13 @@ def test_grpo_split_on_slurm_preempted_mid_rl_resumes_to_the_demo_numbers(
     assert done["restarts"] >= 1 and history(run, "resumed")[0]["step"] == pre["step"]
     roles = {r["rank"]: (r["role"], r["node"]) for r in done["ranks"]}
     assert roles == {0: ("trainer", "node2"), 1: ("trainer", "node2"), 2: ("generator", "node3")}, roles
-    assert numbers(run, GRPO_NUMBERS) == numbers(grpo_demo, GRPO_NUMBERS)
-    mine, theirs = checkpoint_weights(run, 130), checkpoint_weights(grpo_demo, 130)
+    # the stop's checkpoint kept the rollout in flight (the next step's, from the policy before it), and the
+    # resume trained on it
+    step_dir = run / "checkpoints" / manifest.step_dir_name(pre["step"])
+    assert manifest.verify(step_dir) == [] and manifest.read_attachment(step_dir, "rollouts.npz") is not None
+    assert numbers(run, GRPO_ASYNC_NUMBERS) == numbers(async_demo, GRPO_ASYNC_NUMBERS)
+    mine, theirs = checkpoint_weights(run, 130), checkpoint_weights(async_demo, 130)
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
     log = (run / "logs" / "controller.log").read_text()
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout
+    assert f"{manifest.step_dir_name(pre['step'])}/rollouts.npz: steps [{pre['step']}]" in log

@@ -1,0 +1,153 @@
+"""GRPO with the rollout one step ahead of the update (``rl.max_staleness: 1``, the rollout on
+a worker of its own): experiments/grpo_tiny.yaml learns to count, and a run stopped or
+broken anywhere in the overlap ends with the uninterrupted run's numbers.
+
+The schedule (core/controller/rollouts.py): at the RL phase's first step (30) the generator is
+synced to policy 30 and starts rollouts 30 and 31; at every later step s it waits for the
+rollouts in flight, is synced to policy s and starts rollout s + 1, while the trainer updates
+policy s on rollout s, which policy s - 1 generated. Every step's policy version is thus a
+function of the step alone, and so are its prompts and sampling keys: a run preempted at
+any point (SIGTERM to the local ``baton submit`` while the next rollout is being generated,
+before the update, between two steps) resumes from the stop's checkpoint, which holds the
+rollout in flight (``rollouts.npz``), to the same losses, rewards, KL, entropy and policy
+versions bit for bit, and the same actor weights; so does a run whose generator worker is
+killed mid-rollout (the controller restarts the workers and resumes from the last checkpoint).
+The reference is the session's ``async_demo`` (tests/integration/conftest.py); the Slurm
+variant is tests/integration/test_grpo_slurm.py.
+"""
+from __future__ import annotations
+
+import io
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.checkpoint import manifest
+from core.record import steps
+from tests.helpers import (
+    ASYNC_GRPO,
+    GRPO_ASYNC_NUMBERS,
+    GRPO_TRAINING,
+    baton,
+    checkpoint_weights,
+    history,
+    metrics,
+    numbers,
+    run_folder,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+EXPERIMENT = "experiments/grpo_tiny.yaml"
+PHASES = {"wait", "sync", "generate", "reward", "old", "ref", "update"}
+# the same recovery settings as the other killed-worker tests (tests.helpers.GENERATOR_RUN)
+FAST_RECOVERY = ("recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3",
+                 "timeouts.controller_lost_s=6")
+
+
+def _same_weights(run: Path, reference: Path) -> None:
+    mine, theirs = checkpoint_weights(run, 130), checkpoint_weights(reference, 130)
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+
+
+def _kept_rollouts(step_dir: Path) -> dict[int, int]:
+    """The rollouts a checkpoint kept (rollouts.npz, verified against its manifest): step → version."""
+    assert manifest.verify(step_dir) == []  # rollouts.npz's size and checksum among the rest
+    data = manifest.read_attachment(step_dir, "rollouts.npz")
+    assert data is not None, f"{step_dir} holds no rollouts"
+    with np.load(io.BytesIO(data)) as z:
+        return dict(zip(z["steps"].tolist(), z["versions"].tolist(), strict=True))
+
+
+def test_staleness_one_on_the_counting_demo_learns_from_rollouts_one_version_old(
+        async_demo: Path, grpo_demo: Path) -> None:
+    rows = metrics(async_demo)
+    assert [r["step"] for r in rows] == list(range(130))
+    rl = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in rl] == list(range(30, 130))
+    # the schedule: step 30 trains on its own policy's rollout, every later step s on policy s - 1's
+    assert [r["policy_version"] for r in rl] == [30, *range(30, 129)]
+    assert all(r["staleness"] == r["step"] - r["policy_version"] for r in rl)
+    assert [r["staleness"] for r in rl] == [0] + [1] * 99
+    first, last = (statistics.fmean(r["reward_mean"] for r in part) for part in (rl[:10], rl[-10:]))
+    assert first <= 0.45 and last >= 0.85, (first, last)
+    assert all(set(r["phase_s"]) == PHASES and r["optimizer_steps"] == 2 for r in rl)
+    assert statistics.fmean(r["entropy"] for r in rl[-10:]) < statistics.fmean(r["entropy"] for r in rl[:10])
+    assert rl[0]["kl"] == 0.0 and max(r["kl"] for r in rl) > 0
+    # The actor's old log-probs are its own (policy s); the rollout's are those of the policy it
+    # came from: equal at step 30, apart at every later step (the rows really are one version old).
+    assert rl[0]["sync_logprob_maxdiff"] <= 1e-5 and min(r["sync_logprob_maxdiff"] for r in rl[1:]) > 1e-5
+    # Against the synchronous demo: the same warm start and the same first RL step (its rollout is
+    # policy 30's in both); from step 31 on another algorithm (rollout 31 is policy 30's here).
+    sync = {r["step"]: r for r in metrics(grpo_demo)}
+    assert all({k: r.get(k) for k in GRPO_TRAINING} == {k: sync[r["step"]].get(k) for k in GRPO_TRAINING}
+               for r in rows[:31])
+    assert [r["reward_mean"] for r in rl[1:]] != [sync[r["step"]]["reward_mean"] for r in rl[1:]]
+    status = baton("status", str(async_demo)).stdout
+    assert "generator: 1 on 1 node: local (rank 2)" in status, status
+
+
+STOPS = ((45, "generating"), (70, "updating"), (100, "between"))  # (RL step, point of the overlap)
+
+
+def test_stops_at_three_points_of_the_overlap_resume_to_the_uninterrupted_numbers(
+        async_demo: Path, tmp_path: Path) -> None:
+    """SIGTERM to the local ``baton submit`` (BATON_FAULTS sigterm_at: the controller signals its
+    parent) during step 45's next rollout, before step 70's update and after step 100's record;
+    each stop checkpoints at the step boundary (the only checkpoints: interval_steps=0) with the
+    rollout in flight, and ``baton submit --resume`` goes on from there."""
+    env = {"BATON_FAULTS": "sigterm_at=" + ",".join(f"{s}:{point}" for s, point in STOPS)}
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", *ASYNC_GRPO, "checkpoint.interval_steps=0",
+                "--backend", "local", env=env, timeout=800)
+    run = run_folder(res)
+    stopped: list[int] = []
+    for _ in STOPS:
+        out = res.stdout + res.stderr
+        assert res.returncode == 143 and "continue with `baton submit --resume" in out, out
+        stop = history(run, "stopped")[-1]["step"]
+        assert f"run stopped at step {stop}/130" in out, out
+        stopped.append(stop)
+        # the stop's checkpoint holds the rollout in flight: the next step's, from the policy before it
+        assert _kept_rollouts(run / "checkpoints" / manifest.step_dir_name(stop)) == {stop: stop - 1}
+        res = baton("submit", "--resume", str(run), "--backend", "local", env=env, timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # each stop landed after the step it was sent at, before the next one was sent
+    ends = [s for s, _ in STOPS[1:]] + [130]
+    assert all(s < stop <= end for (s, _), stop, end in zip(STOPS, stopped, ends, strict=True)), stopped
+    assert [e["step"] for e in history(run, "preempted")] == stopped
+    assert [e["step"] for e in history(run, "resumed")] == stopped  # from the stops' own checkpoints
+    assert not any(superseded for _, superseded in steps.entries(run / "metrics.jsonl"))  # no step redone
+    assert numbers(run, GRPO_ASYNC_NUMBERS) == numbers(async_demo, GRPO_ASYNC_NUMBERS)
+    _same_weights(run, async_demo)
+    log = (run / "logs" / "controller.log").read_text()  # each resume trained on the rollout its stop kept
+    unused = [stop for stop in stopped if f"step_{stop:08d}/rollouts.npz: steps [{stop}]" not in log]
+    assert not unused, f"the rollouts kept at steps {unused} were not restored"
+
+
+KILL_AT = 57  # the generator's rank dies in the GENERATE of this step's rollout (started at step 56)
+
+
+def test_a_generator_worker_killed_mid_rollout_is_restarted_and_the_numbers_are_unchanged(
+        async_demo: Path, tmp_path: Path) -> None:
+    """BATON_FAULTS kill_at_generate (reaching the workers through ``baton submit``'s environment):
+    the generator's only rank SIGKILLs itself mid-rollout; the controller's recovery restarts
+    every worker and resumes from the last checkpoint (step 40), whose rollout it kept, and
+    the run completes by itself with the uninterrupted run's numbers."""
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", *ASYNC_GRPO, "checkpoint.interval_steps=20",
+                *FAST_RECOVERY, "--backend", "local", env={"BATON_FAULTS": f"kill_at_generate={KILL_AT}"}, timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = run_folder(res)
+    assert [(e["rank"], e["failure"]) for e in history(run, "worker_lost")] == [(2, "worker_lost")]
+    assert [e["generation"] for e in history(run, "restarting_workers")] == [1]
+    assert [e["generation"] for e in history(run, "workers_ready")] == [0, 1]
+    assert [e["step"] for e in history(run, "resumed")] == [40]
+    assert numbers(run, GRPO_ASYNC_NUMBERS) == numbers(async_demo, GRPO_ASYNC_NUMBERS)
+    _same_weights(run, async_demo)
+    # the steps the loss undid (40 up to the rollout's step at most) were redone to the same numbers
+    entries = steps.entries(run / "metrics.jsonl")
+    undone = [data for data, superseded in entries if superseded]
+    assert [d["step"] for d in undone] == list(range(40, 40 + len(undone))) and 40 < 40 + len(undone) <= KILL_AT
+    final = {r["step"]: r for r in metrics(run)}
+    assert all({k: d.get(k) for k in GRPO_ASYNC_NUMBERS} == {k: final[d["step"]].get(k) for k in GRPO_ASYNC_NUMBERS}
+               for d in undone)
