@@ -84,7 +84,8 @@ def common(steps: int, extra: list[str]) -> list[str]:
     """The overrides both runs share (and the calibration run, with its own step count)."""
     return ["generator.placement=split", "generator.workers=1", "rl.prompts_per_step=16",
             f"trainer.steps={WARM + steps}", f"rl.warmup_steps={WARM}", "rl.val_every=0",
-            f"generator.sync_interval_steps={WARM + steps}", "checkpoint.interval_steps=0", "checkpoint.at_end=false", *extra]
+            f"generator.sync_interval_steps={WARM + steps}", "checkpoint.interval_steps=0",
+            "checkpoint.at_end=false", *extra]
 
 
 def medians(steps: list[dict[str, Any]]) -> dict[str, float]:
