@@ -4,20 +4,18 @@ and what each learns, the same run otherwise, measured in the same invocation.
     python benchmarks/rl_async.py [--quick] [--steps N] [--rounds K] [--delay-ms N] [--json PATH] [key=value ...]
 
 Both run experiments/grpo_tiny.yaml (the counting demo: a 30-step supervised warm start, then
-GRPO; 2 trainer ranks) with the generator on a worker process of its own
-(``generator.placement=split generator.workers=1``), 16 prompts × n 8 = 128 rows per RL step
-(``rl.prompts_per_step=16``: the demo's 4 give the trainer ~0.3 s of work a step, beside which
-the fixed per-step costs of any loop (the sync, the reward, the records: ~0.05-0.09 s) would
-bound the gain near 1.7x; with 16 it is ~0.7 s, and the reward rises more smoothly), no
-checkpoints, for ``--steps`` RL steps (default 40; ``--quick`` 20).
-At staleness 0 every step syncs the generator, generates, then trains on it; at staleness 1
-the rollout of step s + 1 is generated from policy s while the trainer computes old log-probs,
-references and updates on rollout s (core/controller/rollouts.py).
+GRPO) with one trainer rank (``trainer.n_gpus_per_node=1``: a core of its own) and the
+generator on a worker process of its own (``generator.placement=split generator.workers=1``),
+16 prompts × n 8 = 128 rows per RL step (``rl.prompts_per_step=16``: the demo's 4 give the
+trainer ~0.25 s of work a step, beside which the fixed per-step costs of any loop (the sync,
+the reward, the records: ~0.05-0.09 s) would bound the gain near 1.7x; with 16 it is ~1 s,
+and the reward rises more smoothly), no checkpoints, for ``--steps`` RL steps (default 30;
+``--quick`` 20).
 
 The generator's time: on this machine the generator would share the trainer's CPU cores, so
 an overlap could only move work around. Here the generator stands for an accelerator that
 does not compete for them: each rollout's GENERATE sleeps N ms on the generator's rank
-(``BATON_FAULTS=generate_delay_ms=N``) after its real, small sampling; the trainer's phases
+(``BATON_FAULTS=generate_delay_ms=N``) before its real, small sampling; the trainer's phases
 (old, ref, update) run for real. N is picked so that the generate phase is about the trainer's
 old + ref + update: a first short synchronous run without the delay (8 RL steps) gives the
 median of each, and N = (old + ref + update) - generate (``--delay-ms`` sets N instead). Both
@@ -26,10 +24,11 @@ runs use the same N.
 The figure is each run's median ``step_time_s`` (metrics.jsonl) over its RL steps after the
 first ``SKIP`` (the first saves the reference policy and, at staleness 1, generates its own
 rollout before the trainer can start). The goal, asserted (exit 1 after printing the table
-and writing --json): the synchronous step over the asynchronous one ≥ 1.6x (with ``--rounds K``
-the two runs alternate K times, the order swapped each round, and the goal is on the median of
-the rounds' ratios). Learning: each run's mean reward over its first ``HEAD`` RL steps and over
-its last ``TAIL``, side by side; asserted that each run ends above its own start, and that
+and writing --json): the synchronous step over the asynchronous one ≥ 1.6x. The two runs
+alternate ``--rounds`` times (default 2, ``--quick`` 1), the order swapped each round, and the
+goal is on the median of the rounds' ratios: the machine's other load drifts between runs.
+Learning: each run's mean reward over its first ``HEAD`` RL steps and over its last ``TAIL``
+(the first round's), side by side; asserted that each run ends above its own start, and that
 every step's ``staleness`` is its run's (0; at staleness 1, 1 for every step after the first).
 """
 from __future__ import annotations
@@ -82,7 +81,7 @@ def baton_run(overrides: list[str], root: Path, delay_ms: int) -> list[dict[str,
 
 def common(steps: int, extra: list[str]) -> list[str]:
     """The overrides both runs share (and the calibration run, with its own step count)."""
-    return ["generator.placement=split", "generator.workers=1", "rl.prompts_per_step=16",
+    return ["trainer.n_gpus_per_node=1", "generator.placement=split", "generator.workers=1", "rl.prompts_per_step=16",
             f"trainer.steps={WARM + steps}", f"rl.warmup_steps={WARM}", "rl.val_every=0",
             f"generator.sync_interval_steps={WARM + steps}", "checkpoint.interval_steps=0",
             "checkpoint.at_end=false", *extra]
@@ -136,14 +135,15 @@ def _kept(r: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="20 RL steps per run")
-    ap.add_argument("--steps", type=int, help="RL steps per run (default 40; --quick 20)")
-    ap.add_argument("--rounds", type=int, default=1, help="the two runs alternate this many times")
+    ap.add_argument("--quick", action="store_true", help="20 RL steps per run, one round")
+    ap.add_argument("--steps", type=int, help="RL steps per run (default 30; --quick 20)")
+    ap.add_argument("--rounds", type=int, help="the two runs alternate this many times (default 2; --quick 1)")
     ap.add_argument("--delay-ms", type=int, help="generate_delay_ms (default: picked by a synchronous run)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = ap.parse_args()
-    steps = args.steps or (20 if args.quick else 40)
+    steps = args.steps or (20 if args.quick else 30)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     if steps < SKIP + HEAD or steps < TAIL + HEAD:
         ap.error(f"--steps: at least {max(SKIP, TAIL) + HEAD}")
     runs: dict[int, list[list[dict[str, Any]]]] = {0: [], 1: []}
