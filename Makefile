@@ -50,6 +50,7 @@ bench: venv
 	$(PY) benchmarks/recovery.py --quick
 	$(PY) benchmarks/weight_sync.py --quick
 	$(PY) benchmarks/rl_step.py --quick
+	$(PY) benchmarks/rl_async.py --quick
 	$(PY) benchmarks/rollout.py --quick
 	$(PY) benchmarks/memory.py --quick
 
