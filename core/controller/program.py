@@ -38,8 +38,8 @@ from core.config.runplan import RunPlan
 from core.controller.generation import GeneratorFlow
 from core.controller.group import WorkerGroup
 from core.controller.rl_program import RLStep
-from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
 from core.controller.roles import RoleGroup, Span
+from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
 from core.controller.saving import SavePolicy
 from core.controller.stop import StopPolicy, StopRequest
 from core.controller.sync_policy import SyncPolicy

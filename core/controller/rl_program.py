@@ -70,9 +70,9 @@ from core.config import tokvocab
 from core.config.plan import count_params
 from core.config.run import RunConfig
 from core.controller.generation import GeneratorFlow, PendingRollout, Responses
+from core.controller.roles import RoleGroup
 from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
 from core.controller.rollouts import Rollouts
-from core.controller.roles import RoleGroup
 from core.controller.saving import SavePolicy
 from core.controller.validation import Validation
 from core.data.tokenizer import text_before_stop
