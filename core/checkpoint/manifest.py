@@ -208,9 +208,10 @@ def read_manifest(step_dir: Path) -> Manifest:
                                         for s in t["slices"]))
             for n, t in doc["tensors"].items()
         }
+        meta = dict(doc.get("meta") or {})
+        _check_attachments(meta.get("attachments"))
         return Manifest(step=int(doc["step"]), time_unix=float(doc["time_unix"]), layout=doc.get("layout"),
-                        config_hash=doc.get("config_hash"), meta=dict(doc.get("meta") or {}),
-                        files=files, tensors=tensors)
+                        config_hash=doc.get("config_hash"), meta=meta, files=files, tensors=tensors)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path}: malformed ({exc!r}); {fix}") from None
 
@@ -246,6 +247,17 @@ def verify(step_dir: Path, *, checksums: bool = True) -> list[str]:
         elif actual != checksum:
             problems.append(f"{path}: checksum {actual}, manifest says {checksum} (the bytes are corrupt)")
     return problems
+
+
+def _check_attachments(found: Any) -> None:
+    """``meta.attachments`` (when present): file names of the step's folder, each with an integer
+    size and a checksum (else ValueError/TypeError/KeyError: the manifest is malformed)."""
+    for name, entry in (found or {}).items():
+        if not isinstance(name, str) or name in ("", ".", "..", MANIFEST_NAME) or "/" in name or "\0" in name:
+            raise ValueError(f"attachment name {name!r} is not a file of the step's folder")
+        size, checksum = entry["size_bytes"], entry["checksum"]
+        if type(size) is not int or size < 0 or not isinstance(checksum, str):
+            raise ValueError(f"attachment {name!r}: {entry!r} is not a size and a checksum")
 
 
 def attachments(manifest: Manifest) -> dict[str, dict[str, Any]]:

@@ -50,10 +50,6 @@ class Pending:
     deadline: float
     results: dict[int, Any]
 
-    def answered(self) -> bool:
-        """Every rank has answered (a result; an error is seen by ``wait``)."""
-        return len(self.results) >= len(self.ranks)
-
 
 class WorkerGroup:
     """N workers that execute what the controller sends."""
@@ -219,6 +215,14 @@ class WorkerGroup:
                 return self._typed(pending.req, pending.method, pending.results, len(pending.ranks))
             finally:
                 self._forget(pending.req)
+
+    def answered(self, pending: Pending) -> bool:
+        """``wait`` on ``pending`` returns or raises without waiting for a worker: every rank has
+        answered (a result or an error), or a reset abandoned the call. Answers arrive while
+        nobody waits through the pump thread."""
+        if pending.req not in self._inflight:
+            return True
+        return len(pending.results) + len(self._errors.get(pending.req, ())) >= len(pending.ranks)
 
     def _forget(self, req: int) -> None:
         self._inflight.pop(req, None)

@@ -99,8 +99,9 @@ class Call(Generic[Res]):
         self.group, self.pending = group, pending
 
     def done(self) -> bool:
-        """Every rank has answered (``wait`` then returns at once)."""
-        return self.pending.answered()
+        """Every rank has answered, with a result or an error, or the call was abandoned by a
+        reset: ``wait`` then returns (or raises) at once."""
+        return self.group.workers.answered(self.pending)
 
     def wait(self) -> list[Res]:
         """The results the method collects, as ``RoleGroup.call`` returns them (or its error)."""

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import io
 import logging
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -109,14 +111,21 @@ class Rollouts:
         """The rollouts a checkpoint kept (``to_bytes``), complete."""
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                self.by_step = {}
+                kept: dict[int, Rollout] = {}
                 for s, v in zip(z["steps"].tolist(), z["versions"].tolist(), strict=True):
-                    tokens = Ragged(values=z[f"{s}.tokens.values"].astype(TOKENS, copy=False),
-                                    lengths=z[f"{s}.tokens.lengths"])
-                    logprobs = Ragged(values=z[f"{s}.logprobs.values"].astype(FLOATS, copy=False),
-                                      lengths=z[f"{s}.logprobs.lengths"])
-                    self.by_step[int(s)] = Rollout(int(s), int(v), done=Responses(tokens, logprobs))
-        except (OSError, ValueError, KeyError) as exc:
+                    responses = Responses(_rows(z, f"{s}.tokens", TOKENS), _rows(z, f"{s}.logprobs", FLOATS))
+                    kept[int(s)] = Rollout(int(s), int(v), done=responses)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a torn or corrupt zip
             raise CheckpointError(f"{where}: the rollouts the checkpoint kept cannot be read ({exc})") from exc
+        self.by_step = kept  # all of them or, on an error, none
         log.info("restored %d rollout(s) not yet trained on from %s: steps %s", len(self.by_step), where,
                  sorted(self.by_step))
+
+
+def _rows(z: Any, name: str, dtype: np.dtype[Any]) -> Ragged:
+    """Array pair ``name`` of a rollouts file as rows of exactly ``dtype`` (never converted: a
+    file of another dtype is not one ``to_bytes`` wrote)."""
+    values = z[f"{name}.values"]
+    if values.dtype != dtype:
+        raise ValueError(f"{name}.values is {values.dtype}, not {dtype}")
+    return Ragged(values=values, lengths=z[f"{name}.lengths"])

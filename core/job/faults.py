@@ -62,6 +62,10 @@ def _settings() -> dict[str, str]:
                              f"sync_delay_ms=N, manifest_eio=N, manifest_estale=N, raise_at_step=STEP:KIND "
                              f"(KIND: {', '.join(KINDS)}), generate_delay_ms=N, kill_at_generate=STEP, "
                              f"sigterm_at=STEP:POINT (POINT: {', '.join(POINTS)})")
+        if key == "generate_delay_ms" and not value.replace(".", "", 1).isdigit():
+            raise ValueError(f"{ENV}: {item!r}: give generate_delay_ms=N, N milliseconds")
+        if key == "kill_at_generate" and not value.isdigit():
+            raise ValueError(f"{ENV}: {item!r}: give kill_at_generate=STEP, an RL step")
         if key == "sigterm_at" and not all(p.partition(":")[0].isdigit() and p.partition(":")[2] in POINTS
                                            for p in value.split(",")):
             raise ValueError(f"{ENV}: {item!r}: give sigterm_at=STEP:POINT[,STEP:POINT] with POINT one of "
@@ -140,8 +144,8 @@ def raise_at_step(step: int, rank: int) -> None:
 
 
 def generate(step: int, first: bool) -> None:
-    """In a generator rank's GENERATE of step ``step``'s rollout (``first``: the replica's first
-    rank): ``generate_delay_ms``, ``kill_at_generate``."""
+    """In a generator rank's GENERATE of step ``step``'s rollout (``first``: the generator
+    group's first rank): ``generate_delay_ms``, ``kill_at_generate``."""
     settings = _settings()
     if step < 0:
         return
@@ -154,7 +158,8 @@ def generate(step: int, first: bool) -> None:
 def at_point(step: int, point: str) -> None:
     """The controller at ``point`` of RL step ``step``: ``sigterm_at``'s SIGTERM to its parent."""
     value = _settings().get("sigterm_at")
-    if value and f"{step}:{point}" in value.split(",") and _once(f"fault-sigterm-{step}-{point}"):
+    due = {(int(at), where) for at, _, where in (p.partition(":") for p in value.split(","))} if value else set()
+    if (step, point) in due and _once(f"fault-sigterm-{step}-{point}"):
         os.kill(os.getppid(), signal.SIGTERM)
 
 

@@ -8,7 +8,7 @@ import pytest
 from core.config import run as config
 from core.config.dims import ParallelDims
 from core.errors import ConfigError, LayoutError
-from tests.helpers import baton
+from tests.helpers import baton, refused_at_submit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -368,3 +368,26 @@ def test_the_two_spellings_of_zero1_agree() -> None:
         assert (p.sharding, p.distributed_optimizer) == ("optimizer", True)
     p = config.from_data({}).parallel
     assert (p.sharding, p.distributed_optimizer) == ("none", False)
+
+
+def test_max_staleness_is_refused_at_submit_with_the_colocated_generator(tmp_path: Path) -> None:
+    """The overlap needs the rollout on workers of its own: colocated, ``baton submit`` says so
+    in one line (key, value, placement, fix), exit 2, before anything is written."""
+    grpo = REPO / "experiments" / "grpo_tiny.yaml"
+    line = refused_at_submit(tmp_path, grpo, "rl.max_staleness=2")
+    assert line == ("rl.max_staleness: 2 overlaps the rollout with the update, which needs the rollout on workers "
+                    "of its own (generator.placement is 'colocated'); set generator.placement=split, or "
+                    "rl.max_staleness=0"), line
+    assert refused_at_submit(tmp_path, grpo, "rl.max_staleness=-1") == "rl.max_staleness: -1 must be ≥ 0"
+
+
+def test_max_staleness_is_accepted_with_split_placement_and_bounded() -> None:
+    assert _grpo().rl.max_staleness == 0 and _grpo("rl.max_staleness=0").rl.max_staleness == 0  # synchronous
+    for k in (1, 3, 2**10):
+        assert _grpo("generator.placement=split", "generator.workers=1", f"rl.max_staleness={k}").rl.max_staleness == k
+    for value, message in (("-1", r"^rl.max_staleness: -1 must be ≥ 0$"), (str(2**10 + 1), r"^rl.max_staleness: 1025")):
+        with pytest.raises(ConfigError, match=message) as err:
+            _grpo("generator.placement=split", "generator.workers=1", f"rl.max_staleness={value}")
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^rl.max_staleness: 1 overlaps the rollout .*'colocated'\); set "):
+        _grpo("rl.max_staleness=1")

@@ -242,6 +242,11 @@ class _Generator:
         return [gen_calls.Generated(replica=0, version=3, tokens=ints(self.tokens),
                                     logprobs=floats((0.0,) * len(t) for t in self.tokens))]
 
+    def start_each(self, method: Any, shares: list[Any], timeout_s: float | None = None) -> SimpleNamespace:
+        """The call's handle (RoleGroup.start_each), answered already."""
+        answers = self.call_each(method, shares, timeout_s)
+        return SimpleNamespace(wait=lambda: answers, done=lambda: True)
+
 
 @pytest.mark.parametrize("eos", [None, 7])
 def test_samples_stop_at_the_folders_stop_tokens_and_carry_their_text(tmp_path: Path, chatml: Path, eos: int | None

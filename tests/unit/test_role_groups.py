@@ -1,8 +1,9 @@
 """The controller's role groups: dispatch and collect as each method declares them, over the
 ranks the plan gives the group; a failing rank's error reaches the caller unchanged.
 
-The worker processes are replaced at the process boundary (``WorkerGroup.call_ranks``): a
-fake that answers each rank with its rank and request, or raises as a worker would.
+The worker processes are replaced at the process boundary (``WorkerGroup.start_ranks`` and
+``wait``): a fake that answers each rank with its rank and request, or raises as a worker
+would, at the call's wait. Calls in flight over real sockets: tests/unit/test_group_calls.py.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from core.config.dims import ParallelDims
 from core.config.roles import RolePlan
+from core.controller.group import Pending
 from core.controller.roles import RoleGroup, Span
 from core.errors import RemoteError
 from core.wire.contract import Collect, Dispatch, Method
@@ -46,14 +48,23 @@ class FakeWorkers:
         self.failing = failing
         self.sent: list[dict[int, Any]] = []
 
-    def call_ranks(self, method: Method[Any, Any], per_rank: Mapping[int, Any], *,
-                   timeout_s: float | None = None) -> dict[int, Any]:
+    def start_ranks(self, method: Method[Any, Any], per_rank: Mapping[int, Any], *,
+                    timeout_s: float | None = None) -> Pending:
         self.sent.append(dict(per_rank))
+        return Pending(req=len(self.sent) - 1, method=method, ranks=tuple(per_rank), timeout_s=timeout_s or 0.0,
+                       deadline=0.0, results={})
+
+    def wait(self, pending: Pending) -> dict[int, Any]:
+        method, per_rank = pending.method, self.sent[pending.req]
         bad = [r for r in per_rank if r in self.failing]
         if bad:
             raise RemoteError(f"{method.name}: rank {bad[0]} raised RuntimeError: boom", bad[0], "RuntimeError",
                               "Traceback ...", method=method.name)
         return {r: Answer(rank=r, v=req.v) for r, req in per_rank.items()}
+
+    def call_ranks(self, method: Method[Any, Any], per_rank: Mapping[int, Any], *,
+                   timeout_s: float | None = None) -> dict[int, Any]:
+        return self.wait(self.start_ranks(method, per_rank, timeout_s=timeout_s))
 
     def rendezvous_of(self, rank: int) -> tuple[str, int]:
         return f"host{rank}", 1000 + rank

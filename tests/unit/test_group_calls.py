@@ -1,0 +1,191 @@
+"""Group calls in flight (core.controller.group ``WorkerGroup.start_ranks`` / ``wait``,
+core.controller.roles ``RoleGroup.start`` / ``Call.wait`` / ``Call.done``): two calls to
+different ranks complete independently, an error surfaces at its call's wait, a reset
+abandons what is pending.
+
+The controller's side is real (ControllerSocket, WorkerGroup, its pump thread); the workers
+are threads of this process on real CURVE ZeroMQ sockets that speak the wire protocol as a
+worker process does (register, heartbeat, answer), so that the test decides when each answer
+is sent: a HOLD call is answered only once the test opens that rank's gate.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from core.config.dims import ParallelDims
+from core.config.roles import RolePlan
+from core.config.run import TimeoutsConfig
+from core.controller.group import WorkerGroup
+from core.controller.roles import RoleGroup
+from core.errors import RemoteError, WorkerLostError
+from core.record.runfolder import RunFolder
+from core.wire import protocol
+from core.wire.contract import Method
+from core.wire.transport import ControllerSocket, WorkerSocket, generate_keys
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ask:
+    v: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    rank: int
+    v: int
+
+
+ECHO = Method("echo", Ask, Answer)  # answered at once
+HOLD = Method("hold", Ask, Answer)  # answered once the rank's gate is open
+BOOM = Method("boom", Ask, Answer)  # the worker raises
+
+
+class Worker(threading.Thread):
+    """One worker rank in a thread: registers with ``rank_hint``, heartbeats from its own
+    socket, serves calls in order until Shutdown or ``stop``."""
+
+    def __init__(self, address: str, keys: Path, rank: int) -> None:
+        super().__init__(name=f"fake-worker-{rank}", daemon=True)
+        self.address, self.keys, self.rank = address, keys, rank
+        self.gate, self.stop = threading.Event(), threading.Event()
+        self.received: list[str] = []  # the methods of the calls it has taken up, in order
+
+    def run(self) -> None:
+        identity = f"fake:{os.getpid()}:{self.rank}".encode()
+        sock = WorkerSocket(self.address, self.keys, identity=identity)
+        hb = WorkerSocket(self.address, self.keys, identity=identity + b"/hb", share_context_with=sock)
+        self._seq = 0
+        try:
+            sock.send(protocol.encode(protocol.Register(rank_hint=self.rank, host=socket.gethostname(), node="fake",
+                                                        pid=os.getpid())))
+            while not self.stop.is_set():
+                self._beat(hb)
+                frames = sock.recv_within(0.05)
+                if frames is None:
+                    continue
+                env = protocol.decode(frames)
+                if isinstance(env.msg, protocol.Shutdown):
+                    return
+                if isinstance(env.msg, protocol.Call):
+                    sock.send(self._answer(env, hb))
+        finally:
+            hb.close()
+            sock.close()
+
+    def _beat(self, hb: WorkerSocket) -> None:
+        self._seq += 1
+        hb.send(protocol.encode(protocol.Heartbeat(seq=self._seq, busy="")))
+        while hb.recv_nowait() is not None:  # the controller's heartbeats
+            pass
+
+    def _answer(self, env: protocol.Envelope, hb: WorkerSocket) -> list[bytes | memoryview]:
+        call = env.msg
+        assert isinstance(call, protocol.Call)
+        self.received.append(call.method)
+        v = int(call.kwargs.get("v", 0))
+        if call.method == HOLD.name:
+            while not self.gate.wait(0.05) and not self.stop.is_set():
+                self._beat(hb)
+        if call.method == BOOM.name:
+            return protocol.encode(protocol.Error(exc_type="RuntimeError", message=f"boom on rank {self.rank}",
+                                                  traceback="Traceback ..."), req_id=env.req_id)
+        return protocol.encode(protocol.Result(value=ECHO.encode_result(Answer(rank=self.rank, v=v))),
+                               req_id=env.req_id)
+
+
+@dataclass
+class Fixture:
+    workers: WorkerGroup
+    ranks: list[Worker]
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[Fixture]:
+    run = RunFolder(tmp_path / "run")
+    run.path.mkdir()
+    generate_keys(run.keys)
+    sock = ControllerSocket(run.keys, bind_host="127.0.0.1")
+    workers = WorkerGroup(sock, world_size=2, epoch=0, timeouts=TimeoutsConfig(), run=run)
+    ranks = [Worker(f"tcp://127.0.0.1:{sock.port}", run.keys, r) for r in range(2)]
+    for w in ranks:
+        w.start()
+    try:
+        workers.wait_for_workers(60)
+        yield Fixture(workers, ranks)
+    finally:
+        for w in ranks:
+            w.stop.set()
+            w.join(timeout=10)
+        workers.close()
+        sock.close()
+
+
+def _role(workers: WorkerGroup, first: int, name: str) -> RoleGroup:
+    plan = RolePlan(name=name, first_rank=first, dims=ParallelDims(tp=1, pp=1, dp=1),  # type: ignore[arg-type]
+                    placement="own" if name == "trainer" else "split", component=1 + first, nodes=1,
+                    models=("actor",))
+    return RoleGroup(workers, plan)
+
+
+def test_the_later_call_to_another_rank_is_waited_first_while_the_earlier_runs_on(group: Fixture) -> None:
+    workers, (rank0, rank1) = group.workers, group.ranks
+    held = workers.start_ranks(HOLD, {0: Ask(v=10)})
+    quick = workers.start_ranks(ECHO, {1: Ask(v=11)})
+    wait_for(lambda: rank0.received == ["hold"], 30, "rank 0 to take up the held call")
+    assert workers.wait(quick) == {1: Answer(rank=1, v=11)}  # while rank 0 is still holding
+    assert workers.call_ranks(ECHO, {1: Ask(v=12)}) == {1: Answer(rank=1, v=12)}  # and again
+    assert not workers.answered(held) and held.results == {}
+    rank0.gate.set()
+    wait_for(lambda: workers.answered(held), 30, "the held call's answer, kept by the pump while nobody waits")
+    assert workers.wait(held) == {0: Answer(rank=0, v=10)}
+    assert rank1.received == ["echo", "echo"]
+
+
+def test_a_role_groups_call_runs_while_another_groups_call_is_in_flight(group: Fixture) -> None:
+    trainer, generator = _role(group.workers, 0, "trainer"), _role(group.workers, 1, "generator")
+    rollout = generator.start(HOLD, Ask(v=3))
+    wait_for(lambda: group.ranks[1].received == ["hold"], 30, "the generator's rank to take up its call")
+    assert trainer.call(ECHO, Ask(v=4)) == [Answer(rank=0, v=4)]
+    update = trainer.start(ECHO, Ask(v=5))
+    assert update.wait() == [Answer(rank=0, v=5)] and update.done()
+    assert not rollout.done()
+    group.ranks[1].gate.set()
+    wait_for(rollout.done, 30, "the generator's answer")
+    assert rollout.wait() == [Answer(rank=1, v=3)]
+
+
+def test_an_error_of_a_started_call_surfaces_at_its_wait_and_only_there(group: Fixture) -> None:
+    trainer, generator = _role(group.workers, 0, "trainer"), _role(group.workers, 1, "generator")
+    failing = trainer.start(BOOM, Ask(v=1))
+    fine = generator.start(ECHO, Ask(v=2))
+    assert fine.wait() == [Answer(rank=1, v=2)]  # the other call's error is not this one's
+    assert generator.call(ECHO, Ask(v=3)) == [Answer(rank=1, v=3)]
+    wait_for(failing.done, 30, "the failing call's answer")
+    with pytest.raises(RemoteError) as err:
+        failing.wait()
+    assert err.value.rank == 0 and err.value.method == "boom" and "boom on rank 0" in str(err.value)
+    assert trainer.call(ECHO, Ask(v=4)) == [Answer(rank=0, v=4)]  # the rank serves on
+
+
+def test_a_reset_abandons_the_calls_in_flight_naming_their_method(group: Fixture) -> None:
+    trainer, generator = _role(group.workers, 0, "trainer"), _role(group.workers, 1, "generator")
+    rollout = generator.start(HOLD, Ask(v=1))
+    wait_for(lambda: group.ranks[1].received == ["hold"], 30, "the generator's rank to take up its call")
+    group.workers.reset(generation=1)  # the workers are lost: the next generation will register
+    assert rollout.done()  # nothing more will come: wait returns (raises) at once
+    with pytest.raises(WorkerLostError) as err:
+        rollout.wait()
+    assert str(err.value).startswith("hold: the call was abandoned when the workers were reset (generation 1)")
+    assert err.value.ranks == [1]
+    group.ranks[1].gate.set()  # its answer, when it comes, belongs to no call
+    assert trainer.workers.generation == 1
