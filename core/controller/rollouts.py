@@ -87,9 +87,6 @@ class Rollouts:
         for rollout in self.by_step.values():
             rollout.wait()
 
-    def clear(self) -> None:
-        self.by_step.clear()
-
     # --- in a checkpoint ----------------------------------------------------------------
     def to_bytes(self) -> bytes | None:
         """The complete rollouts as one .npz (None when there are none): each step's version,
