@@ -268,8 +268,8 @@ def attachments(manifest: Manifest) -> dict[str, dict[str, Any]]:
 
 
 def read_attachment(step_dir: Path, name: str) -> bytes | None:
-    """The bytes of attachment ``name`` of a committed checkpoint (verified with it), or None
-    when the checkpoint has none of that name."""
+    """The bytes of attachment ``name`` of a committed checkpoint, or None when the checkpoint
+    has none of that name (``verify`` checks its size and checksum with the rest)."""
     if name not in attachments(read_manifest(step_dir)):
         return None
     path = Path(step_dir) / name

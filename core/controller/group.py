@@ -23,11 +23,11 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from core.config.run import TimeoutsConfig
 from core.controller.diagnose import diagnose, remote_error
+from core.controller.pending import Pending
 from core.controller.registration import Peer, Registrations, refusal
 from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
 from core.job.signals import PreemptionFlag
@@ -36,19 +36,6 @@ from core.wire import protocol, transport
 from core.wire.contract import Method, Req, Res
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A call sent and not yet waited for (``WorkerGroup.start_ranks``): its answers so far
-    by rank, filled in as they arrive."""
-
-    req: int
-    method: Method[Any, Any]
-    ranks: tuple[int, ...]
-    timeout_s: float
-    deadline: float
-    results: dict[int, Any]
 
 
 class WorkerGroup:
@@ -257,6 +244,7 @@ class WorkerGroup:
         check = min(self.timeouts.heartbeat_interval_s, 0.1)
         n = len(expected)
         error_deadline: float | None = None
+        late = False  # the queue was read once at the deadline
 
         def answered() -> int:
             return len(results) + len(self._errors.get(req, ()))
@@ -285,6 +273,10 @@ class WorkerGroup:
                 self._housekeeping()
             if self._n_lost:
                 self._raise_if_lost()
+            if now >= deadline and not late:  # a late wait: the answers already queued count, once
+                late = True
+                self._drained(handle)
+                continue
             if now >= deadline:
                 missing = sorted(set(expected) - set(results) - set(errors_of.get(req, ())))
                 raise CallTimeoutError(
@@ -301,6 +293,11 @@ class WorkerGroup:
             item = recv()
             if item is not None:
                 handle(*item)
+
+    def _drained(self, handle: Any) -> None:
+        """Handle every message already queued, without blocking."""
+        while (item := self.sock.recv_nowait()) is not None:
+            handle(*item)
 
     def _remote_error(self, method: str, errors: dict[int, protocol.Error], n: int) -> RemoteError:
         return remote_error(method, errors, n, self.run.worker_log)

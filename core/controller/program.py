@@ -306,6 +306,11 @@ class Program:
         if not self.checkpoints.drain(timeout_s=self.stop.time_budget_s(self.cfg.timeouts.checkpoint_s)):
             log.warning("no time left to save step %d: requeueing from the last committed checkpoint", step)
             return
+        budget = self.stop.time_budget_s(self.cfg.timeouts.checkpoint_s)
+        if self.rl is not None and not self.rl.rollouts.ready(budget):  # the save keeps them: they must end first
+            self.checkpoints.abandon(step, budget, f"the rollouts in flight did not end within {budget:.0f} s, the "
+                                     "time the job has left")
+            return
         if self.sync is not None and self.sync.unsynced:  # a checkpoint holds one replica: make them equal
             self.trainer.call(calls.AVERAGE, NO_ARGS, timeout_s=self.cfg.timeouts.step_s)
             self.sync.averaged()

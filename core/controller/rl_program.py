@@ -53,6 +53,8 @@ travels in each checkpoint's loop state.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import statistics
 import time
@@ -120,7 +122,7 @@ class RLStep:
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
-        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps)  # started ahead (rl.max_staleness)
+        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps, _rollout_key(cfg))  # started ahead
         if kl.enabled:
             self.checkpoints.pinned.add(self.reference_step)
 
@@ -382,6 +384,17 @@ class RLStep:
         """Each data replica's share of ``items``: every ``dp``-th, from the replica's index on."""
         dp = self.trainer.dims.dp
         return [items[d::dp] for d in range(dp)]
+
+
+def _rollout_key(cfg: RunConfig) -> str:
+    """What a step's rollout depends on besides its step and policy (a checkpoint's kept
+    rollouts are used only under the same): the seed, the task's prompts, the sampling."""
+    rl = cfg.rl
+    fields = dict(seed=cfg.seed, task=rl.task, prompts=rl.prompts, n=rl.n, prompts_per_step=rl.prompts_per_step,
+                  prompt_length=rl.prompt_length, max_response_length=rl.max_response_length,
+                  temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, stop=rl.stop, tokenizer=rl.tokenizer,
+                  staleness=rl.max_staleness, warmup_steps=rl.warmup_steps, engine=cfg.generator.engine)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _merged(calls: list[list[rl_calls.PolicyResult]]) -> list[rl_calls.PolicyResult]:

@@ -24,7 +24,8 @@ from typing import Generic, TypeVar
 from core.config.dims import ParallelDims
 from core.config.roles import RolePlan
 from core.controller import dispatch
-from core.controller.group import Pending, WorkerGroup
+from core.controller.group import WorkerGroup
+from core.controller.pending import Pending
 from core.wire.contract import NO_ARGS, Dispatch, Method
 
 Req = TypeVar("Req")

@@ -7,8 +7,8 @@ alone, never of timing:
     at the RL phase's first step w, and every k steps after it (a block's first step t):
         wait for every rollout still in flight, sync the generator to the trainer's policy
         (version t), then start the rollouts of steps t + 1 .. t + k (and t's own at w)
-    every step s: train on rollout s (from policy t = s - (s - w) % k, or s - k at a block's
-    first step): its staleness, s - its version, is at most k
+    every step s: train on rollout s (from policy w + (s - w - 1) // k * k for s > w, w at w:
+    ``version_of``): its staleness, s - its version, is at most k
 
 With k = 1 every step is a block's first: rollout s + 1 is generated from policy s while the
 trainer updates policy s on rollout s (verl's one-step-off-policy). The generator's ranks
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,14 @@ class Rollout:
 class Rollouts:
     """The started rollouts by step (at most ``k + 1``), in the order they were started."""
 
-    def __init__(self, staleness: int, first_rl_step: int) -> None:
+    def __init__(self, staleness: int, first_rl_step: int, key: str = "") -> None:
         self.k, self.first = staleness, first_rl_step
+        self.key = key  # what the rollouts depend on besides the step (RLStep: the config's sampling and task)
         self.by_step: dict[int, Rollout] = {}
+
+    def version_of(self, step: int) -> int:
+        """The policy version the schedule generates step ``step``'s rollout from."""
+        return step if step <= self.first else self.first + (step - self.first - 1) // self.k * self.k
 
     def block_starts(self, step: int) -> bool:
         """``step`` begins a block: the generator is synced and the next rollouts started."""
@@ -87,6 +93,16 @@ class Rollouts:
         for rollout in self.by_step.values():
             rollout.wait()
 
+    def ready(self, timeout_s: float, *, poll_s: float = 0.05) -> bool:
+        """Whether every rollout in flight has its answers within ``timeout_s`` (a stop's time
+        budget: a save that would wait longer is not started)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.pending is None or r.pending.done() for r in self.by_step.values()):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)  # the answers arrive through the group's pump thread meanwhile
+        return True
+
     # --- in a checkpoint ----------------------------------------------------------------
     def to_bytes(self) -> bytes | None:
         """The complete rollouts as one .npz (None when there are none): each step's version,
@@ -94,7 +110,8 @@ class Rollouts:
         self.drain()
         if not self.by_step:
             return None
-        arrays: dict[str, np.ndarray] = {"steps": np.array(sorted(self.by_step), dtype=np.int64)}
+        arrays: dict[str, np.ndarray] = {"steps": np.array(sorted(self.by_step), dtype=np.int64),
+                                         "key": np.array(self.key)}
         arrays["versions"] = np.array([self.by_step[s].version for s in sorted(self.by_step)], dtype=np.int64)
         for s in sorted(self.by_step):
             done = self.by_step[s].wait()
@@ -112,8 +129,16 @@ class Rollouts:
                 for s, v in zip(z["steps"].tolist(), z["versions"].tolist(), strict=True):
                     responses = Responses(_rows(z, f"{s}.tokens", TOKENS), _rows(z, f"{s}.logprobs", FLOATS))
                     kept[int(s)] = Rollout(int(s), int(v), done=responses)
+                saved_key = str(z["key"]) if "key" in z.files else ""
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a torn or corrupt zip
             raise CheckpointError(f"{where}: the rollouts the checkpoint kept cannot be read ({exc})") from exc
+        off = {s: r.version for s, r in kept.items() if r.version != self.version_of(s)}
+        if saved_key != self.key or off:
+            why = (f"steps {sorted(off)} come from versions {sorted(off.values())}, not rl.max_staleness = {self.k}'s"
+                   if off else "they were sampled with other rl settings (a resume that changed them)")
+            log.warning("%s: not using the %d rollout(s) kept for steps %s: %s; they are generated again from "
+                        "this step's policy", where, len(kept), sorted(kept), why)
+            return
         self.by_step = kept  # all of them or, on an error, none
         log.info("restored %d rollout(s) not yet trained on from %s: steps %s", len(self.by_step), where,
                  sorted(self.by_step))

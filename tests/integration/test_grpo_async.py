@@ -151,3 +151,31 @@ def test_a_generator_worker_killed_mid_rollout_is_restarted_and_the_numbers_are_
     final = {r["step"]: r for r in metrics(run)}
     assert all({k: d.get(k) for k in GRPO_ASYNC_NUMBERS} == {k: final[d["step"]].get(k) for k in GRPO_ASYNC_NUMBERS}
                for d in undone)
+
+
+def test_staleness_two_with_validation_and_interval_syncs_inside_blocks_resumes_to_the_same_numbers(
+        tmp_path: Path) -> None:
+    """rl.max_staleness=2: the generator is synced every two steps (30, 32, ...) and rolls out
+    the next two; a validation (every 3 RL steps) and the generator's interval sync (every 5
+    steps) fall inside blocks and wait for the rollouts in flight first. Two stops (in a block
+    and at its end) resume to the uninterrupted run's numbers, the validations' included."""
+    common = (*ASYNC_GRPO[:2], "rl.max_staleness=2", "trainer.steps=42", "rl.val_every=3",
+              "generator.sync_interval_steps=5", "checkpoint.interval_steps=0")
+    whole = run_folder(baton("submit", EXPERIMENT, f"runs_root={tmp_path / 'whole'}", *common, "--backend", "local",
+                             timeout=800))
+    rl = [r for r in metrics(whole) if "reward_mean" in r]
+    assert [r["staleness"] for r in rl] == [0] + [1, 2] * 5 + [1]  # steps 30 .. 41
+    assert [r["policy_version"] for r in rl] == [30, 30, 30, 32, 32, 34, 34, 36, 36, 38, 38, 40]
+    assert [r["step"] for r in rl if "val_reward_mean" in r] == [32, 35, 38, 41]  # after 3, 6, 9 and the last
+    env = {"BATON_FAULTS": "sigterm_at=33:updating,37:generating"}
+    res = baton("submit", EXPERIMENT, f"runs_root={tmp_path / 'stopped'}", *common, "--backend", "local", env=env,
+                timeout=800)
+    run = run_folder(res)
+    for _ in range(2):
+        assert res.returncode == 143, res.stdout + res.stderr
+        res = baton("submit", "--resume", str(run), "--backend", "local", env=env, timeout=800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(history(run, "preempted")) == 2
+    assert numbers(run, GRPO_ASYNC_NUMBERS) == numbers(whole, GRPO_ASYNC_NUMBERS)
+    mine, theirs = checkpoint_weights(run, 42), checkpoint_weights(whole, 42)
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)

@@ -15,7 +15,7 @@ import pytest
 
 from core.config.dims import ParallelDims
 from core.config.roles import RolePlan
-from core.controller.group import Pending
+from core.controller.pending import Pending
 from core.controller.roles import RoleGroup, Span
 from core.errors import RemoteError
 from core.wire.contract import Collect, Dispatch, Method

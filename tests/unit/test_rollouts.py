@@ -220,3 +220,40 @@ def test_the_flipped_byte_lands_in_a_member_the_restore_reads() -> None:
     """The damage above is real: the zip's own check sees it (independently of Baton)."""
     with zipfile.ZipFile(io.BytesIO(_damaged()["a flipped byte"])) as z:
         assert z.testzip() == "31.tokens.values.npy"
+
+
+def test_kept_rollouts_of_other_settings_or_off_the_schedule_are_generated_again(tmp_path: Path,
+                                                                                  caplog: pytest.LogCaptureFixture
+                                                                                  ) -> None:
+    """A resume that changed what the rollouts depend on (another key: the seed, the sampling,
+    the lengths) or rl.max_staleness (their versions are not the new schedule's) keeps none
+    of them, with a warning: the schedule then starts them again from the resumed step."""
+    saved = Rollouts(2, WARM, key="abc")
+    saved.by_step = {36: Rollout(36, 34, done=responses_of(36)), 37: Rollout(37, 36, done=responses_of(37))}
+    data = saved.to_bytes()
+    assert data is not None
+    same = Rollouts(2, WARM, key="abc")
+    same.restore(data, where=tmp_path / ATTACHMENT)
+    assert sorted(same.by_step) == [36, 37]
+    for changed in (Rollouts(2, WARM, key="xyz"), Rollouts(1, WARM, key="abc")):
+        caplog.clear()
+        changed.restore(data, where=tmp_path / ATTACHMENT)
+        assert changed.by_step == {} and changed.block_starts(36)
+        assert "generated again" in caplog.text and str(tmp_path / ATTACHMENT) in caplog.text
+    assert "not rl.max_staleness = 1's" in caplog.text  # the second: versions 34, 36 are not k = 1's 35, 36
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_version_of_is_the_documented_formula(k: int) -> None:
+    rollouts = Rollouts(k, WARM)
+    assert [rollouts.version_of(s) for s in range(WARM, WARM + 10)] == [
+        expected_version(s, k) for s in range(WARM, WARM + 10)]
+
+
+def test_ready_says_whether_the_rollouts_in_flight_ended_within_the_time_given() -> None:
+    rollouts = Rollouts(1, WARM)
+    flight = InFlight(31)
+    rollouts.by_step = {31: Rollout(31, 30, pending=flight)}  # type: ignore[arg-type]
+    assert not rollouts.ready(0.0, poll_s=0.0)  # not answered: a stop would not wait for it
+    flight.waits = 1  # its answers arrived
+    assert rollouts.ready(0.0, poll_s=0.0)
