@@ -6,6 +6,7 @@ walltime is near: less time left than one step, one save and ``recovery.walltime
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from core.job.signals import PreemptionFlag
@@ -23,6 +24,8 @@ STOP_MARGIN_S = 10.0
 # costs nothing more than giving up at once would (the newest committed checkpoint stands).
 STOP_FLOOR_S = 15.0
 UNKNOWN_SAVE_S = 60.0  # a save's duration before the first one was measured
+RELAY_SETTLE_S = 5.0  # how long a worker's relayed signal of no known cause is re-read in the job record
+RELAY_SETTLE_POLL_S = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +63,7 @@ class StopPolicy:
             return self._decided
         if self.flag is not None and self.flag.is_set:
             self.flag.report_once(log, "checkpointing at this step boundary, then requeueing")
-            cause = self.clock.classify_signal() if self.clock is not None else "signal"
+            cause = self._classify()
             left = self.clock.time_left_s() if self.clock is not None else None
             self._decided = StopRequest(cause=cause, signal=self.flag.signal_name, time_left_s=left,
                                         detail=f"{self.flag.signal_name} received by {self.flag.source}",
@@ -75,6 +78,21 @@ class StopPolicy:
                            f"{UNKNOWN_SAVE_S if save_s is None else save_s:.1f} s + margin {self.margin_s:.0f} s "
                            "(recovery.walltime_margin_s)")
         return self._decided
+
+    def _classify(self) -> str:
+        """Why the signal came (core.job.slurmctl.classify). A SIGTERM a worker relayed can
+        arrive before Slurm's job record says why it sent it (a node set down: the requeue's
+        ``Restarts`` is counted a moment later), so a relayed signal that reads as no one's is
+        read again for up to ``RELAY_SETTLE_S``."""
+        assert self.flag is not None
+        if self.clock is None:
+            return "signal"
+        cause = self.clock.classify_signal()
+        deadline = time.monotonic() + (RELAY_SETTLE_S if self.flag.source != "this process" else 0.0)
+        while cause == "signal" and time.monotonic() < deadline:
+            time.sleep(RELAY_SETTLE_POLL_S)
+            cause = self.clock.classify_signal()
+        return cause
 
     def time_budget_s(self, default_s: float) -> float:
         """How long a wait of the stop path (an async save in flight, the last save) may take:
