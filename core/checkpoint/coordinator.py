@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from core.checkpoint.spec import ShardAck
 from core.config.dims import ParallelDims
 from core.errors import CheckpointError, ConfigError, TransientIOError, is_transient
 from core.record import events as ev
+from core.record.runfolder import write_atomic
 from core.record.state import RunRecord
 from core.wire.calls import Step
 from core.wire.contract import Method
@@ -245,12 +245,5 @@ class CheckpointCoordinator:
 
 def _attach(path: Path, data: bytes) -> dict[str, Any]:
     """Write one of the controller's files into a save's folder (durable before the commit)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, data, mode=0o600)
     return {"size_bytes": len(data), "checksum": manifest.file_checksum(path)}
