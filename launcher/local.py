@@ -6,7 +6,8 @@ gloo. This module is the local supervisor of core.supervisor.contract:
 - an epoch starts the controller and generation 0 of the workers; when the controller
   asks for generation g (``workers.json``, after it declared workers lost), whatever is
   left of the previous generation is killed by pid (a stopped process ignores the abort)
-  and generation g is started with ``BATON_GENERATION=g``;
+  and generation g is started with ``BATON_GENERATION=g`` (only the ranks the request names,
+  when it names some: a split generator restarted while the trainer's workers go on);
 - when the controller exits, ``core.supervisor.contract.after_controller`` reads its last word:
   requeued (ExitCode.REQUEUED) → the next epoch, the local analogue of Slurm's requeue; died
   without one → the next epoch within ``recovery.max_retries``; completed, failed → done.
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from core.checkpoint import manifest
@@ -102,11 +103,13 @@ def _spawn(run: RunFolder, role: str, *, epoch: int, rank: int | None, generatio
         out.close()
 
 
-def _spawn_workers(run: RunFolder, *, epoch: int, generation: int) -> list[Proc]:
-    """Every worker process of the plan: the trainer's, then a split generator's."""
+def _spawn_workers(run: RunFolder, *, epoch: int, generation: int,
+                   ranks: Collection[int] | None = None) -> dict[int, Proc]:
+    """Every worker process of the plan (of ``ranks`` only, when given), by rank: the
+    trainer's, then a split generator's."""
     written = config_mod.load(run.config)  # the run folder's (submit resolves init_from into it)
-    return [_spawn(run, "worker", epoch=epoch, rank=r, generation=generation)
-            for r in range(read_plan(run.plan, written).workers)]
+    return {r: _spawn(run, "worker", epoch=epoch, rank=r, generation=generation)
+            for r in range(read_plan(run.plan, written).workers) if ranks is None or r in ranks}
 
 
 def _kill(procs: list[Proc], why: str) -> None:
@@ -151,8 +154,8 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], No
     generation = 0
     started: list[Proc] = []
     spawned.append((controller, started))
-    started += _spawn_workers(run, epoch=epoch, generation=generation)
-    workers = list(started)
+    workers = _spawn_workers(run, epoch=epoch, generation=generation)
+    started += workers.values()
     _on_record(run, controller, started)
     try:
         while True:
@@ -164,17 +167,21 @@ def _run_epoch(run: RunFolder, cfg: RunConfig, epoch: int, tick: Callable[[], No
             tick()
             req = contract.read_request(run)
             if req is not None and req.epoch == epoch and req.generation > generation:
-                _kill(workers, f"a worker of generation {generation}, still running after the controller's abort")
+                ended = [r for r in workers if req.restarts(r)]
+                _kill([workers[r] for r in ended], f"a worker of generation {generation}, still running after the "
+                      "controller's abort")
                 generation = req.generation
-                log.info("starting generation %d of the workers (epoch %d): %s", generation, epoch, req.reason)
-                workers = _spawn_workers(run, epoch=epoch, generation=generation)
-                started += workers
+                log.info("starting generation %d of the workers (epoch %d; ranks %s): %s", generation, epoch,
+                         ended if req.ranks else "all", req.reason)
+                new = _spawn_workers(run, epoch=epoch, generation=generation, ranks=ended)
+                workers.update(new)
+                started += new.values()
                 _on_record(run, controller, started)
         if RunRecord(run).read().status is Status.RUNNING:  # the controller died: its workers are of no use
-            _kill(workers, f"the controller exited ({code}) without a last word")
+            _kill(list(workers.values()), f"the controller exited ({code}) without a last word")
         # Workers exit on the controller's shutdown/abort, or by themselves once it is silent.
         deadline = time.monotonic() + cfg.timeouts.controller_lost_s + _GRACE_S
-        for w in workers:
+        for w in workers.values():
             try:
                 w.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

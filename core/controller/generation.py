@@ -90,6 +90,31 @@ class GeneratorFlow:
     def start(self, step: int) -> float:
         """After setup and resume: the bridge (split), the plan, the prompts, samples past
         ``step`` cut, a first sync."""
+        g = self.cfg.generator
+        self._connect()
+        (first,) = self.trainer.call(gen_calls.GEN_PROMPTS, gen_calls.Prompts(count=g.num_prompts,
+                                                                             length=g.prompt_length))
+        self._prompts = first.prompts
+        _keep_until(self.run, step)
+        return self.sync(step)
+
+    def rejoin(self) -> None:
+        """After the generator's workers alone were restarted (the trainer's kept their state):
+        a new bridge (the old one had the lost ranks), the plan's targets again, and a sync to
+        the version the lost generator held, from the trainer's kept copy of it
+        (``rl.max_staleness`` > 0: the trainer has moved on since) or from its weights."""
+        self._connect()
+        self.sync(self.version, probe=False, from_kept=self.keeps)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether every sync leaves the trainer's ranks a host copy of the policy it sent: with
+        ``rl.max_staleness`` > 0 the rollouts in flight come from a policy the trainer has left."""
+        return self.cfg.rl.max_staleness > 0
+
+    def _connect(self) -> None:
+        """The bridge (split: a group over both groups' ranks, named by the worker generation)
+        and the weight-sync plan from every rank's slices."""
         cfg = self.cfg
         if self.generator.plan.own_processes:
             addr, port = self.trainer.rendezvous()  # the trainer's store hosts the bridge's rendezvous
@@ -101,12 +126,6 @@ class GeneratorFlow:
             held = self._staged(held)
         self._plan = reshard.plan({r: h.sources for r, h in held.items()}, {r: h.targets for r, h in held.items()},
                                   bucket_bytes=int(cfg.generator.bucket_mb * 2**20))
-        g = cfg.generator
-        (first,) = self.trainer.call(gen_calls.GEN_PROMPTS, gen_calls.Prompts(count=g.num_prompts,
-                                                                             length=g.prompt_length))
-        self._prompts = first.prompts
-        _keep_until(self.run, step)
-        return self.sync(step)
 
     def _staged(self, held: dict[int, gen_calls.HeldSlices]) -> dict[int, gen_calls.HeldSlices]:
         """vLLM replicas: their targets are the trainer's tensors whole, in the trainer's dtype."""
@@ -122,14 +141,15 @@ class GeneratorFlow:
             out[rank] = gen_calls.HeldSlices(sources=held[rank].sources, targets=got.targets)
         return out
 
-    def sync(self, step: int, *, probe: bool = True) -> float:
+    def sync(self, step: int, *, probe: bool = True, from_kept: bool = False) -> float:
         """Trainer → generator at policy version ``step``; the probe's largest log-prob gap
-        (0 without the probe: an RL step measures the gap on its own responses instead)."""
+        (0 without the probe: an RL step measures the gap on its own responses instead).
+        ``from_kept``: from the trainer's copy of the policy it last sent (``rejoin``)."""
         assert self._plan is not None
         pieces = self._plan
         synced = self.span.call_each(gen_calls.SYNC_WEIGHTS, {r: gen_calls.SyncWeights(
-            pieces=tuple(reshard.for_rank(pieces, r)), version=step) for r in self.span.ranks},
-            timeout_s=self.cfg.timeouts.checkpoint_s)
+            pieces=tuple(reshard.for_rank(pieces, r)), version=step, keep=self.keeps and not from_kept,
+            from_kept=from_kept) for r in self.span.ranks}, timeout_s=self.cfg.timeouts.checkpoint_s)
         gap = self._probe(step) if probe else 0.0
         self.version = step
         sent = [s.bytes_sent for s in synced.values()]

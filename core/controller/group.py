@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from core.config.run import TimeoutsConfig
 from core.controller.diagnose import diagnose, remote_error
+from core.controller.liveness import Liveness
 from core.controller.pending import Pending
 from core.controller.registration import Peer, Registrations, refusal
 from core.errors import CallTimeoutError, ProtocolError, RegistrationError, RemoteError, WorkerLostError
@@ -38,7 +39,7 @@ from core.wire.contract import Method, Req, Res
 log = logging.getLogger(__name__)
 
 
-class WorkerGroup:
+class WorkerGroup(Liveness):
     """N workers that execute what the controller sends."""
 
     def __init__(
@@ -64,6 +65,7 @@ class WorkerGroup:
         self._lock = threading.Lock()
         self._next_req = 1
         self._inflight: dict[int, dict[int, Any]] = {}
+        self._ranks_of: dict[int, tuple[int, ...]] = {}  # req → the ranks it was sent to
         self._errors: dict[int, dict[int, protocol.Error]] = {}  # req → rank → error
         self._next_beat = 0.0
         self._next_check = 0.0
@@ -77,35 +79,43 @@ class WorkerGroup:
         self._all_started = False
 
     # --- registration -------------------------------------------------------------------
-    def wait_for_workers(self, timeout_s: float | None = None) -> None:
-        """Block until every rank has registered, then welcome them all."""
+    def wait_for_workers(self, timeout_s: float | None = None, *, ranks: Collection[int] | None = None) -> None:
+        """Block until every rank (of ``ranks`` only, after ``replace``) has registered, then
+        welcome them. The workers already in the group are served meanwhile: their heartbeats
+        and answers are handled, and they get the controller's."""
         timeout_s = self.timeouts.register_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        pending = Registrations(world_size=self.world_size, epoch=self.epoch, generation=self.generation)
+        pending = Registrations(world_size=self.world_size, epoch=self.epoch, generation=self.generation,
+                                ranks=ranks)
         with self._lock:
-            while len(pending) < self.world_size:
+            while pending.missing():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RegistrationError(
-                        f"{len(pending)} of {self.world_size} workers registered within {timeout_s:.0f} s "
+                        f"{len(pending)} of {pending.expected} workers registered within {timeout_s:.0f} s "
                         f"(epoch {self.epoch}, generation {self.generation}); missing ranks {pending.missing()}; "
                         f"see {self.run.logs}/worker_r*.log"
                     )
-                self.sock.set_timeout(min(remaining, 0.5))
+                self.sock.set_timeout(min(remaining, 0.5 if not self.peers else self.timeouts.heartbeat_interval_s))
                 item = self.sock.recv()
+                if self.peers:
+                    self._housekeeping()
                 if item is None:
                     continue
                 env = self._decode(*item)
                 if env is not None and isinstance(env.msg, protocol.Register):  # not early heartbeats
                     self._admit(item[0], env, pending)
+                elif self.peers:
+                    self._handle(*item)
             for peer, welcome in pending.welcomed(time.monotonic(), self.timeouts):
                 self.peers[peer.rank] = peer
                 self._by_identity[peer.identity] = peer
                 self._by_identity[peer.hb_identity] = peer
                 self._send(peer, welcome)
-        log.info("all %d workers registered (epoch %d, generation %d)", self.world_size, self.epoch, self.generation)
-        self._pump = threading.Thread(target=self._pump_loop, args=(self._stop,), name="baton-pump", daemon=True)
-        self._pump.start()
+        log.info("%d workers registered (epoch %d, generation %d)", pending.expected, self.epoch, self.generation)
+        if self._pump is None:
+            self._pump = threading.Thread(target=self._pump_loop, args=(self._stop,), name="baton-pump", daemon=True)
+            self._pump.start()
 
     def rendezvous_of(self, rank: int = 0) -> tuple[str, int]:
         """The torch.distributed rendezvous ``rank`` offered: its host and a free port there."""
@@ -128,7 +138,27 @@ class WorkerGroup:
             self._by_identity = {}
             self._n_lost = 0
             self._inflight.clear()
+            self._ranks_of.clear()
             self._errors.clear()
+            self._all_started = False
+
+    def replace(self, ranks: Collection[int], generation: int) -> None:
+        """Forget the workers of ``ranks`` alone (lost, or aborted with ``abort(ranks=)``) so
+        that ``generation`` of them can register (``wait_for_workers(ranks=)``) while the
+        others go on: a generator group restarted without its trainer. The calls in flight
+        to any of ``ranks`` are abandoned (their ``wait`` raises WorkerLostError)."""
+        gone = set(ranks)
+        with self._lock:
+            self.generation = generation
+            for rank in gone:
+                peer = self.peers.pop(rank, None)
+                if peer is None:
+                    continue
+                self._by_identity.pop(peer.identity, None)
+                self._by_identity.pop(peer.hb_identity, None)
+                self._n_lost -= bool(peer.lost)
+            for req in [r for r, sent in self._ranks_of.items() if gone.intersection(sent)]:
+                self._forget(req)
             self._all_started = False
 
     def _admit(self, identity: bytes, env: protocol.Envelope, pending: Registrations) -> bool:
@@ -166,12 +196,13 @@ class WorkerGroup:
         counts from now."""
         timeout_s = self.timeouts.call_s if timeout_s is None else timeout_s
         with self._lock:
-            self._raise_if_lost()
+            self._raise_if_lost(per_rank)
             req = self._next_req
             self._next_req += 1
             pending = Pending(req=req, method=method, ranks=tuple(per_rank), timeout_s=timeout_s,
                               deadline=time.monotonic() + timeout_s, results={})
             self._inflight[req] = pending.results
+            self._ranks_of[req] = pending.ranks
             try:
                 encoded: dict[int, list[Any]] = {}  # ranks handed the same request share its encoding
                 send, peers = self.sock.send, self.peers
@@ -213,6 +244,7 @@ class WorkerGroup:
 
     def _forget(self, req: int) -> None:
         self._inflight.pop(req, None)
+        self._ranks_of.pop(req, None)
         self._errors.pop(req, None)
 
     def _mark_started(self, results: dict[int, Any]) -> None:
@@ -264,7 +296,7 @@ class WorkerGroup:
                 if answered() >= n or monotonic() >= error_deadline:
                     self._next_check = 0.0
                     self._housekeeping()
-                    self._raise_if_lost()
+                    self._raise_if_lost(expected)
                     raise self._remote_error(method, errors, n)
             elif len(results) >= n:
                 return
@@ -272,7 +304,7 @@ class WorkerGroup:
             if now >= self._next_check:
                 self._housekeeping()
             if self._n_lost:
-                self._raise_if_lost()
+                self._raise_if_lost(expected)
             if now >= deadline and not late:  # a late wait: the answers already queued count, once
                 late = True
                 self._drained(handle)
@@ -359,81 +391,22 @@ class WorkerGroup:
     def _send(self, peer: Peer, msg: protocol.Message, req_id: int = 0) -> bool:
         return self.sock.send(peer.identity, protocol.encode(msg, req_id=req_id, epoch=self.epoch))
 
-    def _housekeeping(self) -> None:
-        """When due: send our heartbeat, and check everyone's (O(N), so rate-limited)."""
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + min(self.timeouts.heartbeat_interval_s, 0.1)
-        if now >= self._next_beat:
-            self._beat_seq += 1
-            frames = protocol.encode(protocol.Heartbeat(seq=self._beat_seq), epoch=self.epoch)
-            for peer in self.peers.values():
-                if not peer.lost:
-                    self.sock.send(peer.hb_identity, frames)
-            self._next_beat = now + self._beat_interval_s
-        # A worker still starting (importing its libraries, setting up: its heartbeat thread may
-        # starve on a busy host) has timeouts.startup_heartbeat_timeout_s; one that exited is
-        # named at once all the same, when it ran on this host.
-        limit, startup = self.timeouts.heartbeat_timeout_s, self.timeouts.startup_heartbeat_timeout_s
-        for peer in self.peers.values():
-            silent = now - peer.last_seen
-            if peer.lost or silent <= limit:
-                continue
-            why = diagnose(peer.host, peer.pid)
-            if peer.started or silent > startup or why == "process exited":
-                self._declare_lost(peer, f"no heartbeat for {silent:.1f} s: {why}")
-
-    def _declare_lost(self, peer: Peer, why: str) -> None:
-        peer.lost = why
-        self._n_lost += 1
-        log.error("rank %d (%s pid %d on %s) lost: %s", peer.rank, peer.host, peer.pid, peer.node, why)
-
-    def lost(self) -> list[Peer]:
-        return [p for p in self.peers.values() if p.lost]
-
-    def _raise_if_lost(self) -> None:
-        lost = self.lost() if self._n_lost else None
-        if lost:
-            detail = "; ".join(
-                f"rank {p.rank} (pid {p.pid} on {p.node}): {p.lost}; log {self.run.worker_log(p.rank)}" for p in lost
-            )
-            raise WorkerLostError(f"lost {len(lost)} worker(s): {detail}", ranks=[p.rank for p in lost])
-
-    def check(self) -> None:
-        """Between calls: raise WorkerLostError if a worker was lost meanwhile."""
-        with self._lock:
-            self._raise_if_lost()
-
-    def _pump_loop(self, stop: threading.Event) -> None:
-        interval = min(self.timeouts.heartbeat_interval_s, 0.1)
-        while not stop.wait(interval):
-            if not self._lock.acquire(blocking=False):
-                continue  # a call is running and doing this itself
-            try:
-                while (item := self.sock.recv_nowait()) is not None:
-                    self._handle(*item)
-                self._housekeeping()
-            except Exception:  # noqa: BLE001 - the pump must never die silently
-                log.exception("controller pump failed")
-            finally:
-                self._lock.release()
-
     # --- ending -------------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
-        """Tell every worker to stop at once (best effort; to the heartbeat socket, which
-        is read even while a step runs)."""
-        self._broadcast(protocol.Abort(reason=reason), heartbeat_socket=True)
+    def abort(self, reason: str, *, ranks: Collection[int] | None = None) -> None:
+        """Tell every worker (of ``ranks``, when given) to stop at once (best effort; to the
+        heartbeat socket, which is read even while a step runs)."""
+        self._broadcast(protocol.Abort(reason=reason), heartbeat_socket=True, ranks=ranks)
 
     def shutdown(self, reason: str = "run finished") -> None:
         """Tell every worker to finish and exit (after any call it is executing)."""
         self._broadcast(protocol.Shutdown(reason=reason), heartbeat_socket=False)
 
-    def _broadcast(self, msg: protocol.Message, *, heartbeat_socket: bool) -> None:
+    def _broadcast(self, msg: protocol.Message, *, heartbeat_socket: bool,
+                   ranks: Collection[int] | None = None) -> None:
         frames = protocol.encode(msg, epoch=self.epoch)
         with self._lock:
             for peer in self.peers.values():
-                if not peer.lost:
+                if not peer.lost and (ranks is None or peer.rank in ranks):
                     self.sock.send(peer.hb_identity if heartbeat_socket else peer.identity, frames)
 
     def close(self) -> None:

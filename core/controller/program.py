@@ -90,6 +90,9 @@ class Program:
     _val_s: float = field(default=0.0, init=False)  # the last validation's wall time (rl.val_every)
     _epoch_start: int | None = field(default=None, init=False)  # the step this allocation began at
     _resumed_from: Path | None = field(default=None, init=False)  # the checkpoint this allocation loaded
+    # set by recovery when a split generator's workers alone were restarted: the ranks the next
+    # run_all re-joins, the trainer's state (step, rollouts, policy) kept as it is
+    rejoin: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         gen = self.plan.generator
@@ -99,6 +102,8 @@ class Program:
 
     def run_all(self) -> StopRequest | None:
         """The whole run; returns the stop request that ended it early, None when it finished."""
+        if self.rejoin:
+            return self._rejoined()
         self.setup()
         self.resume()
         # the loop state of the checkpoint this allocation resumed from (read once)
@@ -117,28 +122,49 @@ class Program:
                 self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards)
                 self.rl.restore(loop, self._resumed_from)
                 self._validate_pending(step_records.read(self.run.metrics))
+        return self._train_to_end()
+
+    def _train_to_end(self) -> StopRequest | None:
         stop = self.train()
         if stop is None:
             self.saves.at_end(self.step, self.last_loss)
         return stop
 
-    def setup(self) -> None:
+    def _rejoined(self) -> StopRequest | None:
+        """After a split generator's workers alone were restarted: set the new ones up, bridge
+        and sync them to the policy the lost ones held, start again the rollouts they lost,
+        and go on from the step that was interrupted (the trainer did none of it)."""
+        assert self.flow is not None and self.rl is not None and self.generator is not None
+        ranks, self.rejoin = self.rejoin, ()
+        self.setup(rejoin=ranks)
+        self.flow.rejoin()
+        self.rl.restart_lost()
+        log.info("the generator's ranks %s rejoined at step %d, synced to version %d", list(ranks), self.step,
+                 self.flow.version)
+        return self._train_to_end()
+
+    def setup(self, rejoin: tuple[int, ...] = ()) -> None:
         """Register the workers, then every rank joins its process group and builds its model
-        (each group with processes of its own from its first rank's rendezvous)."""
-        self.workers.wait_for_workers()
+        (each group with processes of its own from its first rank's rendezvous). ``rejoin``:
+        only these ranks (a group's, restarted alone) register and are set up."""
+        self.workers.wait_for_workers(ranks=rejoin or None)
         t0 = time.perf_counter()
-        hosts = [g for g in (self.trainer, self.generator) if g is not None and g.plan.own_processes]
+        hosts = [g for g in (self.trainer, self.generator) if g is not None and g.plan.own_processes
+                 and (not rejoin or set(g.ranks) <= set(rejoin))]
         setups = {g.name: self._setup_request(g) for g in hosts}
         span = Span(self.workers, *hosts)
         infos = span.call_each(calls.SETUP, {r: setups[self.plan.role_of(r).name] for r in span.ranks},
                                timeout_s=self.cfg.timeouts.setup_s)
         if self.metrics is not None:
             self.metrics.observe_dispatch("setup", time.perf_counter() - t0)
+        before = {r.rank: r for r in self.record.read().ranks} if rejoin else {}
         peers = sorted(self.workers.peers.values(), key=lambda p: p.rank)
-        ranks = tuple(RankInfo(rank=p.rank, node=p.node, host=p.host, pid=p.pid, coords=infos[p.rank].coords,
-                               layers=infos[p.rank].layers, num_params=infos[p.rank].num_params,
-                               device=infos[p.rank].device, role=self.plan.role_of(p.rank).name) for p in peers)
-        micro = infos[self.trainer.plan.first_rank].micro_batch_size
+        ranks = tuple(before[p.rank] if p.rank not in infos else RankInfo(
+            rank=p.rank, node=p.node, host=p.host, pid=p.pid, coords=infos[p.rank].coords, layers=infos[p.rank].layers,
+            num_params=infos[p.rank].num_params, device=infos[p.rank].device, role=self.plan.role_of(p.rank).name)
+            for p in peers)
+        first = self.trainer.plan.first_rank
+        micro = infos[first].micro_batch_size if first in infos else self.record.read().micro_batch_size
         group = self.workers
         with self.record.update(ev.WorkersReady(world_size=group.world_size, epoch=group.epoch,
                                                 generation=group.generation, micro_batch_size=micro, ranks=ranks)) as s:

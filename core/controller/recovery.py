@@ -47,6 +47,7 @@ from core.errors import (
     PROGRAMMING_ERRORS,
     CallTimeoutError,
     ExitCode,
+    GeneratorLostError,
     RegistrationError,
     RemoteError,
     TransientIOError,
@@ -74,6 +75,7 @@ class Failure:
     why: str  # one line
     step: int
     signature: tuple[object, ...] = ()  # a RemoteError's (rank, type, method, step)
+    alone: bool = False  # a split generator's workers alone (GeneratorLostError): a restart keeps the trainer's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,8 @@ class Recovery:
                     return self._fail(f"{_first_line(exc)}; not retried: {why_final}", code)
                 self._last_signature = signature(exc, step)
                 failure = self._failure("remote_error", (exc.rank,), _first_line(exc))
+            except GeneratorLostError as exc:  # the trainer's workers go on: only the generator's restart
+                failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc), alone=True)
             except WorkerLostError as exc:
                 failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc))
             except CallTimeoutError as exc:
@@ -222,10 +226,10 @@ class Recovery:
                        readmit=self._readmit(()))
 
     # --- one failure ----------------------------------------------------------------------
-    def _failure(self, kind: str, ranks: tuple[int, ...], why: str) -> Failure:
+    def _failure(self, kind: str, ranks: tuple[int, ...], why: str, *, alone: bool = False) -> Failure:
         peers = self.program.workers.peers
         nodes = tuple(sorted({peers[r].node for r in ranks if r in peers}))
-        return Failure(kind=kind, ranks=ranks, nodes=nodes, why=why, step=self.program.step)
+        return Failure(kind=kind, ranks=ranks, nodes=nodes, why=why, step=self.program.step, alone=alone)
 
     def _recover(self, failure: Failure) -> Outcome | None:
         program, group, cfg = self.program, self.program.workers, self.program.cfg
@@ -266,6 +270,8 @@ class Recovery:
                                                     retry=budget.retries, max_retries=cfg.recovery.max_retries))
             return Outcome(status=Status.REQUEUED, reason=decision.reason, exclude=decision.exclude, readmit=readmit,
                            clean=False)
+        if failure.alone:
+            return self._restart_generator(decision, budget)
         return self._restart(decision, budget)
 
     def _nodes_slurm_took(self) -> tuple[tuple[str, ...], str]:
@@ -332,14 +338,43 @@ class Recovery:
                                                    retry=budget.retries, max_retries=program.cfg.recovery.max_retries,
                                                    step=program.step))
         log.warning("%s: generation %d after %.1f s", decision.reason, generation, decision.backoff_s)
-        deadline = time.monotonic() + decision.backoff_s
-        while time.monotonic() < deadline:  # sliced, so that a preemption cuts the backoff short
-            if program.stop.stop_requested():
-                return Outcome(status=Status.REQUEUED, clean=False, reason="preempted while restarting the workers")
-            self._sleep(min(0.1, deadline - time.monotonic()))
+        if self._back_off(decision.backoff_s):
+            return Outcome(status=Status.REQUEUED, clean=False, reason="preempted while restarting the workers")
         request_workers(program.run, WorkerRequest(epoch=group.epoch, generation=generation,
                                                    exclude=budget.exclude, reason=decision.reason))
         return None
+
+    def _restart_generator(self, decision: Decision, budget: Budget) -> Outcome | None:
+        """Restart a split generator's workers alone: abort what is left of them, back off, ask
+        the supervisor for the next generation of their ranks only; the trainer's workers keep
+        their state and wait. The program then re-joins the new ones (``Program.rejoin``) and
+        begins the interrupted step again. None: go round again."""
+        program, group = self.program, self.program.workers
+        assert program.generator is not None, "only a generator group restarts alone"
+        ranks = tuple(program.generator.ranks)
+        group.abort(f"controller: {decision.reason}", ranks=ranks)
+        generation = group.generation + 1
+        group.replace(ranks, generation)
+        program.rejoin = ranks
+        program.record.append(ev.RestartingWorkers(generation=generation, backoff_s=round(decision.backoff_s, 2),
+                                                   retry=budget.retries, max_retries=program.cfg.recovery.max_retries,
+                                                   step=program.step, ranks=ranks))
+        log.warning("%s: the generator's ranks %s alone, generation %d after %.1f s", decision.reason, list(ranks),
+                    generation, decision.backoff_s)
+        if self._back_off(decision.backoff_s):
+            return Outcome(status=Status.REQUEUED, clean=False, reason="preempted while restarting the generator")
+        request_workers(program.run, WorkerRequest(epoch=group.epoch, generation=generation, ranks=ranks,
+                                                   exclude=budget.exclude, reason=decision.reason))
+        return None
+
+    def _back_off(self, seconds: float) -> bool:
+        """Wait ``seconds`` (sliced, so that a preemption cuts it short); whether one came."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.program.stop.stop_requested():
+                return True
+            self._sleep(min(0.1, deadline - time.monotonic()))
+        return False
 
     def _fail(self, reason: str, code: ExitCode) -> Outcome:
         return Outcome(status=Status.FAILED, reason=reason, exit_code=code, clean=False)

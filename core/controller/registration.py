@@ -9,7 +9,7 @@ Sockets, locks and logging stay with the group (core.controller.group).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from core.config.run import TimeoutsConfig
@@ -53,20 +53,26 @@ def refusal(env: protocol.Envelope, *, epoch: int, generation: int) -> str | Non
 
 
 class Registrations:
-    """The workers registered so far for one epoch and generation: rank → (identity, registration)."""
+    """The workers registered so far for one epoch and generation: rank → (identity, registration).
+    ``ranks``: the only ranks this generation starts (a group restarted alone), else all."""
 
-    def __init__(self, *, world_size: int, epoch: int, generation: int) -> None:
+    def __init__(self, *, world_size: int, epoch: int, generation: int, ranks: Collection[int] | None = None) -> None:
         self.world_size = world_size
         self.epoch = epoch
         self.generation = generation
+        self.ranks = frozenset(range(world_size) if ranks is None else ranks)
         self.pending: dict[int, tuple[bytes, protocol.Register]] = {}
 
     def __len__(self) -> int:
         return len(self.pending)
 
+    @property
+    def expected(self) -> int:
+        return len(self.ranks)
+
     def missing(self) -> list[int]:
         """The ranks nobody has registered yet."""
-        return sorted(set(range(self.world_size)) - set(self.pending))
+        return sorted(self.ranks - set(self.pending))
 
     def refusal(self, env: protocol.Envelope) -> str | None:
         """Why the registration ``env`` may not join, or None when ``admit`` takes it."""
@@ -78,6 +84,8 @@ class Registrations:
         rank = self._rank(reg)
         if not 0 <= rank < self.world_size:
             return f"rank {reg.rank_hint} outside the group of {self.world_size}"
+        if rank not in self.ranks:
+            return f"rank {rank} is not restarted in generation {self.generation}: it is still running"
         if rank in self.pending:
             return f"rank {rank} already registered by pid {self.pending[rank][1].pid} on {self.pending[rank][1].host}"
         return None

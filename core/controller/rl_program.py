@@ -52,13 +52,10 @@ travels in each checkpoint's loop state.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -71,14 +68,15 @@ from core.checkpoint.loop import LoopState
 from core.config import tokvocab
 from core.config.plan import count_params
 from core.config.run import RunConfig
+from core.controller import rl_record
 from core.controller.generation import GeneratorFlow, PendingRollout, Responses
 from core.controller.roles import RoleGroup
 from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
-from core.controller.rollouts import Rollouts
+from core.controller.rollouts import Rollouts, rollout_key
 from core.controller.saving import SavePolicy
 from core.controller.validation import Validation
 from core.data.tokenizer import text_before_stop
-from core.errors import CheckpointError, ConfigError
+from core.errors import CheckpointError, ConfigError, GeneratorLostError, WorkerLostError
 from core.flows import calls as gen_calls
 from core.job import faults
 from core.rl import advantages, tasks
@@ -122,7 +120,7 @@ class RLStep:
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
-        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps, _rollout_key(cfg))  # started ahead
+        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps, rollout_key(cfg))  # started ahead
         if kl.enabled:
             self.checkpoints.pinned.add(self.reference_step)
 
@@ -194,11 +192,11 @@ class RLStep:
         if kl_now is not None:
             self.kl.update(kl_now, len(sequences))
         extra = dict(reward_mean=statistics.fmean(scores), reward_std=statistics.pstdev(scores),
-                     **_lengths(responses, self.stop), policy_version=version, staleness=step - version,
+                     **rl_record.lengths(responses, self.stop), policy_version=version, staleness=step - version,
                      clip_frac=statistics.fmean(o.clip_frac or 0.0 for o in owners),
                      ratio_max=max(o.ratio_max or 0.0 for o in owners), entropy=entropy, kl=kl_now,
                      kl_coef=coef if ref else None, phase_s={k: round(v, 6) for k, v in phases.items()}, **critic,
-                     optimizer_steps=steps, **synced, sync_logprob_maxdiff=_max_gap(old, done.logprobs))
+                     optimizer_steps=steps, **synced, sync_logprob_maxdiff=rl_record.max_gap(old, done.logprobs))
         return results, extra
 
     def _rollout(self, step: int, phases: dict[str, float], synced: dict[str, int]
@@ -216,11 +214,11 @@ class RLStep:
                 if self.generator.version != step:  # no probe: the gap on this step's responses is recorded
                     self.generator.sync(step, probe=False)
                     synced.update(self.generator.sent)
-            with _timed(phases, "generate"):
+            with _timed(phases, "generate"), self._generator_lost(step):
                 done = self.generator.rollout(self._generate_request(step, prompts, pads))
             return asked, prompts, pads, done.until(self.stop), step
         if self.rollouts.block_starts(step):
-            with _timed(phases, "wait"):  # the generator is idle once the rollouts it works on are done
+            with _timed(phases, "wait"), self._generator_lost(step):  # the generator is idle once its rollouts are done
                 self.rollouts.drain()
             with _timed(phases, "sync"):
                 if self.generator.version != step:
@@ -228,10 +226,35 @@ class RLStep:
                     synced.update(self.generator.sent)
             for ahead in self.rollouts.to_start(step, self.cfg.trainer.steps):
                 self.rollouts.add(ahead, step, self._start_rollout(ahead))
-        with _timed(phases, "generate"):  # what is left of this step's rollout
+        with _timed(phases, "generate"), self._generator_lost(step):  # what is left of this step's rollout
             rollout = self.rollouts.take(step)
         faults.at_point(step, "generating")  # the next rollout is in flight (tests: a stop lands here)
         return asked, prompts, pads, rollout.wait().until(self.stop), rollout.version
+
+    @contextmanager
+    def _generator_lost(self, step: int) -> Iterator[None]:
+        """While waiting for a rollout, before the trainer does any of step ``step``: the loss
+        of generator workers alone is a ``GeneratorLostError`` (recovery restarts them alone,
+        then the step begins again), when the policy the rollouts came from can be synced
+        again: kept by the trainer (``rl.max_staleness`` > 0), or the trainer's own."""
+        try:
+            yield
+        except WorkerLostError as exc:
+            group = self.generator.generator
+            alone = bool(exc.ranks) and set(exc.ranks) <= set(group.ranks)
+            if alone and group.plan.own_processes and (self.rollouts.k > 0 or self.generator.version == step):
+                raise GeneratorLostError(str(exc), list(exc.ranks), step=step) from exc
+            raise
+
+    def restart_lost(self) -> None:
+        """After the generator's workers were restarted (and synced to the version they held):
+        the rollouts they lost started again, from the same policy with the same keys."""
+        for rollout in self.rollouts.by_step.values():
+            if rollout.done is None:
+                if rollout.version != self.generator.version:
+                    raise RuntimeError(f"the rollout of step {rollout.step} comes from version {rollout.version}, "
+                                       f"the restarted generator holds {self.generator.version}")
+                rollout.pending = self._start_rollout(rollout.step)
 
     def _start_rollout(self, step: int) -> PendingRollout:
         """Step ``step``'s rollout, started on the generator (it samples with the step's keys)."""
@@ -353,7 +376,7 @@ class RLStep:
             weighed = [(self.trainer.owners(results)[0].kl or 0.0) * shares[0].agg.tokens
                        for results, shares in zip(epochs[0], batches, strict=True)]
             kl = sum(weighed) / sum(shares[0].agg.tokens for shares in batches)
-        return kl, _merged(epochs[-1]), len(batches) * rl.ppo_epochs
+        return kl, rl_record.merged(epochs[-1]), len(batches) * rl.ppo_epochs
 
     def _mini_batches(self, rows: int) -> list[slice]:
         """The rows of each optimizer step of an epoch, in order (``rl.mini_batch_size``)."""
@@ -384,51 +407,6 @@ class RLStep:
         """Each data replica's share of ``items``: every ``dp``-th, from the replica's index on."""
         dp = self.trainer.dims.dp
         return [items[d::dp] for d in range(dp)]
-
-
-def _rollout_key(cfg: RunConfig) -> str:
-    """What a step's rollout depends on besides its step and policy (a checkpoint's kept
-    rollouts are used only under the same): the seed, the task's prompts, the sampling."""
-    rl = cfg.rl
-    fields = dict(seed=cfg.seed, task=rl.task, prompts=rl.prompts, n=rl.n, prompts_per_step=rl.prompts_per_step,
-                  prompt_length=rl.prompt_length, max_response_length=rl.max_response_length,
-                  temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, stop=rl.stop, tokenizer=rl.tokenizer,
-                  staleness=rl.max_staleness, warmup_steps=rl.warmup_steps, engine=cfg.generator.engine)
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _merged(calls: list[list[rl_calls.PolicyResult]]) -> list[rl_calls.PolicyResult]:
-    """Each rank's results of an epoch's optimizer steps (one list per step) as one: the times
-    summed, the peaks and ``ratio_max`` the largest, the loss numbers the mean over the steps."""
-    def over(per_rank: tuple[rl_calls.PolicyResult, ...], key: str, how: Any) -> Any:
-        values = [getattr(r, key) for r in per_rank]
-        return None if any(v is None for v in values) else how(values)
-
-    merged = []
-    for per_rank in zip(*calls, strict=True):
-        mean = {k: over(per_rank, k, statistics.fmean) for k in ("loss", "clip_frac", "kl")}
-        total = {k: over(per_rank, k, sum) for k in ("step_time_s", "data_wait_s", "grad_sync_s", "compute_s",
-                                                        "tokens")}
-        peak = {k: over(per_rank, k, max) for k in ("cuda_peak_mb", "rss_peak_mb", "ratio_max")}
-        merged.append(dataclasses.replace(per_rank[-1], **mean, **total, **peak))
-    return merged
-
-
-def _max_gap(old: Ragged, rollout: Ragged) -> float:
-    """The largest difference between the actor's and the rollout's log-prob of a response
-    token (both float32; the difference in float64, exact)."""
-    if not np.array_equal(old.lengths, rollout.lengths):
-        raise ValueError("the actor scored other responses than the rollout's")
-    return float(np.max(np.abs(old.values.astype(np.float64) - rollout.values.astype(np.float64))))
-
-
-def _lengths(responses: Sequence[tuple[int, ...]], stop: tuple[int, ...]) -> dict[str, float]:
-    """The step's response lengths (mean, min, max) and the fraction that ended at a stop token
-    (the rest ran to rl.max_response_length)."""
-    lengths = [len(r) for r in responses]
-    return dict(response_length=statistics.fmean(lengths), response_length_min=min(lengths),
-                response_length_max=max(lengths),
-                stopped_frac=statistics.fmean(1.0 if r and r[-1] in stop else 0.0 for r in responses))
 
 
 @contextmanager

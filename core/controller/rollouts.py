@@ -24,7 +24,9 @@ else is kept.
 """
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 import time
 import zipfile
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from core.config.run import RunConfig
 from core.controller.generation import PendingRollout, Responses
 from core.errors import CheckpointError
 from core.wire.ragged import FLOATS, TOKENS, Ragged
@@ -83,10 +86,10 @@ class Rollouts:
         self.by_step[step] = Rollout(step, version, pending=pending)
 
     def take(self, step: int) -> Rollout:
-        """Step ``step``'s rollout, waited for; it leaves the queue."""
-        rollout = self.by_step.pop(step)
-        rollout.wait()
-        return rollout
+        """Step ``step``'s rollout, waited for; it leaves the queue once complete (a rollout
+        whose generator was lost stays, to be started again: ``RLStep.restart_lost``)."""
+        self.by_step[step].wait()
+        return self.by_step.pop(step)
 
     def drain(self) -> None:
         """Wait for every rollout in flight (the generator is then idle)."""
@@ -151,3 +154,14 @@ def _rows(z: Any, name: str, dtype: np.dtype[Any]) -> Ragged:
     if values.dtype != dtype:
         raise ValueError(f"{name}.values is {values.dtype}, not {dtype}")
     return Ragged(values=values, lengths=z[f"{name}.lengths"])
+
+
+def rollout_key(cfg: RunConfig) -> str:
+    """What a step's rollout depends on besides its step and policy (a checkpoint's kept
+    rollouts are used only under the same): the seed, the task's prompts, the sampling."""
+    rl = cfg.rl
+    fields = dict(seed=cfg.seed, task=rl.task, prompts=rl.prompts, n=rl.n, prompts_per_step=rl.prompts_per_step,
+                  prompt_length=rl.prompt_length, max_response_length=rl.max_response_length,
+                  temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, stop=rl.stop, tokenizer=rl.tokenizer,
+                  staleness=rl.max_staleness, warmup_steps=rl.warmup_steps, engine=cfg.generator.engine)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -2,6 +2,7 @@
 
     GEN_SLICES    NoArgs      → HeldSlices   the trainer slices this rank holds, the generator slices it needs
     SYNC_WEIGHTS  SyncWeights → Synced       run this rank's pieces of a weight-sync plan; now at ``version``
+                                             (``keep``: the sources' host copy kept; ``from_kept``: sent from it)
     PROBE_BATCH   Probe       → LogProbs     the trainer's probe batch and its log-probs (one rank answers)
     SCORE         LogProbs    → LogProbs     the generator's log-probs of given tokens (teacher-forced)
     GENERATE      Generate    → Generated    continue the prompts of this rank's replica
@@ -38,6 +39,11 @@ class HeldSlices:
 class SyncWeights:
     pieces: tuple[Piece, ...]  # this rank's, in plan order
     version: int  # the policy version the generator holds afterwards (the trainer's step)
+    # rl.max_staleness > 0: the trainer's ranks keep a host copy of what they send (``keep``), the
+    # policy the rollouts in flight come from, so that a restarted generator is synced to that
+    # same policy (``from_kept``) while the trainer's weights have moved on
+    keep: bool = False
+    from_kept: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

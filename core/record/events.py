@@ -267,6 +267,7 @@ class RestartingWorkers(Event):
     retry: int
     max_retries: int
     step: int | None = None  # steps done: the new generation resumes from the latest checkpoint (None: an older Baton's)
+    ranks: tuple[int, ...] = ()  # the only ranks restarted (a split generator's; the trainer's went on), () all
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,11 +3,14 @@
 The supervisor is launcher/local.py locally and the batch script on Slurm. It starts the
 controller and generation 0 of the workers; afterwards it acts only on what it is told:
 
-``workers.json`` ``{"epoch": e, "generation": g, "exclude": [...], "reason": "...", "time": t}``
+``workers.json`` ``{"epoch": e, "generation": g, "exclude": [...], "ranks": [...], "reason": "...", "time": t}``
     written by the controller once it has declared workers lost and aborted the rest:
     "start generation g of the worker step of epoch e" (env ``BATON_GENERATION=g``). The
     supervisor first ends, by pid, whatever is left of the previous generation (a stopped
-    process does not act on an abort), then starts the new one.
+    process does not act on an abort), then starts the new one. ``ranks`` non-empty: only
+    those workers are ended and started again (whole worker groups: a split generator's,
+    which is one Slurm het component, restarted while the trainer's go on); the others keep
+    running and count as generation g from then on.
 
 the controller's exit, read from the run record (exit codes do not survive every wrapper)
     status ``requeued`` (exit ``ExitCode.REQUEUED``): start the next epoch (on Slurm the job
@@ -48,12 +51,17 @@ class WorkerRequest:
     exclude: tuple[str, ...] = ()
     reason: str = ""
     time: float = 0.0
+    ranks: tuple[int, ...] = ()  # only these workers (whole groups); () every one
+
+    def restarts(self, rank: int) -> bool:
+        """Whether this request ends and starts again the worker of ``rank``."""
+        return not self.ranks or rank in self.ranks
 
 
 def request_workers(run: RunFolder, req: WorkerRequest) -> None:
     """The controller's side: ask for a (new) generation of workers."""
     write_json(request_path(run), {"epoch": req.epoch, "generation": req.generation, "exclude": list(req.exclude),
-                                   "reason": req.reason, "time": req.time or time.time()})
+                                   "ranks": list(req.ranks), "reason": req.reason, "time": req.time or time.time()})
 
 
 def read_request(run: RunFolder) -> WorkerRequest | None:
@@ -62,7 +70,7 @@ def read_request(run: RunFolder) -> WorkerRequest | None:
         d = read_json(request_path(run))
         return WorkerRequest(epoch=int(d["epoch"]), generation=int(d["generation"]),
                              exclude=tuple(d.get("exclude", ())), reason=str(d.get("reason", "")),
-                             time=float(d.get("time", 0.0)))
+                             time=float(d.get("time", 0.0)), ranks=tuple(int(r) for r in d.get("ranks", ())))
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
 

@@ -5,7 +5,9 @@
 Starts the command (the worker step) with ``BATON_GENERATION=0``, then follows
 ``workers.json``: when the controller asks for generation g (after it declared workers
 lost and aborted the rest), the running step is ended and the command is started again
-with ``BATON_GENERATION=g``, inside the same allocation. Ending a step is SIGTERM to its
+with ``BATON_GENERATION=g``, inside the same allocation. A request that names ranks
+restarts only the steps whose first rank (``BATON_RANK_BASE``) it names: each worker group
+is one component, so a split generator restarts while the trainer's step goes on. Ending a step is SIGTERM to its
 srun: Slurm then cancels the step and kills the tasks, also those that ignore SIGTERM or
 are stopped (observed on 22.05). Exits once the step has ended and the controller no
 longer runs (the run record), or on SIGTERM/SIGINT, which it passes on to the step first.
@@ -57,7 +59,7 @@ def _end(step: subprocess.Popen[bytes], why: str) -> None:
         step.wait()
 
 
-def supervise(run: RunFolder, cmd: list[str], *, epoch: int) -> int:
+def supervise(run: RunFolder, cmd: list[str], *, epoch: int, first_rank: int = 0) -> int:
     """Run worker-step generations until the controller is done with them; the last step's code."""
     generation = 0
     record = RunRecord(run)
@@ -66,9 +68,10 @@ def supervise(run: RunFolder, cmd: list[str], *, epoch: int) -> int:
         while not _Stop.requested:
             req = read_request(run)
             if req is not None and req.epoch == epoch and req.generation > generation:
-                _end(step, f"generation {req.generation} requested: {req.reason}")
+                if req.restarts(first_rank):
+                    _end(step, f"generation {req.generation} requested: {req.reason}")
+                    step = _start(cmd, req.generation)
                 generation = req.generation
-                step = _start(cmd, generation)
             elif step.poll() is not None and record.read().status is not Status.RUNNING:
                 break  # the step ended and no controller is left to ask for another
             time.sleep(POLL_S)  # polling a file another node writes; nothing to wait on instead
@@ -86,7 +89,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _Stop.handler)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the preemption notice is the controller's to answer
     epoch = int(os.environ.get("BATON_EPOCH") or os.environ.get("SLURM_RESTART_COUNT") or 0)
-    return supervise(RunFolder(Path(argv[0])), argv[2:], epoch=epoch)
+    return supervise(RunFolder(Path(argv[0])), argv[2:], epoch=epoch,
+                     first_rank=int(os.environ.get("BATON_RANK_BASE") or 0))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ step boundary, requeues, resumes, re-syncs the generator from the restored actor
 writes the same losses, rewards, KL, entropy and policy versions bit for bit, and ends with
 the same actor weights (prompts and sampling are keyed by seed and step, so no prompt
 repeats or is skipped; the reference is reloaded from its checkpoint). With the rollout on a worker
-of its own (generator.placement=split) every number equals the colocated demo's too.
+of its own (generator.placement=split) every number equals the colocated demo's too, also when
+that worker is killed mid-rollout and restarted alone.
 """
 from __future__ import annotations
 
@@ -24,7 +25,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import GRPO_NUMBERS, Submitted, baton, checkpoint_weights, json_lines, metrics, numbers
+from core.record import steps
+from tests.helpers import (
+    GRPO_NUMBERS,
+    Submitted,
+    baton,
+    checkpoint_weights,
+    history,
+    json_lines,
+    metrics,
+    numbers,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 EXPERIMENT = "experiments/grpo_tiny.yaml"
@@ -72,15 +83,24 @@ def test_grpo_preempted_mid_rl_resumes_to_the_same_numbers(demo: Path, tmp_path:
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout
 
 
-def test_grpo_with_the_rollout_on_workers_of_its_own_gives_the_same_numbers(demo: Path, tmp_path: Path) -> None:
+def test_grpo_with_the_rollout_on_workers_of_its_own_gives_the_same_numbers_through_a_lost_generator(
+        demo: Path, tmp_path: Path) -> None:
     """generator.placement=split: the rollout on one worker of its own (rank 2), every weight
     sync over the bridge group; prompts, sampling and the actor's arithmetic are the same,
-    so every step's numbers equal the colocated demo's."""
+    so every step's numbers equal the colocated demo's. The generator's worker is killed in
+    the rollout of step 45 (BATON_FAULTS kill_at_generate): it is restarted alone, synced to
+    the policy of step 45 (the trainer's, which has not moved: the trainer did nothing of the
+    step) and generates the rollout again with the same keys; no step is redone."""
     res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", "generator.placement=split", "generator.workers=1",
-                "--backend", "local", timeout=800)
+                "recovery.backoff_s=0.2", "timeouts.heartbeat_interval_s=0.1", "timeouts.heartbeat_timeout_s=3",
+                "timeouts.controller_lost_s=6", "--backend", "local", env={"BATON_FAULTS": "kill_at_generate=45"},
+                timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     run = next((tmp_path / "grpo-tiny").glob("*"))
     assert numbers(run, GRPO_NUMBERS) == numbers(demo, GRPO_NUMBERS)
+    assert [(e["rank"], e["step"]) for e in history(run, "worker_lost")] == [(2, 45)]
+    assert [(e["generation"], e["ranks"]) for e in history(run, "restarting_workers")] == [(1, [2])]
+    assert history(run, "resumed") == [] and not any(s for _, s in steps.entries(run / "metrics.jsonl"))
     status = baton("status", str(run)).stdout
     assert "generator: 1 on 1 node: local (rank 2)" in status, status
 

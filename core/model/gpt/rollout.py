@@ -68,6 +68,7 @@ class WeightLink:
         self.staging: Any = None  # a vLLM replica's (core.model.gpt.vllm_rollout): its targets, told of syncs
         self.version = -1
         self._prepared: tuple[int, list[Any]] | None = None
+        self.kept: list[tuple[Any, torch.Tensor]] | None = None  # the sources at the last ``keep`` sync, on the host
 
     def join(self, req: gen_calls.Bridge, *, backend: str, timeout_s: float) -> None:
         self.bridge = sync.connect(req.master_addr, req.master_port, name=req.name, rank=self.rank, size=req.size,
@@ -78,6 +79,17 @@ class WeightLink:
             return []
         return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks)
                 if self.every_replica or is_writer(sh)]
+
+    def _kept_sources(self) -> list[tuple[Any, torch.Tensor]]:
+        """The host copy of the last ``keep`` sync's sources, on the sources' device for the send
+        (a GPU holds this second copy only while the sync runs)."""
+        if self.kept is None:
+            if self.trainer_chunks is None:
+                return []
+            raise RuntimeError(f"rank {self.rank}: a sync from the kept policy, but no sync kept one")
+        live = self._sources()
+        device = live[0][1].device if live else torch.device("cpu")
+        return [(s, t.to(device)) for s, t in self.kept]
 
     def _targets(self) -> list[tuple[Any, torch.Tensor]]:
         if self.staging is not None:
@@ -90,11 +102,17 @@ class WeightLink:
 
     def sync(self, req: gen_calls.SyncWeights) -> gen_calls.Synced:
         t0 = time.perf_counter()
-        key = hash(req.pieces)
-        if self._prepared is None or self._prepared[0] != key:  # bound to parameter views once per plan
-            self._prepared = (key, sync.prepare(req.pieces, self.rank, sync.index(self._sources()),
-                                                sync.index(self._targets())))
-        moved = sync.run_plan(self._prepared[1], link=self.bridge)
+        if req.from_kept:  # a restarted generator: the policy its rollouts in flight came from
+            moved = sync.run_plan(sync.prepare(req.pieces, self.rank, sync.index(self._kept_sources()),
+                                               sync.index(self._targets())), link=self.bridge)
+        else:
+            key = hash(req.pieces)
+            if self._prepared is None or self._prepared[0] != key:  # bound to parameter views once per plan
+                self._prepared = (key, sync.prepare(req.pieces, self.rank, sync.index(self._sources()),
+                                                    sync.index(self._targets())))
+            moved = sync.run_plan(self._prepared[1], link=self.bridge)
+            if req.keep:
+                self.kept = [(s, p.detach().to("cpu", copy=True)) for s, p in self._sources()]
         self.version = req.version
         if self.staging is not None:
             self.staging.synced(req.version)
