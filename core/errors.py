@@ -67,16 +67,6 @@ class WorkerLostError(BatonRuntimeError):
         self.ranks = ranks
 
 
-class GeneratorLostError(WorkerLostError):
-    """Workers of a split generator group, and only those, were lost while the controller waited
-    for a rollout of step ``step``, before the trainer did any of that step: the generator's
-    workers can be restarted alone and the step begun again (core.controller.recovery)."""
-
-    def __init__(self, message: str, ranks: list[int], *, step: int) -> None:
-        super().__init__(message, ranks)
-        self.step = step
-
-
 class CallTimeoutError(BatonRuntimeError):
     """A call's deadline passed before every expected rank answered."""
 

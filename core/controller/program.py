@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,7 @@ from core.controller.rollouts import ATTACHMENT as ROLLOUTS_FILE
 from core.controller.saving import SavePolicy
 from core.controller.stop import StopPolicy, StopRequest
 from core.controller.sync_policy import SyncPolicy
-from core.errors import UserError
+from core.errors import UserError, WorkerLostError
 from core.job import faults
 from core.record import events as ev
 from core.record import steps as step_records
@@ -90,9 +90,8 @@ class Program:
     _val_s: float = field(default=0.0, init=False)  # the last validation's wall time (rl.val_every)
     _epoch_start: int | None = field(default=None, init=False)  # the step this allocation began at
     _resumed_from: Path | None = field(default=None, init=False)  # the checkpoint this allocation loaded
-    # set by recovery when a split generator's workers alone were restarted: the ranks the next
-    # run_all re-joins, the trainer's state (step, rollouts, policy) kept as it is
-    rejoin: tuple[int, ...] = field(default=(), init=False)
+    # recovery's: restart a split generator's workers alone (the ranks restarted), or raise
+    restart_generator: Callable[[WorkerLostError], tuple[int, ...]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         gen = self.plan.generator
@@ -102,8 +101,6 @@ class Program:
 
     def run_all(self) -> StopRequest | None:
         """The whole run; returns the stop request that ended it early, None when it finished."""
-        if self.rejoin:
-            return self._rejoined()
         self.setup()
         self.resume()
         # the loop state of the checkpoint this allocation resumed from (read once)
@@ -119,29 +116,28 @@ class Program:
                     rl = self.cfg.rl
                     self.rewards = Scorer(rl.reward, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s)
                 self.rewards.start()  # a reward that cannot be loaded fails here, before the first RL step
-                self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards)
+                self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards,
+                                 on_generator_lost=self._generator_lost)
                 self.rl.restore(loop, self._resumed_from)
                 self._validate_pending(step_records.read(self.run.metrics))
-        return self._train_to_end()
-
-    def _train_to_end(self) -> StopRequest | None:
         stop = self.train()
         if stop is None:
             self.saves.at_end(self.step, self.last_loss)
         return stop
 
-    def _rejoined(self) -> StopRequest | None:
-        """After a split generator's workers alone were restarted: set the new ones up, bridge
-        and sync them to the policy the lost ones held, start again the rollouts they lost,
-        and go on from the step that was interrupted (the trainer did none of it)."""
-        assert self.flow is not None and self.rl is not None and self.generator is not None
-        ranks, self.rejoin = self.rejoin, ()
+    def _generator_lost(self, exc: WorkerLostError) -> None:
+        """A wait for a rollout found workers of the split generator, and only those, lost: have
+        recovery restart them alone (it raises when it decides otherwise), then set the new
+        ones up, bridge them and sync them to the policy the lost ones held. The trainer's
+        workers keep their state; the caller starts the lost rollouts again."""
+        assert self.flow is not None
+        if self.restart_generator is None:
+            raise exc
+        ranks = self.restart_generator(exc)
         self.setup(rejoin=ranks)
         self.flow.rejoin()
-        self.rl.restart_lost()
         log.info("the generator's ranks %s rejoined at step %d, synced to version %d", list(ranks), self.step,
                  self.flow.version)
-        return self._train_to_end()
 
     def setup(self, rejoin: tuple[int, ...] = ()) -> None:
         """Register the workers, then every rank joins its process group and builds its model

@@ -47,7 +47,6 @@ from core.errors import (
     PROGRAMMING_ERRORS,
     CallTimeoutError,
     ExitCode,
-    GeneratorLostError,
     RegistrationError,
     RemoteError,
     TransientIOError,
@@ -75,7 +74,7 @@ class Failure:
     why: str  # one line
     step: int
     signature: tuple[object, ...] = ()  # a RemoteError's (rank, type, method, step)
-    alone: bool = False  # a split generator's workers alone (GeneratorLostError): a restart keeps the trainer's
+    alone: bool = False  # a split generator's workers alone (restart_generator): a restart keeps the trainer's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +98,14 @@ class Outcome:
     readmit: tuple[str, ...] = ()  # earlier exclusions Slurm reports back in service: off the job's list
     clean: bool = True  # the workers are in a known state (shutdown) rather than to be aborted
     stop: StopRequest | None = None
+
+
+class Decided(Exception):  # noqa: N818 - a decision, not an error
+    """How the run ends, decided while the program was inside a call (``restart_generator``)."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.reason)
+        self.outcome = outcome
 
 
 def decide(failure: Failure, budget: Budget, *, max_retries: int, backoff_s: float,
@@ -178,6 +185,7 @@ class Recovery:
         self.on_slurm = on_slurm
         self._sleep = sleep
         self._last_signature: tuple[object, ...] = ()
+        program.restart_generator = self.restart_generator
 
     def run(self) -> Outcome:
         while True:
@@ -193,8 +201,8 @@ class Recovery:
                     return self._fail(f"{_first_line(exc)}; not retried: {why_final}", code)
                 self._last_signature = signature(exc, step)
                 failure = self._failure("remote_error", (exc.rank,), _first_line(exc))
-            except GeneratorLostError as exc:  # the trainer's workers go on: only the generator's restart
-                failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc), alone=True)
+            except Decided as decided:  # restart_generator's decision, other than a restart
+                return decided.outcome
             except WorkerLostError as exc:
                 failure = self._failure("worker_lost", tuple(exc.ranks), _first_line(exc))
             except CallTimeoutError as exc:
@@ -274,6 +282,18 @@ class Recovery:
             return self._restart_generator(decision, budget)
         return self._restart(decision, budget)
 
+    def restart_generator(self, exc: WorkerLostError) -> tuple[int, ...]:
+        """While the program waits for a rollout, workers of the split generator alone were lost
+        (``exc``): recorded and counted as any lost worker; when the policy decides to restart,
+        only the generator's workers restart, inside the call (the program goes on where it
+        was: ``Program._generator_lost``); the ranks restarted. Any other decision (requeue,
+        fail, a preemption meanwhile) raises ``Decided``, which ends ``run``."""
+        outcome = self._recover(self._failure("worker_lost", tuple(exc.ranks), _first_line(exc), alone=True))
+        if outcome is not None:
+            raise Decided(outcome)
+        assert self.program.generator is not None
+        return tuple(self.program.generator.ranks)
+
     def _nodes_slurm_took(self) -> tuple[tuple[str, ...], str]:
         """When a signal came with Slurm requeueing the job: the run's nodes Slurm has taken
         out of service (down, drained), each a failure of its node in the run's history; those
@@ -347,15 +367,13 @@ class Recovery:
     def _restart_generator(self, decision: Decision, budget: Budget) -> Outcome | None:
         """Restart a split generator's workers alone: abort what is left of them, back off, ask
         the supervisor for the next generation of their ranks only; the trainer's workers keep
-        their state and wait. The program then re-joins the new ones (``Program.rejoin``) and
-        begins the interrupted step again. None: go round again."""
+        their state and wait. The program then sets up the new ones and goes on. None: restarted."""
         program, group = self.program, self.program.workers
         assert program.generator is not None, "only a generator group restarts alone"
         ranks = tuple(program.generator.ranks)
         group.abort(f"controller: {decision.reason}", ranks=ranks)
         generation = group.generation + 1
         group.replace(ranks, generation)
-        program.rejoin = ranks
         program.record.append(ev.RestartingWorkers(generation=generation, backoff_s=round(decision.backoff_s, 2),
                                                    retry=budget.retries, max_retries=program.cfg.recovery.max_retries,
                                                    step=program.step, ranks=ranks))

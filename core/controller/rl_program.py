@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -76,7 +76,7 @@ from core.controller.rollouts import Rollouts, rollout_key
 from core.controller.saving import SavePolicy
 from core.controller.validation import Validation
 from core.data.tokenizer import text_before_stop
-from core.errors import CheckpointError, ConfigError, GeneratorLostError, WorkerLostError
+from core.errors import CheckpointError, ConfigError, WorkerLostError
 from core.flows import calls as gen_calls
 from core.job import faults
 from core.rl import advantages, tasks
@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 
 class RLStep:
     def __init__(self, cfg: RunConfig, trainer: RoleGroup, generator: GeneratorFlow, saves: SavePolicy,
-                 scorer: Scorer) -> None:
+                 scorer: Scorer, *, on_generator_lost: Callable[[WorkerLostError], None] | None = None) -> None:
         self.cfg, self.trainer, self.generator, self.saves = cfg, trainer, generator, saves
         self.checkpoints = saves.checkpoints
         self.scorer = scorer  # the controller's reward processes (Program owns them)
@@ -120,7 +120,9 @@ class RLStep:
         self.kl = advantages.AdaptiveKL(value=coef, target=kl.target, horizon=kl.horizon)
         self.reference_step = cfg.rl.warmup_steps
         self._reference_loaded = False
-        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps, rollout_key(cfg))  # started ahead
+        self.on_generator_lost = on_generator_lost  # Program: restart the generator's workers alone, or raise
+        self.rollouts = Rollouts(cfg.rl.max_staleness, cfg.rl.warmup_steps, rollout_key(cfg),  # started ahead
+                                 on_lost=self._generator_lost)
         if kl.enabled:
             self.checkpoints.pinned.add(self.reference_step)
 
@@ -214,11 +216,11 @@ class RLStep:
                 if self.generator.version != step:  # no probe: the gap on this step's responses is recorded
                     self.generator.sync(step, probe=False)
                     synced.update(self.generator.sent)
-            with _timed(phases, "generate"), self._generator_lost(step):
-                done = self.generator.rollout(self._generate_request(step, prompts, pads))
+            with _timed(phases, "generate"):
+                done = self._rollout_now(self._generate_request(step, prompts, pads))
             return asked, prompts, pads, done.until(self.stop), step
         if self.rollouts.block_starts(step):
-            with _timed(phases, "wait"), self._generator_lost(step):  # the generator is idle once its rollouts are done
+            with _timed(phases, "wait"):  # the generator is idle once the rollouts it works on are done
                 self.rollouts.drain()
             with _timed(phases, "sync"):
                 if self.generator.version != step:
@@ -226,34 +228,36 @@ class RLStep:
                     synced.update(self.generator.sent)
             for ahead in self.rollouts.to_start(step, self.cfg.trainer.steps):
                 self.rollouts.add(ahead, step, self._start_rollout(ahead))
-        with _timed(phases, "generate"), self._generator_lost(step):  # what is left of this step's rollout
+        with _timed(phases, "generate"):  # what is left of this step's rollout
             rollout = self.rollouts.take(step)
         faults.at_point(step, "generating")  # the next rollout is in flight (tests: a stop lands here)
         return asked, prompts, pads, rollout.wait().until(self.stop), rollout.version
 
-    @contextmanager
-    def _generator_lost(self, step: int) -> Iterator[None]:
-        """While waiting for a rollout, before the trainer does any of step ``step``: the loss
-        of generator workers alone is a ``GeneratorLostError`` (recovery restarts them alone,
-        then the step begins again), when the policy the rollouts came from can be synced
-        again: kept by the trainer (``rl.max_staleness`` > 0), or the trainer's own."""
-        try:
-            yield
-        except WorkerLostError as exc:
-            group = self.generator.generator
-            alone = bool(exc.ranks) and set(exc.ranks) <= set(group.ranks)
-            if alone and group.plan.own_processes and (self.rollouts.k > 0 or self.generator.version == step):
-                raise GeneratorLostError(str(exc), list(exc.ranks), step=step) from exc
-            raise
+    def _rollout_now(self, req: gen_calls.Generate) -> Responses:
+        """``rl.max_staleness: 0``: the rollout of the policy the generator was just synced to,
+        generated again by restarted workers if the generator's were lost meanwhile."""
+        while True:
+            try:
+                return self.generator.rollout(req)
+            except WorkerLostError as exc:
+                self._generator_lost(exc)
 
-    def restart_lost(self) -> None:
-        """After the generator's workers were restarted (and synced to the version they held):
-        the rollouts they lost started again, from the same policy with the same keys."""
+    def _generator_lost(self, exc: WorkerLostError) -> None:
+        """A wait for a rollout failed with ``exc``: when workers of the split generator, and
+        only those, were lost, they are restarted alone and synced to the policy the generator
+        held (the trainer's own or, with rl.max_staleness > 0, its kept copy: the one every
+        rollout in flight came from), and the rollouts they lost are started again with the
+        same keys (the caller waits again); anything else is raised as it is."""
+        group = self.generator.generator
+        if not (exc.ranks and set(exc.ranks) <= set(group.ranks) and group.plan.own_processes
+                and self.on_generator_lost is not None):
+            raise exc
+        self.on_generator_lost(exc)
         for rollout in self.rollouts.by_step.values():
             if rollout.done is None:
                 if rollout.version != self.generator.version:
                     raise RuntimeError(f"the rollout of step {rollout.step} comes from version {rollout.version}, "
-                                       f"the restarted generator holds {self.generator.version}")
+                                       f"the restarted generator holds {self.generator.version}") from exc
                 rollout.pending = self._start_rollout(rollout.step)
 
     def _start_rollout(self, step: int) -> PendingRollout:

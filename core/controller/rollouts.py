@@ -30,6 +30,7 @@ import json
 import logging
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import numpy as np
 
 from core.config.run import RunConfig
 from core.controller.generation import PendingRollout, Responses
-from core.errors import CheckpointError
+from core.errors import CheckpointError, WorkerLostError
 from core.wire.ragged import FLOATS, TOKENS, Ragged
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,13 @@ class Rollout:
 class Rollouts:
     """The started rollouts by step (at most ``k + 1``), in the order they were started."""
 
-    def __init__(self, staleness: int, first_rl_step: int, key: str = "") -> None:
+    def __init__(self, staleness: int, first_rl_step: int, key: str = "",
+                 on_lost: Callable[[WorkerLostError], None] | None = None) -> None:
         self.k, self.first = staleness, first_rl_step
         self.key = key  # what the rollouts depend on besides the step (RLStep: the config's sampling and task)
         self.by_step: dict[int, Rollout] = {}
+        # a wait that lost generator workers: restart them and the rollouts in flight, or raise (RLStep)
+        self.on_lost = on_lost
 
     def version_of(self, step: int) -> int:
         """The policy version the schedule generates step ``step``'s rollout from."""
@@ -86,15 +90,25 @@ class Rollouts:
         self.by_step[step] = Rollout(step, version, pending=pending)
 
     def take(self, step: int) -> Rollout:
-        """Step ``step``'s rollout, waited for; it leaves the queue once complete (a rollout
-        whose generator was lost stays, to be started again: ``RLStep.restart_lost``)."""
-        self.by_step[step].wait()
+        """Step ``step``'s rollout, waited for; it leaves the queue."""
+        self._wait(self.by_step[step])
         return self.by_step.pop(step)
 
     def drain(self) -> None:
         """Wait for every rollout in flight (the generator is then idle)."""
         for rollout in self.by_step.values():
-            rollout.wait()
+            self._wait(rollout)
+
+    def _wait(self, rollout: Rollout) -> Responses:
+        """``rollout``'s responses; when its generator's workers were lost, ``on_lost`` restarts
+        them and every rollout in flight (or raises), and the wait begins again."""
+        while True:
+            try:
+                return rollout.wait()
+            except WorkerLostError as exc:
+                if self.on_lost is None:
+                    raise
+                self.on_lost(exc)
 
     def ready(self, timeout_s: float, *, poll_s: float = 0.05) -> bool:
         """Whether every rollout in flight has its answers within ``timeout_s`` (a stop's time
@@ -117,7 +131,7 @@ class Rollouts:
                                          "key": np.array(self.key)}
         arrays["versions"] = np.array([self.by_step[s].version for s in sorted(self.by_step)], dtype=np.int64)
         for s in sorted(self.by_step):
-            done = self.by_step[s].wait()
+            done = self._wait(self.by_step[s])
             for name, rows in (("tokens", done.tokens), ("logprobs", done.logprobs)):
                 arrays[f"{s}.{name}.values"], arrays[f"{s}.{name}.lengths"] = rows.values, rows.lengths
         buf = io.BytesIO()

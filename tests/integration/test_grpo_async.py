@@ -126,24 +126,28 @@ def test_stops_at_three_points_of_the_overlap_resume_to_the_uninterrupted_number
     assert not unused, f"the rollouts kept at steps {unused} were not restored"
 
 
-KILL_AT = 57  # the generator's rank dies in the GENERATE of this step's rollout (started at step 56)
+# The generator's rank dies in the GENERATE of this step's rollout, started at step 64 from policy 64.
+# The loss is found where the end of step 64 waits for that rollout before the generator's interval
+# sync (generator.sync_interval_steps: 65): inside a step, after the trainer's update of it.
+KILL_AT = 65
 
 
 def test_a_generator_worker_killed_mid_rollout_is_restarted_alone_and_the_trainer_loses_nothing(
         async_demo: Path, tmp_path: Path) -> None:
     """BATON_FAULTS kill_at_generate (reaching the workers through ``baton submit``'s environment):
-    the generator's only rank SIGKILLs itself in the rollout of step 57 (started at step 56, from
-    policy 56, while the trainer updates policy 56). The controller restarts the generator's
-    worker alone: the trainer's processes go on with policy 57, the new generator is synced to
-    policy 56 from the trainer's kept copy and generates rollout 57 again with the same keys; no
-    step is redone, nothing is resumed from a checkpoint, and the run ends with the uninterrupted
-    run's numbers and weights."""
+    the generator's only rank SIGKILLs itself in the rollout of step 65 (started at step 64, from
+    policy 64, while the trainer updates policy 64). The controller restarts the generator's
+    worker alone, inside step 64: the trainer's processes go on holding policy 65, the new
+    generator is synced to policy 64 from the trainer's kept copy and generates rollout 65 again
+    with the same keys, then the interval sync goes on. No step is redone, nothing is resumed
+    from a checkpoint, and the run ends with the uninterrupted run's numbers and weights."""
     res = baton("submit", EXPERIMENT, f"runs_root={tmp_path}", *ASYNC_GRPO, "checkpoint.interval_steps=20",
                 *FAST_RECOVERY, "--backend", "local", env={"BATON_FAULTS": f"kill_at_generate={KILL_AT}"}, timeout=800)
     assert res.returncode == 0, res.stdout + res.stderr
     run = run_folder(res)
-    assert [(e["rank"], e["failure"], e["step"]) for e in history(run, "worker_lost")] == [(2, "worker_lost", KILL_AT)]
-    assert [(e["generation"], e["ranks"], e["step"]) for e in history(run, "restarting_workers")] == [(1, [2], KILL_AT)]
+    lost_at = KILL_AT - 1  # steps done when the loss was found: step 64's own tail
+    assert [(e["rank"], e["failure"], e["step"]) for e in history(run, "worker_lost")] == [(2, "worker_lost", lost_at)]
+    assert [(e["generation"], e["ranks"], e["step"]) for e in history(run, "restarting_workers")] == [(1, [2], lost_at)]
     ready = history(run, "workers_ready")
     assert [e["generation"] for e in ready] == [0, 1]
     pids = [{r["rank"]: r["pid"] for r in e["ranks"]} for e in ready]

@@ -59,7 +59,10 @@ class WeightLink:
     every replica's, so that each can send its share; only the first replica's with
     ``every_replica`` false, when the replicas may differ between averages: parallel.sync),
     the generator slices it holds (``model``), and how pieces travel: the default group
-    (colocated: plan ranks are its ranks) or ``bridge`` (split: plan ranks are bridge ranks)."""
+    (colocated: plan ranks are its ranks) or ``bridge`` (split: plan ranks are bridge ranks).
+    A sync asked to ``keep`` leaves a host copy of the sources it sent (``kept``: the policy
+    the rollouts in flight come from, rl.max_staleness > 0); one ``from_kept`` sends that
+    copy instead of the parameters (a restarted generator, after the trainer moved on)."""
 
     def __init__(self, rank: int, *, trainer_chunks: list[Any] | None, model: Any | None) -> None:
         self.rank, self.trainer_chunks, self.model = rank, trainer_chunks, model
@@ -79,6 +82,15 @@ class WeightLink:
             return []
         return [(slice_of(sh, dtype=_name(p)), p) for sh, p in sharded_params(self.trainer_chunks)
                 if self.every_replica or is_writer(sh)]
+
+    def _keep(self) -> None:
+        """Copy the sources just sent into host buffers (allocated once, pinned on a GPU; the
+        copy is queued on the stream, before any later update of the parameters)."""
+        live = self._sources()
+        if self.kept is None or [s for s, _ in self.kept] != [s for s, _ in live]:
+            self.kept = [(s, torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda)) for s, p in live]
+        for (_, host), (_, param) in zip(self.kept, live, strict=True):
+            host.copy_(param.detach(), non_blocking=True)
 
     def _kept_sources(self) -> list[tuple[Any, torch.Tensor]]:
         """The host copy of the last ``keep`` sync's sources, on the sources' device for the send
@@ -112,7 +124,7 @@ class WeightLink:
                                                     sync.index(self._targets())))
             moved = sync.run_plan(self._prepared[1], link=self.bridge)
             if req.keep:
-                self.kept = [(s, p.detach().to("cpu", copy=True)) for s, p in self._sources()]
+                self._keep()
         self.version = req.version
         if self.staging is not None:
             self.staging.synced(req.version)
