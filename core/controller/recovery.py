@@ -22,6 +22,9 @@
                                                                  workers here             after a backoff
                                                                else on Slurm            → requeue
                                                                else                     → fail, saying why
+    the split generator's workers alone, lost while the      the same budget and policy; a restart restarts
+      program waits for a rollout (restart_generator)          them alone, inside that wait: the trainer's
+                                                               workers keep their state, nothing is undone
     a preemption signal while recovering                     requeue from the latest committed checkpoint
     Slurm requeued the job itself (a node set down:          checkpoint at the step boundary, name the
       SIGTERM with the job's Restarts past this epoch's)       nodes Slurm took (node_failed), exclude
