@@ -10,9 +10,11 @@ is sent: a HOLD call is answered only once the test opens that rank's gate.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,20 +56,22 @@ class Worker(threading.Thread):
     """One worker rank in a thread: registers with ``rank_hint``, heartbeats from its own
     socket, serves calls in order until Shutdown or ``stop``."""
 
-    def __init__(self, address: str, keys: Path, rank: int) -> None:
+    def __init__(self, address: str, keys: Path, rank: int, *, generation: int = 0) -> None:
         super().__init__(name=f"fake-worker-{rank}", daemon=True)
-        self.address, self.keys, self.rank = address, keys, rank
+        self.address, self.keys, self.rank, self.generation = address, keys, rank, generation
         self.gate, self.stop = threading.Event(), threading.Event()
         self.received: list[str] = []  # the methods of the calls it has taken up, in order
+        self.beats: list[float] = []  # when the controller's heartbeats came (time.monotonic)
+        self.aborts: list[str] = []  # the reasons of the aborts it was sent
 
     def run(self) -> None:
-        identity = f"fake:{os.getpid()}:{self.rank}".encode()
+        identity = f"fake:{os.getpid()}:{self.rank}:{self.generation}".encode()
         sock = WorkerSocket(self.address, self.keys, identity=identity)
         hb = WorkerSocket(self.address, self.keys, identity=identity + b"/hb", share_context_with=sock)
         self._seq = 0
         try:
             sock.send(protocol.encode(protocol.Register(rank_hint=self.rank, host=socket.gethostname(), node="fake",
-                                                        pid=os.getpid())))
+                                                        pid=os.getpid(), generation=self.generation)))
             while not self.stop.is_set():
                 self._beat(hb)
                 frames = sock.recv_within(0.05)
@@ -85,8 +89,12 @@ class Worker(threading.Thread):
     def _beat(self, hb: WorkerSocket) -> None:
         self._seq += 1
         hb.send(protocol.encode(protocol.Heartbeat(seq=self._seq, busy="")))
-        while hb.recv_nowait() is not None:  # the controller's heartbeats
-            pass
+        while (frames := hb.recv_nowait()) is not None:  # the controller's heartbeats and aborts
+            msg = protocol.decode(frames).msg
+            if isinstance(msg, protocol.Heartbeat):
+                self.beats.append(time.monotonic())
+            elif isinstance(msg, protocol.Abort):
+                self.aborts.append(msg.reason)
 
     def _answer(self, env: protocol.Envelope, hb: WorkerSocket) -> list[bytes | memoryview]:
         call = env.msg
@@ -106,28 +114,58 @@ class Worker(threading.Thread):
 @dataclass
 class Fixture:
     workers: WorkerGroup
-    ranks: list[Worker]
+    ranks: list[Worker]  # every worker started, those of later generations appended
+    address: str
+    keys: Path
+
+    def worker(self, rank: int, generation: int) -> Worker:
+        """A worker of a later generation (not started yet), stopped with the others."""
+        w = Worker(self.address, self.keys, rank, generation=generation)
+        self.ranks.append(w)
+        return w
 
 
-@pytest.fixture
-def group(tmp_path: Path) -> Iterator[Fixture]:
+@contextlib.contextmanager
+def _group(tmp_path: Path, world_size: int, timeouts: TimeoutsConfig) -> Iterator[Fixture]:
     run = RunFolder(tmp_path / "run")
     run.path.mkdir()
     generate_keys(run.keys)
     sock = ControllerSocket(run.keys, bind_host="127.0.0.1")
-    workers = WorkerGroup(sock, world_size=2, epoch=0, timeouts=TimeoutsConfig(), run=run)
-    ranks = [Worker(f"tcp://127.0.0.1:{sock.port}", run.keys, r) for r in range(2)]
+    workers = WorkerGroup(sock, world_size=world_size, epoch=0, timeouts=timeouts, run=run)
+    address = f"tcp://127.0.0.1:{sock.port}"
+    ranks = [Worker(address, run.keys, r) for r in range(world_size)]
     for w in ranks:
         w.start()
     try:
         workers.wait_for_workers(60)
-        yield Fixture(workers, ranks)
+        yield Fixture(workers, ranks, address, run.keys)
     finally:
         for w in ranks:
             w.stop.set()
-            w.join(timeout=10)
+            if w.is_alive():
+                w.join(timeout=10)
         workers.close()
         sock.close()
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[Fixture]:
+    with _group(tmp_path, 2, TimeoutsConfig()) as fixture:
+        yield fixture
+
+
+# The controller beats every 0.25 s (heartbeat_interval_s; controller_lost_s / 5 would be less),
+# so that the trainer's workers get several while a generator's ranks register.
+TIMEOUTS = TimeoutsConfig(controller_lost_s=1.0)
+
+
+@pytest.fixture
+def trio(tmp_path: Path) -> Iterator[Fixture]:
+    """Ranks 0-1 (a trainer's) and 2 (a split generator's), each having answered a call."""
+    with _group(tmp_path, 3, TIMEOUTS) as fixture:
+        assert fixture.workers.call_ranks(ECHO, {r: Ask(v=r) for r in range(3)}) == {
+            r: Answer(rank=r, v=r) for r in range(3)}
+        yield fixture
 
 
 def _role(workers: WorkerGroup, first: int, name: str) -> RoleGroup:
@@ -189,3 +227,79 @@ def test_a_reset_abandons_the_calls_in_flight_naming_their_method(group: Fixture
     assert err.value.ranks == [1]
     group.ranks[1].gate.set()  # its answer, when it comes, belongs to no call
     assert trainer.workers.generation == 1
+
+
+# --- a split generator's workers lost and restarted alone --------------------------------------
+def _lose(fixture: Fixture, rank: int) -> None:
+    """The worker of ``rank`` falls silent (its thread ends); wait until the group says it is lost."""
+    fixture.ranks[rank].stop.set()
+    fixture.ranks[rank].join(timeout=10)
+    wait_for(lambda: [p.rank for p in fixture.workers.lost()] == [rank], 30, f"rank {rank} declared lost")
+
+
+def test_a_lost_worker_fails_only_the_calls_that_wait_for_it(trio: Fixture) -> None:
+    workers = trio.workers
+    held = workers.start_ranks(HOLD, {0: Ask(v=1)})  # in flight on the trainer's rank 0 meanwhile
+    wait_for(lambda: trio.ranks[0].received == ["echo", "hold"], 30, "rank 0 to take up the held call")
+    _lose(trio, 2)
+    assert workers.call_ranks(ECHO, {1: Ask(v=4)}) == {1: Answer(rank=1, v=4)}
+    trio.ranks[0].gate.set()
+    assert workers.wait(held) == {0: Answer(rank=0, v=1)}  # rank 2 was lost all along
+    assert workers.call_ranks(ECHO, {0: Ask(v=5), 1: Ask(v=6)}) == {0: Answer(rank=0, v=5), 1: Answer(rank=1, v=6)}
+    with pytest.raises(WorkerLostError) as err:
+        workers.call_ranks(ECHO, {1: Ask(v=7), 2: Ask(v=7)})
+    assert err.value.ranks == [2] and "rank 2 (pid" in str(err.value)
+    with pytest.raises(WorkerLostError):
+        workers.check()  # between calls: any loss
+    assert not workers.peers[0].lost and not workers.peers[1].lost
+
+
+def test_a_call_in_flight_to_a_replaced_rank_is_abandoned(trio: Fixture) -> None:
+    workers = trio.workers
+    rollout = workers.start_ranks(HOLD, {2: Ask(v=1)})
+    wait_for(lambda: trio.ranks[2].received == ["echo", "hold"], 30, "rank 2 to take up the held call")
+    update = workers.start_ranks(ECHO, {0: Ask(v=2), 1: Ask(v=3)})
+    workers.replace([2], 1)
+    assert workers.answered(rollout)  # nothing more will come: wait raises at once
+    with pytest.raises(WorkerLostError) as err:
+        workers.wait(rollout)
+    assert err.value.ranks == [2] and "generation 1" in str(err.value)
+    assert workers.wait(update) == {0: Answer(rank=0, v=2), 1: Answer(rank=1, v=3)}  # the trainer's goes on
+    assert (workers.generation, sorted(workers.peers)) == (1, [0, 1])
+
+
+def test_an_abort_of_some_ranks_reaches_those_alone(trio: Fixture) -> None:
+    trio.workers.abort("controller: the generator restarts", ranks=[2])
+    wait_for(lambda: trio.ranks[2].aborts, 30, "rank 2's abort")
+    trio.workers.abort("controller: everyone")
+    wait_for(lambda: all(w.aborts[-1:] == ["controller: everyone"] for w in trio.ranks), 30, "every rank's abort")
+    assert [w.aborts for w in trio.ranks] == [["controller: everyone"]] * 2 + [
+        ["controller: the generator restarts", "controller: everyone"]]
+
+
+def test_a_replaced_rank_registers_while_the_others_are_served(trio: Fixture) -> None:
+    """Rank 2 is lost and replaced by generation 1's rank 2, which takes longer to register than
+    a worker may be silent: ranks 0-1 are heard and beaten meanwhile, never declared lost,
+    and the three answer together afterwards."""
+    workers, limit = trio.workers, TIMEOUTS.heartbeat_timeout_s
+    _lose(trio, 2)
+    workers.replace([2], 1)
+    assert workers.lost() == [] and workers.generation == 1
+    new = trio.worker(2, generation=1)
+    late = threading.Timer(2 * limit, new.start)  # the registration this test is about takes this long
+    late.start()
+    t0 = time.monotonic()
+    try:
+        workers.wait_for_workers(60, ranks=[2])
+    finally:
+        late.cancel()
+    assert time.monotonic() - t0 > limit
+    assert workers.lost() == []
+    for rank in (0, 1):
+        assert workers.peers[rank].last_seen > t0 + limit  # its heartbeats handled during the registration
+        assert any(t > t0 + limit for t in trio.ranks[rank].beats)  # and the controller's sent to it
+    assert workers.peers[2].identity == f"fake:{os.getpid()}:2:1".encode()
+    assert workers.call_ranks(ECHO, {r: Ask(v=10 + r) for r in range(3)}) == {
+        r: Answer(rank=r, v=10 + r) for r in range(3)}
+    assert new.received == ["echo"] and trio.ranks[2].received == ["echo"]  # the old rank 2 got nothing more
+    assert [w.received for w in trio.ranks[:2]] == [["echo", "echo"]] * 2

@@ -2,16 +2,22 @@
 core.supervisor.contract: pure functions, and the contract on a real run record."""
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Collection
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from core.controller.recovery import Failure, decide, deterministic, signature
-from core.errors import RemoteError
+from core.config import run as config_mod
+from core.controller.recovery import Decided, Failure, Recovery, decide, deterministic, signature
+from core.controller.registration import Peer
+from core.errors import ExitCode, RemoteError, WorkerLostError
 from core.record import events as ev
 from core.record.runfolder import RunFolder
 from core.record.state import Budget, RunRecord, RunState, Status, state_from_data, state_to_data
-from core.supervisor.contract import WorkerRequest, after_controller, read_request, request_workers
+from core.supervisor.contract import WorkerRequest, after_controller, read_request, request_path, request_workers
 
 
 def _failure(node: str = "n1", step: int = 10) -> Failure:
@@ -145,6 +151,37 @@ def test_worker_requests_round_trip(tmp_path: Path) -> None:
     assert read_request(run) == WorkerRequest(epoch=2, generation=3, exclude=("n1",), reason="retry 1", time=5.0)
 
 
+def test_a_request_naming_ranks_round_trips_and_restarts_those_alone(tmp_path: Path) -> None:
+    run = RunFolder(tmp_path)
+    req = WorkerRequest(epoch=1, generation=2, ranks=(2, 3), reason="retry 1: the generator alone", time=5.0)
+    request_workers(run, req)
+    assert json.loads(request_path(run).read_text())["ranks"] == [2, 3]  # the file, read independently
+    back = read_request(run)
+    assert back == req and all(type(r) is int for r in back.ranks)
+    assert [r for r in range(6) if back.restarts(r)] == [2, 3]
+
+
+def test_a_request_without_ranks_restarts_every_rank(tmp_path: Path) -> None:
+    """An older Baton's workers.json has no "ranks": every worker restarts, as it did then;
+    so does a request naming none."""
+    run = RunFolder(tmp_path)
+    request_path(run).write_text(json.dumps({"epoch": 0, "generation": 1, "exclude": ["n1"], "reason": "r",
+                                             "time": 1.0}))
+    old = read_request(run)
+    assert old == WorkerRequest(epoch=0, generation=1, exclude=("n1",), reason="r", time=1.0) and old.ranks == ()
+    assert all(old.restarts(r) for r in range(8))
+    request_workers(run, WorkerRequest(epoch=0, generation=2))
+    assert json.loads(request_path(run).read_text())["ranks"] == []
+    new = read_request(run)
+    assert new is not None and new.generation == 2 and all(new.restarts(r) for r in range(8))
+
+
+def test_a_request_with_unreadable_ranks_is_no_request(tmp_path: Path) -> None:
+    run = RunFolder(tmp_path)
+    request_path(run).write_text(json.dumps({"epoch": 0, "generation": 1, "ranks": ["two"]}))
+    assert read_request(run) is None  # the supervisor keeps polling; it restarts nothing on a guess
+
+
 def test_node_failure_limit_is_the_config_key_recovery_node_failure_limit() -> None:
     from core.config import run as config_mod
     from core.errors import ConfigError
@@ -162,3 +199,95 @@ def test_node_failure_limit_is_the_config_key_recovery_node_failure_limit() -> N
         assert "recovery.node_failure_limit" in str(exc)
     else:
         raise AssertionError("recovery.node_failure_limit=0 was accepted")
+
+
+# --- Recovery.restart_generator: a split generator's workers restarted alone --------------------
+class Group:
+    """The worker group as recovery drives it (its sockets and liveness: test_group_calls):
+    ranks 0-1 the trainer's, 2-3 a split generator's; what it was told is recorded."""
+
+    def __init__(self) -> None:
+        self.epoch, self.generation = 0, 0
+        self.peers = {r: Peer(rank=r, identity=b"w%d" % r, host="h", node=f"n{r // 2}", pid=100 + r, last_seen=0.0)
+                      for r in range(4)}
+        self.peers[3].lost = "no heartbeat for 2.1 s: process exited"
+        self.aborted: list[tuple[str, tuple[int, ...] | None]] = []
+        self.replaced: list[tuple[tuple[int, ...], int]] = []
+
+    def abort(self, reason: str, *, ranks: Collection[int] | None = None) -> None:
+        self.aborted.append((reason, None if ranks is None else tuple(ranks)))
+
+    def replace(self, ranks: Collection[int], generation: int) -> None:
+        self.replaced.append((tuple(ranks), generation))
+        self.generation = generation
+
+    def reset(self, generation: int) -> None:
+        raise AssertionError("every worker was restarted: the trainer's should have gone on")
+
+
+LOST = WorkerLostError("lost 1 worker(s): rank 3 (pid 103 on n1): process exited", ranks=[3])
+
+
+def _program(tmp_path: Path, *, retries: int, stop: bool = False) -> SimpleNamespace:
+    """What Recovery reads of the program, over a real run record; ``run_all`` loses the
+    generator's rank 3 while it waits for a rollout (``restart_generator``, as Program does)."""
+    run = RunFolder(tmp_path)
+    (tmp_path / "logs").mkdir(parents=True)
+    record = RunRecord(run)
+    record.create(RunState(status=Status.RUNNING, step=7, recovery=Budget(retries=retries)))
+    cfg = config_mod.from_data({"name": "x", "model": {"kind": "toy"},
+                                "recovery": {"max_retries": 2, "backoff_s": 0.05}})
+    program = SimpleNamespace(run=run, record=record, cfg=cfg, step=7, workers=Group(), restarted=[],
+                              generator=SimpleNamespace(ranks=range(2, 4)),
+                              stop=SimpleNamespace(stop_requested=lambda: stop))
+
+    def run_all() -> None:
+        program.restarted.append(program.restart_generator(LOST))  # then the program goes on and completes
+
+    program.run_all = run_all
+    return program
+
+
+def test_a_generator_lost_alone_within_the_budget_restarts_its_ranks_alone(tmp_path: Path) -> None:
+    program = _program(tmp_path, retries=0)
+    slept: list[float] = []
+    recovery = Recovery(program, worker_restarts=True, on_slurm=False,  # type: ignore[arg-type]
+                        sleep=lambda s: (slept.append(s), time.sleep(s)))
+    outcome = recovery.run()
+    assert outcome.status is Status.COMPLETED and program.restarted == [(2, 3)]  # the whole group, inside the call
+    reason = "retry 1 of 2: restarting the workers"
+    group = program.workers
+    assert group.aborted == [(f"controller: {reason}", (2, 3))] and group.replaced == [((2, 3), 1)]
+    lost, restarting = [e for e in program.record.events() if isinstance(e, (ev.WorkerLost, ev.RestartingWorkers))]
+    assert lost == ev.WorkerLost(failure="worker_lost", rank=3, node="n1", pid=103, step=7, epoch=0, generation=0,
+                                 why="no heartbeat for 2.1 s: process exited", time=lost.time)
+    assert restarting == ev.RestartingWorkers(generation=1, backoff_s=0.05, retry=1, max_retries=2, step=7,
+                                              ranks=(2, 3), time=restarting.time)
+    req = read_request(program.run)
+    assert req == WorkerRequest(epoch=0, generation=1, ranks=(2, 3), reason=reason, time=req.time if req else 0.0)
+    assert slept  # backed off before asking for the new workers
+    state = program.record.read()
+    assert state.recovery.retries == 1 and state.recovery.node_failures == {"n1": 1}
+
+
+@pytest.mark.parametrize(("retries", "stop", "status"), [(2, False, Status.FAILED), (0, True, Status.REQUEUED)])
+def test_any_other_decision_for_a_lost_generator_is_raised_and_ends_the_run(tmp_path: Path, retries: int, stop: bool,
+                                                                            status: Status) -> None:
+    """Retries spent: the run fails; a preemption meanwhile: it is requeued. Either way no
+    generator restarts and ``Recovery.run`` returns that outcome."""
+    program = _program(tmp_path, retries=retries, stop=stop)
+    recovery = Recovery(program, worker_restarts=True, on_slurm=False)  # type: ignore[arg-type]
+    with pytest.raises(Decided) as decided:
+        recovery.restart_generator(LOST)
+    outcome = decided.value.outcome
+    assert outcome.status is status and not outcome.clean
+    if status is Status.FAILED:
+        assert outcome.exit_code is ExitCode.FAILED and "gave up after 2 retries" in outcome.reason
+        assert program.workers.aborted == []  # the controller's exit aborts them all
+    else:
+        assert program.workers.aborted == [("controller: preempted while failing", None)]  # every worker
+    assert program.workers.replaced == [] and read_request(program.run) is None
+    assert [ev.kind_of(e) for e in program.record.events()] == ["worker_lost"]
+    again = _program(tmp_path / "again", retries=retries, stop=stop)
+    assert Recovery(again, worker_restarts=True, on_slurm=False).run() == outcome  # type: ignore[arg-type]
+    assert again.restarted == []

@@ -20,7 +20,7 @@ import pytest
 
 from core.controller.generation import Responses
 from core.controller.rollouts import ATTACHMENT, Rollout, Rollouts
-from core.errors import CheckpointError
+from core.errors import CheckpointError, WorkerLostError
 from core.wire.ragged import FLOATS, TOKENS, Ragged
 
 WARM = 30  # the RL phase's first step (rl.warmup_steps of experiments/grpo_tiny.yaml)
@@ -257,3 +257,69 @@ def test_ready_says_whether_the_rollouts_in_flight_ended_within_the_time_given()
     assert not rollouts.ready(0.0, poll_s=0.0)  # not answered: a stop would not wait for it
     flight.waits = 1  # its answers arrived
     assert rollouts.ready(0.0, poll_s=0.0)
+
+
+class LostOnce(InFlight):
+    """A rollout whose generator's workers were lost: its wait raises WorkerLostError."""
+
+    def wait(self) -> Responses:
+        self.waits += 1
+        raise WorkerLostError("lost 1 worker(s): rank 2 (pid 9 on n1): process exited", ranks=[2])
+
+
+def test_a_rollout_whose_generator_was_lost_is_started_again_and_waited_for() -> None:
+    """``on_lost`` (RLStep: restart the generator alone) starts every rollout in flight again;
+    the wait then goes on with the new one, and the rollout leaves the queue only once done."""
+    seen: list[tuple[list[int], list[int]]] = []  # (the lost ranks, the steps queued meanwhile)
+
+    def on_lost(exc: WorkerLostError) -> None:
+        seen.append((exc.ranks, sorted(rollouts.by_step)))
+        for r in rollouts.by_step.values():
+            if r.done is None:
+                r.pending = InFlight(r.step)  # type: ignore[assignment]
+
+    rollouts = Rollouts(2, WARM, on_lost=on_lost)
+    lost31, lost32 = LostOnce(31), LostOnce(32)
+    rollouts.add(31, 30, lost31)  # type: ignore[arg-type]
+    rollouts.add(32, 30, lost32)  # type: ignore[arg-type]
+    rollout = rollouts.take(31)
+    assert seen == [([2], [31, 32])]  # once, with step 31 still queued
+    assert (rollout.step, rollout.version) == (31, 30) and same_bits(rollout.wait(), responses_of(31))
+    assert sorted(rollouts.by_step) == [32] and lost31.waits == 1 and lost32.waits == 0
+    assert same_bits(rollouts.take(32).wait(), responses_of(32))  # started again too: no second loss
+    assert seen == [([2], [31, 32])] and rollouts.by_step == {}
+
+
+def test_a_drain_waits_again_for_every_rollout_started_again() -> None:
+    rollouts = Rollouts(2, WARM)
+    rollouts.by_step = {31: Rollout(31, 30, pending=LostOnce(31)),  # type: ignore[arg-type]
+                        32: Rollout(32, 30, pending=InFlight(32))}  # type: ignore[arg-type]
+    losses: list[list[int]] = []
+
+    def on_lost(exc: WorkerLostError) -> None:
+        losses.append(exc.ranks)
+        for r in rollouts.by_step.values():
+            if r.done is None:
+                r.pending = InFlight(r.step)  # type: ignore[assignment]
+
+    rollouts.on_lost = on_lost
+    rollouts.drain()
+    assert losses == [[2]] and all(r.done is not None for r in rollouts.by_step.values())
+    assert all(same_bits(rollouts.by_step[s].wait(), responses_of(s)) for s in (31, 32))
+
+
+def test_without_on_lost_a_lost_generator_is_raised_and_the_rollout_stays_queued() -> None:
+    rollouts = Rollouts(1, WARM)
+    rollouts.add(31, 30, LostOnce(31))  # type: ignore[arg-type]
+    with pytest.raises(WorkerLostError) as err:
+        rollouts.take(31)
+    assert err.value.ranks == [2]
+    assert sorted(rollouts.by_step) == [31] and rollouts.by_step[31].done is None
+
+    def decided(exc: WorkerLostError) -> None:  # recovery decided otherwise (core.controller.recovery.Decided)
+        raise RuntimeError("the run fails") from exc
+
+    rollouts.on_lost = decided
+    with pytest.raises(RuntimeError, match="the run fails"):
+        rollouts.take(31)  # LostOnce loses it again: on_lost's decision ends the wait
+    assert sorted(rollouts.by_step) == [31]
