@@ -224,7 +224,7 @@ class WorkerGroup(Liveness):
         with self._lock:
             try:
                 if pending.req not in self._inflight:
-                    raise WorkerLostError(f"{pending.method.name}: the call was abandoned when the workers were reset "
+                    raise WorkerLostError(f"{pending.method.name}: the call was abandoned when its workers were replaced "
                                           f"(generation {self.generation})", ranks=list(pending.ranks))
                 self._wait(pending.req, pending.method.name, pending.results, pending.ranks, pending.timeout_s,
                            pending.deadline)

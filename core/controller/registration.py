@@ -60,7 +60,7 @@ class Registrations:
         self.world_size = world_size
         self.epoch = epoch
         self.generation = generation
-        self.ranks = frozenset(range(world_size) if ranks is None else ranks)
+        self.ranks = frozenset(ranks or range(world_size))  # none named: every rank, as in workers.json
         self.pending: dict[int, tuple[bytes, protocol.Register]] = {}
 
     def __len__(self) -> int:

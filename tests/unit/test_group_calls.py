@@ -223,7 +223,7 @@ def test_a_reset_abandons_the_calls_in_flight_naming_their_method(group: Fixture
     assert rollout.done()  # nothing more will come: wait returns (raises) at once
     with pytest.raises(WorkerLostError) as err:
         rollout.wait()
-    assert str(err.value).startswith("hold: the call was abandoned when the workers were reset (generation 1)")
+    assert str(err.value).startswith("hold: the call was abandoned when its workers were replaced (generation 1)")
     assert err.value.ranks == [1]
     group.ranks[1].gate.set()  # its answer, when it comes, belongs to no call
     assert trainer.workers.generation == 1
