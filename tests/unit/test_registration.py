@@ -66,7 +66,7 @@ def test_a_group_restarted_alone_admits_only_the_ranks_it_restarts() -> None:
 def test_every_rank_is_expected_when_none_are_named() -> None:
     group = Registrations(world_size=3, epoch=0, generation=0)
     assert (group.expected, group.missing()) == (3, [0, 1, 2])
-    assert Registrations(world_size=3, epoch=0, generation=0, ranks=()).missing() == []  # nothing to restart
+    assert Registrations(world_size=3, epoch=0, generation=0, ranks=()).missing() == [0, 1, 2]  # as workers.json
 
 
 def test_each_worker_is_welcomed_in_registration_order_to_rank_zeros_rendezvous() -> None:
