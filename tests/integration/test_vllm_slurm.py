@@ -22,12 +22,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import GRPO_NUMBERS, baton, checkpoint_weights, history, numbers, read_state, running_in_ci
+from tests.helpers import GRPO_NUMBERS, Submitted, checkpoint_weights, history, numbers, read_state, running_in_ci
 from tests.integration import slurm_helpers as sh
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -87,12 +88,22 @@ def engine_shared_memory(run: Path) -> dict[int, set[Path]]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same run, uninterrupted, on the local backend."""
-    root = tmp_path_factory.mktemp("grpo-vllm")
-    res = baton("submit", EXPERIMENT, f"runs_root={root}", *RUN, "--backend", "local", timeout=800)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return next((root / "grpo-vllm-tiny").glob("*"))
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Path]]:
+    """The same run, uninterrupted, on the local backend, started at once: it runs beside the
+    Slurm job (whose preemption it does not see), and only its numbers are read, at the end.
+    Called: its run folder, once it completed."""
+    r = Submitted(tmp_path_factory.mktemp("grpo-vllm"), RUN, experiment=EXPERIMENT)
+
+    def completed() -> Path:
+        if r.proc.returncode is None:
+            assert r.finish(timeout=800) == 0, r.output[-3000:]
+        assert r.proc.returncode == 0, r.output[-3000:]
+        return r.run_dir
+
+    try:
+        yield completed
+    finally:
+        r.cleanup()
 
 
 @pytest.mark.timeout(1200)
@@ -127,11 +138,12 @@ def test_grpo_with_vllm_split_on_slurm_preempted_mid_rl_resumes_to_the_uninterru
     assert f"generator synced to version {pre['step']}" in log  # the restored policy, before its first rollout
 
     # vLLM's seeded sampling is deterministic: every number and the final weights, bit for bit
-    mine, theirs = numbers(run, GRPO_NUMBERS), numbers(uninterrupted, GRPO_NUMBERS)
+    reference = uninterrupted()
+    mine, theirs = numbers(run, GRPO_NUMBERS), numbers(reference, GRPO_NUMBERS)
     assert [r["step"] for r in mine] == list(range(STEPS))
     assert all(r["sync_logprob_maxdiff"] <= 1e-4 for r in mine[WARMUP:])
     assert mine == theirs
-    w_mine, w_theirs = checkpoint_weights(run, STEPS), checkpoint_weights(uninterrupted, STEPS)
+    w_mine, w_theirs = checkpoint_weights(run, STEPS), checkpoint_weights(reference, STEPS)
     assert w_mine.keys() == w_theirs.keys() and all(np.array_equal(w_mine[k], w_theirs[k]) for k in w_mine)
 
     # nothing of the run outlives its job: no worker, no engine process, no weights in shared memory
