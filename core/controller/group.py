@@ -66,6 +66,7 @@ class WorkerGroup(Liveness):
         self._next_req = 1
         self._inflight: dict[int, dict[int, Any]] = {}
         self._ranks_of: dict[int, tuple[int, ...]] = {}  # req → the ranks it was sent to
+        self.restartable: frozenset[int] = frozenset()  # ranks that restart alone: lost, they fail only their calls
         self._errors: dict[int, dict[int, protocol.Error]] = {}  # req → rank → error
         self._next_beat = 0.0
         self._next_check = 0.0
@@ -98,8 +99,12 @@ class WorkerGroup(Liveness):
                     )
                 self.sock.set_timeout(min(remaining, 0.5 if not self.peers else self.timeouts.heartbeat_interval_s))
                 item = self.sock.recv()
-                if self.peers:
+                if self.peers:  # the workers that go on: served, and their own loss is not waited out
                     self._housekeeping()
+                    self._raise_if_lost()
+                    if self.signals is not None and self.signals.is_set:
+                        raise RegistrationError(f"a preemption signal arrived while ranks {pending.missing()} "
+                                                "were registering again")
                 if item is None:
                     continue
                 env = self._decode(*item)

@@ -42,6 +42,7 @@ class Liveness:
     _next_beat: float
     _beat_seq: int
     _beat_interval_s: float
+    restartable: frozenset[int]
 
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
         raise NotImplementedError
@@ -80,11 +81,12 @@ class Liveness:
         return [p for p in self.peers.values() if p.lost]
 
     def _raise_if_lost(self, ranks: Collection[int] | None = None) -> None:
-        """Raise WorkerLostError naming the lost workers (of ``ranks`` only, when given: a
-        call is failed by the loss of a worker it waits for, not by another group's)."""
+        """Raise WorkerLostError naming the lost workers. With ``ranks`` (a call's), a worker
+        that can restart alone (``restartable``: a split generator's, under an RL program)
+        fails only the calls that wait for it; any other lost worker fails every call."""
         lost = self.lost() if self._n_lost else None
         if lost and ranks is not None:
-            lost = [p for p in lost if p.rank in ranks]
+            lost = [p for p in lost if p.rank in ranks or p.rank not in self.restartable]
         if lost:
             detail = "; ".join(
                 f"rank {p.rank} (pid {p.pid} on {p.node}): {p.lost}; log {self.run.worker_log(p.rank)}" for p in lost

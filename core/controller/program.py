@@ -118,6 +118,8 @@ class Program:
                 self.rewards.start()  # a reward that cannot be loaded fails here, before the first RL step
                 self.rl = RLStep(self.cfg, self.trainer, self.flow, self.saves, self.rewards,
                                  on_generator_lost=self._generator_lost)
+                if self.generator.plan.own_processes:  # its workers restart alone (lost, they fail only its calls)
+                    self.workers.restartable = frozenset(self.generator.ranks)
                 self.rl.restore(loop, self._resumed_from)
                 self._validate_pending(step_records.read(self.run.metrics))
         stop = self.train()

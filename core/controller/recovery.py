@@ -291,6 +291,11 @@ class Recovery:
         only the generator's workers restart, inside the call (the program goes on where it
         was: ``Program._generator_lost``); the ranks restarted. Any other decision (requeue,
         fail, a preemption meanwhile) raises ``Decided``, which ends ``run``."""
+        assert self.program.generator is not None
+        alone = set(self.program.generator.ranks)
+        others = [p.rank for p in self.program.workers.lost() if p.rank not in alone]
+        if others:  # lost with others (a host, a switch): every worker restarts
+            raise WorkerLostError(f"{_first_line(exc)}; and ranks {others}", ranks=[*exc.ranks, *others]) from exc
         outcome = self._recover(self._failure("worker_lost", tuple(exc.ranks), _first_line(exc), alone=True))
         if outcome is not None:
             raise Decided(outcome)

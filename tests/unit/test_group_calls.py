@@ -237,8 +237,9 @@ def _lose(fixture: Fixture, rank: int) -> None:
     wait_for(lambda: [p.rank for p in fixture.workers.lost()] == [rank], 30, f"rank {rank} declared lost")
 
 
-def test_a_lost_worker_fails_only_the_calls_that_wait_for_it(trio: Fixture) -> None:
+def test_a_lost_worker_that_restarts_alone_fails_only_the_calls_that_wait_for_it(trio: Fixture) -> None:
     workers = trio.workers
+    workers.restartable = frozenset({2})  # a split generator's rank under an RL program
     held = workers.start_ranks(HOLD, {0: Ask(v=1)})  # in flight on the trainer's rank 0 meanwhile
     wait_for(lambda: trio.ranks[0].received == ["echo", "hold"], 30, "rank 0 to take up the held call")
     _lose(trio, 2)
@@ -252,6 +253,15 @@ def test_a_lost_worker_fails_only_the_calls_that_wait_for_it(trio: Fixture) -> N
     with pytest.raises(WorkerLostError):
         workers.check()  # between calls: any loss
     assert not workers.peers[0].lost and not workers.peers[1].lost
+
+
+def test_any_other_lost_worker_fails_every_call(trio: Fixture) -> None:
+    workers = trio.workers
+    workers.restartable = frozenset({2})
+    _lose(trio, 1)  # a trainer's rank: its loss is the cause of whatever waits
+    with pytest.raises(WorkerLostError) as err:
+        workers.call_ranks(ECHO, {2: Ask(v=1)})
+    assert err.value.ranks == [1]
 
 
 def test_a_call_in_flight_to_a_replaced_rank_is_abandoned(trio: Fixture) -> None:
@@ -303,3 +313,16 @@ def test_a_replaced_rank_registers_while_the_others_are_served(trio: Fixture) ->
         r: Answer(rank=r, v=10 + r) for r in range(3)}
     assert new.received == ["echo"] and trio.ranks[2].received == ["echo"]  # the old rank 2 got nothing more
     assert [w.received for w in trio.ranks[:2]] == [["echo", "echo"]] * 2
+
+
+def test_a_registration_of_replaced_ranks_fails_at_once_when_another_worker_is_lost(trio: Fixture) -> None:
+    """While rank 2 registers again, rank 1 (which went on) falls silent: the wait ends with
+    rank 1's loss (every worker must restart) instead of waiting out its deadline."""
+    workers = trio.workers
+    workers.restartable = frozenset({2})
+    _lose(trio, 2)
+    workers.replace([2], 1)
+    trio.ranks[1].stop.set()
+    with pytest.raises(WorkerLostError) as err:  # not RegistrationError: the deadline was not waited out
+        workers.wait_for_workers(600, ranks=[2])  # nobody registers: only the loss can end it
+    assert err.value.ranks == [1]

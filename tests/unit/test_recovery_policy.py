@@ -224,6 +224,9 @@ class Group:
     def reset(self, generation: int) -> None:
         raise AssertionError("every worker was restarted: the trainer's should have gone on")
 
+    def lost(self) -> list[Peer]:
+        return [p for p in self.peers.values() if p.lost]
+
 
 LOST = WorkerLostError("lost 1 worker(s): rank 3 (pid 103 on n1): process exited", ranks=[3])
 
@@ -291,3 +294,16 @@ def test_any_other_decision_for_a_lost_generator_is_raised_and_ends_the_run(tmp_
     again = _program(tmp_path / "again", retries=retries, stop=stop)
     assert Recovery(again, worker_restarts=True, on_slurm=False).run() == outcome  # type: ignore[arg-type]
     assert again.restarted == []
+
+
+def test_a_generator_lost_with_a_trainer_worker_is_not_restarted_alone(tmp_path: Path) -> None:
+    """Rank 1 (the trainer's) was lost too (a host, a switch): the wait's error names the
+    generator's rank only, but every lost rank is named again and every worker restarts."""
+    program = _program(tmp_path, retries=0)
+    program.workers.peers[1].lost = "no heartbeat for 2.0 s: process exited"
+    recovery = Recovery(program, worker_restarts=True, on_slurm=False)  # type: ignore[arg-type]
+    with pytest.raises(WorkerLostError) as err:
+        recovery.restart_generator(LOST)
+    assert err.value.ranks == [3, 1] and "ranks [1]" in str(err.value)
+    assert program.workers.aborted == [] and program.workers.replaced == [] and read_request(program.run) is None
+    assert program.record.events() == []  # recorded once, by the full restart that follows
